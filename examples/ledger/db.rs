@@ -1,0 +1,175 @@
+//! The ledger's own tables: accounts and credits, in the same SQLite file as
+//! the idempotency records. Every call runs on Tokio's blocking pool.
+
+use std::path::Path;
+use std::time::Duration;
+
+use r2d2_sqlite::SqliteConnectionManager;
+use rusqlite::{OptionalExtension, TransactionBehavior, params};
+use serde::Serialize;
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS accounts (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    name    TEXT    NOT NULL,
+    balance INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS credits (
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    account_id INTEGER NOT NULL REFERENCES accounts (id),
+    amount     INTEGER NOT NULL CHECK (amount > 0)
+);
+";
+
+#[derive(Clone)]
+pub struct Db {
+    pool: r2d2::Pool<SqliteConnectionManager>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Account {
+    pub id: i64,
+    pub name: String,
+    pub balance: i64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Credit {
+    pub credit_id: i64,
+    pub account_id: i64,
+    pub amount: i64,
+    pub balance: i64,
+}
+
+#[derive(Debug)]
+pub enum LedgerError {
+    NoSuchAccount,
+    /// `X-Ledger-Fail: after-effect`: the credit was written, then rolled back.
+    InjectedFailure,
+    Database(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl std::fmt::Display for LedgerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LedgerError::NoSuchAccount => f.write_str("no such account"),
+            LedgerError::InjectedFailure => f.write_str("injected failure"),
+            LedgerError::Database(e) => write!(f, "database: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for LedgerError {}
+
+impl From<rusqlite::Error> for LedgerError {
+    fn from(e: rusqlite::Error) -> Self {
+        LedgerError::Database(Box::new(e))
+    }
+}
+
+impl From<r2d2::Error> for LedgerError {
+    fn from(e: r2d2::Error) -> Self {
+        LedgerError::Database(Box::new(e))
+    }
+}
+
+impl Db {
+    pub async fn open(path: &Path) -> Result<Db, LedgerError> {
+        let manager = SqliteConnectionManager::file(path).with_init(|c| {
+            c.busy_timeout(Duration::from_secs(5))?;
+            c.pragma_update(None, "journal_mode", "WAL")?;
+            c.pragma_update(None, "synchronous", "FULL")?;
+            c.pragma_update(None, "foreign_keys", "ON")
+        });
+        let db = Db {
+            pool: r2d2::Pool::builder().max_size(8).build_unchecked(manager),
+        };
+        db.run(|conn| conn.execute_batch(SCHEMA).map_err(Into::into))
+            .await?;
+        Ok(db)
+    }
+
+    async fn run<T, F>(&self, f: F) -> Result<T, LedgerError>
+    where
+        F: FnOnce(&mut rusqlite::Connection) -> Result<T, LedgerError> + Send + 'static,
+        T: Send + 'static,
+    {
+        let pool = self.pool.clone();
+        tokio::task::spawn_blocking(move || f(&mut *pool.get()?))
+            .await
+            .map_err(|e| LedgerError::Database(Box::new(e)))?
+    }
+
+    pub async fn create_account(&self, name: String) -> Result<Account, LedgerError> {
+        self.run(move |conn| {
+            let id = conn.query_row(
+                "INSERT INTO accounts (name) VALUES (?1) RETURNING id",
+                params![name],
+                |r| r.get(0),
+            )?;
+            Ok(Account {
+                id,
+                name,
+                balance: 0,
+            })
+        })
+        .await
+    }
+
+    pub async fn account(&self, id: i64) -> Result<Account, LedgerError> {
+        self.run(move |conn| {
+            conn.query_row(
+                "SELECT id, name, balance FROM accounts WHERE id = ?1",
+                params![id],
+                |r| {
+                    Ok(Account {
+                        id: r.get(0)?,
+                        name: r.get(1)?,
+                        balance: r.get(2)?,
+                    })
+                },
+            )
+            .optional()?
+            .ok_or(LedgerError::NoSuchAccount)
+        })
+        .await
+    }
+
+    /// Writes the credit and the account's new balance in one transaction.
+    /// With `fail_after_effect`, both are written and then rolled back.
+    pub async fn credit(
+        &self,
+        account_id: i64,
+        amount: i64,
+        fail_after_effect: bool,
+    ) -> Result<Credit, LedgerError> {
+        self.run(move |conn| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let balance: Option<i64> = tx
+                .query_row(
+                    "UPDATE accounts SET balance = balance + ?2 WHERE id = ?1 RETURNING balance",
+                    params![account_id, amount],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            let balance = balance.ok_or(LedgerError::NoSuchAccount)?;
+            let credit_id = tx.query_row(
+                "INSERT INTO credits (account_id, amount) VALUES (?1, ?2) RETURNING id",
+                params![account_id, amount],
+                |r| r.get(0),
+            )?;
+            if fail_after_effect {
+                // Dropping `tx` rolls the credit back.
+                return Err(LedgerError::InjectedFailure);
+            }
+            tx.commit()?;
+            Ok(Credit {
+                credit_id,
+                account_id,
+                amount,
+                balance,
+            })
+        })
+        .await
+    }
+}

@@ -1,0 +1,321 @@
+//! The ledger: an axum service that credits accounts, where a credit
+//! delivered twice must be applied once.
+//!
+//! ```text
+//! cargo run --example ledger -- [--db PATH] [--mode separate] [--listen ADDR]
+//!     [--lease-secs N] [--fault-injection]
+//! ```
+//!
+//! The contract it keeps is `shared/conformance/LEDGER.md`; `check_ledger.py`
+//! drives it over real HTTP.
+
+mod db;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, request::Parts};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use tower_idempotency::{IdempotencyLayer, SqliteStore};
+
+use db::{Db, LedgerError};
+
+const USAGE: &str = "usage: ledger [--db PATH] [--key-store URL] [--mode separate] \
+[--listen ADDR] [--lease-secs N] [--fault-injection]";
+
+#[derive(Debug)]
+struct Args {
+    db: PathBuf,
+    listen: SocketAddr,
+    lease: Option<Duration>,
+    fault_injection: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        db: PathBuf::from("ledger.sqlite3"),
+        listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
+        lease: None,
+        fault_injection: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        // Accept both `--flag value` and `--flag=value`.
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) => (f.to_owned(), Some(v.to_owned())),
+            None => (arg.clone(), None),
+        };
+        let mut value = || {
+            inline
+                .clone()
+                .or_else(|| it.next())
+                .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))
+        };
+        match flag.as_str() {
+            "--db" => {
+                let db = value()?;
+                if db.starts_with("postgres://") || db.starts_with("postgresql://") {
+                    return Err("--db postgres://... needs the PostgreSQL store, which this build does not have; use a SQLite file path".into());
+                }
+                args.db = PathBuf::from(db);
+            }
+            "--key-store" => {
+                return Err(format!(
+                    "--key-store {}: this build keeps idempotency records in the --db file only",
+                    value()?
+                ));
+            }
+            "--mode" => {
+                match value()?.as_str() {
+                    "separate" => {}
+                    "transactional" => {
+                        return Err("--mode transactional is not available in this build; use --mode separate".into());
+                    }
+                    other => return Err(format!("unknown --mode {other:?}\n{USAGE}")),
+                }
+            }
+            "--listen" => {
+                args.listen = value()?
+                    .parse()
+                    .map_err(|e| format!("--listen: {e}\n{USAGE}"))?;
+            }
+            "--lease-secs" => {
+                let secs: u64 = value()?
+                    .parse()
+                    .map_err(|e| format!("--lease-secs: {e}\n{USAGE}"))?;
+                if secs == 0 {
+                    return Err("--lease-secs must be at least 1".into());
+                }
+                args.lease = Some(Duration::from_secs(secs));
+            }
+            "--fault-injection" => args.fault_injection = true,
+            "-h" | "--help" => return Err(USAGE.into()),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    Ok(args)
+}
+
+#[derive(Clone)]
+struct AppState {
+    db: Db,
+    fault_injection: bool,
+}
+
+/// Keys are scoped per caller: `Authorization: Bearer <token>` names the
+/// caller (a stand-in for real authentication); no token is `anonymous`.
+fn caller(parts: &Parts) -> String {
+    parts
+        .headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|token| format!("bearer:{}", token.trim()))
+        .unwrap_or_else(|| "anonymous".to_owned())
+}
+
+fn app(state: AppState, store: SqliteStore, lease: Option<Duration>) -> Router {
+    let mut idempotency = IdempotencyLayer::new(store, caller).require_key(true);
+    if let Some(lease) = lease {
+        idempotency = idempotency.lease(lease);
+    }
+    Router::new()
+        .route("/accounts", post(create_account))
+        .route("/accounts/{id}/credits", post(credit))
+        .route("/accounts/{id}", get(account))
+        .route_layer(idempotency)
+        .with_state(state)
+}
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,tower_idempotency=info".into()),
+        )
+        .init();
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("{message}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(args).await {
+        eprintln!("ledger: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let store = SqliteStore::open(&args.db).await?;
+    let db = Db::open(&args.db).await?;
+    let state = AppState {
+        db,
+        fault_injection: args.fault_injection,
+    };
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let addr = listener.local_addr()?;
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "listening on http://{addr}")?;
+        out.flush()?;
+    }
+    axum::serve(listener, app(state, store, args.lease)).await?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------ handlers
+
+#[derive(Deserialize)]
+struct NewAccount {
+    name: String,
+}
+
+#[derive(Deserialize)]
+struct NewCredit {
+    amount: i64,
+}
+
+/// A `application/problem+json` answer (RFC 9457).
+fn problem(status: StatusCode, title: &str, detail: impl Into<String>) -> Response {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail.into(),
+    });
+    (
+        status,
+        [("content-type", "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn bad_request(detail: impl Into<String>) -> Response {
+    problem(StatusCode::BAD_REQUEST, "Bad Request", detail)
+}
+
+fn created(body: serde_json::Value) -> Response {
+    (StatusCode::CREATED, axum::Json(body)).into_response()
+}
+
+impl IntoResponse for LedgerError {
+    fn into_response(self) -> Response {
+        match self {
+            LedgerError::NoSuchAccount => {
+                problem(StatusCode::NOT_FOUND, "Not Found", "no such account")
+            }
+            LedgerError::InjectedFailure => problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Internal Server Error",
+                "injected failure after the credit was written; the transaction was rolled back",
+            ),
+            LedgerError::Database(e) => {
+                tracing::error!(error = %e, "ledger database error");
+                problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Service Unavailable",
+                    "the ledger database could not be reached",
+                )
+            }
+        }
+    }
+}
+
+/// A fault-injection delay header, in milliseconds (0..=30000).
+fn delay(state: &AppState, headers: &HeaderMap, name: &str) -> Result<Duration, Response> {
+    let Some(value) = headers.get(name).filter(|_| state.fault_injection) else {
+        return Ok(Duration::ZERO);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|ms| *ms <= 30_000)
+        .map(Duration::from_millis)
+        .ok_or_else(|| bad_request(format!("{name} must be an integer in 0..=30000")))
+}
+
+fn parse_json<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Response> {
+    serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid JSON body: {e}")))
+}
+
+fn parse_id(id: &str) -> Result<i64, Response> {
+    id.parse()
+        .map_err(|_| problem(StatusCode::NOT_FOUND, "Not Found", "no such account"))
+}
+
+async fn create_account(State(state): State<AppState>, body: Bytes) -> Response {
+    let new: NewAccount = match parse_json(&body) {
+        Ok(new) => new,
+        Err(response) => return response,
+    };
+    let len = new.name.chars().count();
+    if !(1..=100).contains(&len) {
+        return bad_request("name must be 1 to 100 characters");
+    }
+    match state.db.create_account(new.name).await {
+        Ok(account) => created(serde_json::to_value(account).unwrap_or_default()),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn account(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    let id = match parse_id(&id) {
+        Ok(id) => id,
+        Err(response) => return response,
+    };
+    match state.db.account(id).await {
+        Ok(account) => axum::Json(account).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn credit(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let id = match parse_id(&id) {
+        Ok(id) => id,
+        Err(response) => return response,
+    };
+    let new: NewCredit = match parse_json(&body) {
+        Ok(new) => new,
+        Err(response) => return response,
+    };
+    if !(1..=1_000_000_000).contains(&new.amount) {
+        return bad_request("amount must be an integer in 1..=1000000000");
+    }
+    let (before, after_effect) = match (
+        delay(&state, &headers, "x-ledger-delay-ms"),
+        delay(&state, &headers, "x-ledger-pause-after-effect-ms"),
+    ) {
+        (Ok(before), Ok(after)) => (before, after),
+        (Err(response), _) | (_, Err(response)) => return response,
+    };
+    let fail_after_effect = state.fault_injection
+        && headers
+            .get("x-ledger-fail")
+            .is_some_and(|v| v.as_bytes() == b"after-effect");
+    tokio::time::sleep(before).await;
+    match state.db.credit(id, new.amount, fail_after_effect).await {
+        Ok(credit) => {
+            tokio::time::sleep(after_effect).await;
+            created(serde_json::to_value(credit).unwrap_or_default())
+        }
+        Err(e) => e.into_response(),
+    }
+}

@@ -1,0 +1,256 @@
+//! Parsing and validating the idempotency key.
+//!
+//! # Example
+//!
+//! ```
+//! use http::HeaderMap;
+//! use tower_idempotency::key::{parse_key, KeyError};
+//!
+//! let mut headers = HeaderMap::new();
+//! headers.insert("idempotency-key", "\"8e03978e-40d5\"".parse().unwrap());
+//! assert_eq!(parse_key(&headers, "idempotency-key").unwrap().as_deref(), Some("8e03978e-40d5"));
+//!
+//! // The bare form that Stripe's examples send is the same key.
+//! headers.insert("idempotency-key", "8e03978e-40d5".parse().unwrap());
+//! assert_eq!(parse_key(&headers, "idempotency-key").unwrap().as_deref(), Some("8e03978e-40d5"));
+//!
+//! headers.insert("idempotency-key", "\"a\", \"b\"".parse().unwrap());
+//! assert_eq!(parse_key(&headers, "idempotency-key"), Err(KeyError::List));
+//! ```
+//!
+//! # The rules
+//!
+//! The IETF draft `draft-ietf-httpapi-idempotency-key-header` defines the field
+//! as an Item Structured Field whose value is a String (RFC 8941 §3.3.3), so the
+//! standard form is quoted: `"abc"`, with `\"` and `\\` as the only escapes.
+//! Many clients, Stripe's own examples among them, send the key unquoted; that
+//! bare form is accepted too and names the same key.
+//!
+//! A key is 1 to [`MAX_KEY_LEN`] characters of printable ASCII (`0x20..=0x7E`;
+//! a space only inside the quoted form). Stripe documents the same 255-character
+//! limit. Everything else is a [`KeyError`], which the layer answers with 400
+//! before the store is touched.
+
+use std::fmt;
+
+use http::HeaderMap;
+use http::header::AsHeaderName;
+
+/// The longest key accepted, in characters (Stripe's documented limit).
+pub const MAX_KEY_LEN: usize = 255;
+
+/// Why a key field was rejected. Each answers 400 (IETF draft §2.7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyError {
+    /// The request carried the field more than once.
+    Repeated,
+    /// The value is empty (`""`, or nothing at all).
+    Empty,
+    /// The key is longer than [`MAX_KEY_LEN`] characters.
+    TooLong,
+    /// A byte outside printable ASCII: a control character or non-ASCII.
+    NotPrintableAscii,
+    /// A quoted value that is not a valid RFC 8941 sf-string: unterminated,
+    /// or a backslash before anything but `"` or `\`.
+    MalformedString,
+    /// More than one member (an sf-list such as `"a", "b"`).
+    List,
+    /// Parameters after the string (`"a";p=1`): the draft defines none.
+    Parameters,
+    /// An unquoted value holding a character a bare key cannot carry
+    /// (space, `"`, `\`, `,` or `;`): quote it.
+    MalformedToken,
+}
+
+impl KeyError {
+    /// A sentence for the `detail` of the 400 problem. It never echoes the key.
+    pub fn describe(self) -> &'static str {
+        match self {
+            KeyError::Repeated => "the idempotency key field appears more than once",
+            KeyError::Empty => "the idempotency key is empty",
+            KeyError::TooLong => "the idempotency key is longer than 255 characters",
+            KeyError::NotPrintableAscii => {
+                "the idempotency key holds a byte outside printable ASCII"
+            }
+            KeyError::MalformedString => {
+                "the idempotency key is not a valid structured-field string (RFC 8941 section 3.3.3)"
+            }
+            KeyError::List => "the idempotency key field holds a list; it must be one string",
+            KeyError::Parameters => {
+                "the idempotency key field carries parameters; none are defined"
+            }
+            KeyError::MalformedToken => {
+                "an unquoted idempotency key may not contain spaces, quotes, backslashes, commas or semicolons; quote it as an sf-string"
+            }
+        }
+    }
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.describe())
+    }
+}
+
+impl std::error::Error for KeyError {}
+
+/// Reads the key field `name` from `headers`.
+///
+/// Returns `Ok(None)` when the field is absent, `Ok(Some(key))` with the
+/// unescaped key, or the [`KeyError`] that makes it invalid.
+pub fn parse_key<K: AsHeaderName>(
+    headers: &HeaderMap,
+    name: K,
+) -> Result<Option<String>, KeyError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(KeyError::Repeated);
+    }
+    parse_value(value.as_bytes()).map(Some)
+}
+
+/// Parses one field value: an RFC 8941 sf-string or a bare key.
+pub fn parse_value(raw: &[u8]) -> Result<String, KeyError> {
+    // A tab is optional whitespace around the value (RFC 9110 §5.5), not key material.
+    if raw
+        .iter()
+        .any(|b| !(0x20..=0x7e).contains(b) && *b != b'\t')
+    {
+        return Err(KeyError::NotPrintableAscii);
+    }
+    // RFC 8941 §4.2: leading and trailing spaces are discarded.
+    let value = trim(raw);
+    let key = match value.first() {
+        None => return Err(KeyError::Empty),
+        Some(b'"') => parse_sf_string(value)?,
+        Some(_) => parse_bare(value)?,
+    };
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong);
+    }
+    Ok(key)
+}
+
+fn trim(mut raw: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = raw {
+        raw = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = raw {
+        raw = rest;
+    }
+    raw
+}
+
+/// RFC 8941 §4.2.5, followed by the end-of-item checks of §4.2.
+fn parse_sf_string(value: &[u8]) -> Result<String, KeyError> {
+    let mut key = String::new();
+    let mut bytes = value[1..].iter();
+    loop {
+        match bytes.next() {
+            None => return Err(KeyError::MalformedString),
+            Some(b'\\') => match bytes.next() {
+                Some(&c @ (b'"' | b'\\')) => key.push(char::from(c)),
+                _ => return Err(KeyError::MalformedString),
+            },
+            Some(b'"') => break,
+            Some(b'\t') => return Err(KeyError::NotPrintableAscii),
+            Some(&c) => key.push(char::from(c)),
+        }
+    }
+    match trim(bytes.as_slice()).first() {
+        None => Ok(key),
+        Some(b',') => Err(KeyError::List),
+        Some(b';') => Err(KeyError::Parameters),
+        Some(_) => Err(KeyError::MalformedString),
+    }
+}
+
+fn parse_bare(value: &[u8]) -> Result<String, KeyError> {
+    if value.contains(&b',') {
+        return Err(KeyError::List);
+    }
+    if value
+        .iter()
+        .any(|b| matches!(b, b' ' | b'\t' | b'"' | b'\\' | b';'))
+    {
+        return Err(KeyError::MalformedToken);
+    }
+    // Every byte is printable ASCII here, so this cannot fail.
+    String::from_utf8(value.to_vec()).map_err(|_| KeyError::NotPrintableAscii)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(raw: &[u8]) -> Result<String, KeyError> {
+        parse_value(raw)
+    }
+
+    #[test]
+    fn quoted_and_bare_forms_are_one_key() {
+        assert_eq!(parse(b"\"abc-123\"").unwrap(), "abc-123");
+        assert_eq!(parse(b"abc-123").unwrap(), "abc-123");
+        assert_eq!(parse(b"  \"abc\"  ").unwrap(), "abc");
+    }
+
+    #[test]
+    fn escapes_are_unescaped() {
+        assert_eq!(parse(br#""a\"b\\c""#).unwrap(), r#"a"b\c"#);
+        assert_eq!(parse(b"\"with space\"").unwrap(), "with space");
+    }
+
+    #[test]
+    fn length_limits() {
+        assert_eq!(parse(&[b'a'; 255]).unwrap().len(), 255);
+        assert_eq!(parse(&[b'a'; 256]), Err(KeyError::TooLong));
+        let mut quoted = vec![b'"'];
+        quoted.extend([b'a'; 256]);
+        quoted.push(b'"');
+        assert_eq!(parse(&quoted), Err(KeyError::TooLong));
+        // An escape counts as the one character it stands for.
+        let mut escaped = vec![b'"'];
+        for _ in 0..255 {
+            escaped.extend(br"\\");
+        }
+        escaped.push(b'"');
+        assert_eq!(parse(&escaped).unwrap().len(), 255);
+    }
+
+    #[test]
+    fn rejections() {
+        assert_eq!(parse(b""), Err(KeyError::Empty));
+        assert_eq!(parse(b"   "), Err(KeyError::Empty));
+        assert_eq!(parse(b"\"\""), Err(KeyError::Empty));
+        assert_eq!(parse(b"k\xff\xfe"), Err(KeyError::NotPrintableAscii));
+        assert_eq!(parse(b"k\x01x"), Err(KeyError::NotPrintableAscii));
+        assert_eq!(parse(b"\"k\x7fx\""), Err(KeyError::NotPrintableAscii));
+        assert_eq!(parse(b"\"abc"), Err(KeyError::MalformedString));
+        assert_eq!(parse(br#""a\x""#), Err(KeyError::MalformedString));
+        assert_eq!(parse(br#""abc"def"#), Err(KeyError::MalformedString));
+        assert_eq!(parse(br#""a", "b""#), Err(KeyError::List));
+        assert_eq!(parse(b"a, b"), Err(KeyError::List));
+        assert_eq!(parse(br#""a";p=1"#), Err(KeyError::Parameters));
+        assert_eq!(parse(b"a b"), Err(KeyError::MalformedToken));
+        assert_eq!(parse(b"a\"b"), Err(KeyError::MalformedToken));
+        assert_eq!(parse(b"\"a\tb\""), Err(KeyError::NotPrintableAscii));
+    }
+
+    #[test]
+    fn repeated_field_is_rejected() {
+        let mut headers = HeaderMap::new();
+        headers.append("idempotency-key", "one".parse().unwrap());
+        headers.append("idempotency-key", "two".parse().unwrap());
+        assert_eq!(
+            parse_key(&headers, "idempotency-key"),
+            Err(KeyError::Repeated)
+        );
+        assert_eq!(parse_key(&HeaderMap::new(), "idempotency-key"), Ok(None));
+    }
+}

@@ -1,0 +1,251 @@
+//! [`IdempotencyLayer`]: the configuration, and the [`tower_layer::Layer`]
+//! that wraps a service in [`Idempotency`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Method, Response};
+use tower_layer::Layer;
+
+use crate::fingerprint::{DefaultFingerprinter, Fingerprinter};
+use crate::policy::{DefaultStorePolicy, StorePolicy};
+use crate::problem::Rejection;
+use crate::scope::Scope;
+use crate::service::Idempotency;
+use crate::store::Store;
+
+/// The default lease: how long an in-flight claim holds, 60 seconds.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+/// The default record TTL, 24 hours (Stripe keeps keys at least 24 hours).
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// The default request body limit, 1 MiB.
+pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
+/// The default response body limit, 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
+
+type RejectionFn = Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
+
+/// Applies idempotency keys to the requests of a service: the first request
+/// with a key runs, and its response is replayed to every repeat.
+///
+/// See the [crate docs](crate) for an example and the full behaviour.
+///
+/// Type parameters: `St` the [`Store`], `Sc` the [`Scope`], `F` the
+/// [`Fingerprinter`], `P` the [`StorePolicy`].
+#[derive(Clone)]
+#[must_use]
+pub struct IdempotencyLayer<St, Sc, F = DefaultFingerprinter, P = DefaultStorePolicy> {
+    store: St,
+    config: Config<Sc, F, P>,
+}
+
+/// What a layer is configured with; shared by its services behind an `Arc`.
+#[derive(Clone)]
+pub(crate) struct Config<Sc, F, P> {
+    pub(crate) settings: Settings,
+    pub(crate) scope: Sc,
+    pub(crate) fingerprinter: F,
+    pub(crate) policy: P,
+}
+
+/// The settings that do not change the layer's type.
+#[derive(Clone)]
+pub(crate) struct Settings {
+    pub(crate) header: HeaderName,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) lease: Duration,
+    pub(crate) ttl: Duration,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) marker: HeaderName,
+    pub(crate) on_rejection: Option<RejectionFn>,
+}
+
+impl Settings {
+    pub(crate) fn rejection(&self, rejection: &Rejection) -> Response<Bytes> {
+        match &self.on_rejection {
+            Some(f) => f(rejection),
+            None => rejection.to_problem(),
+        }
+    }
+}
+
+impl<St, Sc, F, P> std::fmt::Debug for IdempotencyLayer<St, Sc, F, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.config.settings;
+        f.debug_struct("IdempotencyLayer")
+            .field("header", &c.header)
+            .field("methods", &c.methods)
+            .field("require_key", &c.require_key)
+            .field("lease", &c.lease)
+            .field("ttl", &c.ttl)
+            .field("max_request_body", &c.max_request_body)
+            .field("max_response_body", &c.max_response_body)
+            .field("marker", &c.marker)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
+    /// A layer over `store` whose keys belong to `scope` (a closure over the
+    /// request head, or [`crate::scope::GlobalScope`] after reading its warning).
+    ///
+    /// Defaults: header `Idempotency-Key`; methods POST and PATCH; a key is
+    /// optional; lease [`DEFAULT_LEASE`]; TTL [`DEFAULT_TTL`]; request and
+    /// response limits [`DEFAULT_MAX_REQUEST_BODY`] and
+    /// [`DEFAULT_MAX_RESPONSE_BODY`]; marker `Idempotent-Replayed`;
+    /// [`DefaultFingerprinter`]; [`DefaultStorePolicy`]; problem+json rejections.
+    pub fn new(store: St, scope: Sc) -> Self {
+        IdempotencyLayer {
+            store,
+            config: Config {
+                settings: Settings {
+                    header: HeaderName::from_static("idempotency-key"),
+                    methods: vec![Method::POST, Method::PATCH],
+                    require_key: false,
+                    lease: DEFAULT_LEASE,
+                    ttl: DEFAULT_TTL,
+                    max_request_body: DEFAULT_MAX_REQUEST_BODY,
+                    max_response_body: DEFAULT_MAX_RESPONSE_BODY,
+                    marker: HeaderName::from_static("idempotent-replayed"),
+                    on_rejection: None,
+                },
+                scope,
+                fingerprinter: DefaultFingerprinter::new(),
+                policy: DefaultStorePolicy,
+            },
+        }
+    }
+}
+
+impl<St, Sc, F, P> IdempotencyLayer<St, Sc, F, P> {
+    /// The field that carries the key (default `Idempotency-Key`), e.g.
+    /// `webhook-id` for Standard Webhooks receivers.
+    pub fn header_name(mut self, name: HeaderName) -> Self {
+        self.config.settings.header = name;
+        self
+    }
+
+    /// The methods whose requests are intercepted (default POST and PATCH).
+    /// Requests with other methods pass through untouched and unbuffered.
+    pub fn methods<I: IntoIterator<Item = Method>>(mut self, methods: I) -> Self {
+        self.config.settings.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// When `true`, an intercepted request without a key is answered with 400
+    /// (IETF draft §2.7); when `false` (the default) it passes through
+    /// untouched: it is never deduplicated.
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.config.settings.require_key = required;
+        self
+    }
+
+    /// How long an in-flight claim holds before a repeat may take it over
+    /// (default [`DEFAULT_LEASE`]). Set it above the handler's longest
+    /// running time: a holder still running when its lease ends may see its
+    /// work repeated by the request that took over.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config.settings.lease = lease;
+        self
+    }
+
+    /// How long a record is kept, from its claim (default [`DEFAULT_TTL`]).
+    /// Past it the key counts as new.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config.settings.ttl = ttl;
+        self
+    }
+
+    /// The largest request body buffered for fingerprinting, in bytes
+    /// (default [`DEFAULT_MAX_REQUEST_BODY`]). A larger body is answered
+    /// with 413 and creates no record.
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        self.config.settings.max_request_body = bytes;
+        self
+    }
+
+    /// The largest response body stored for replay, in bytes (default
+    /// [`DEFAULT_MAX_RESPONSE_BODY`]). A larger first response still reaches
+    /// its caller whole (streamed); the record completes without the body and
+    /// every repeat gets the 410 problem [`Rejection::ResponseNotStored`]:
+    /// the handler never runs twice.
+    pub fn max_response_body(mut self, bytes: usize) -> Self {
+        self.config.settings.max_response_body = bytes;
+        self
+    }
+
+    /// The header set to `true` on replays (default `Idempotent-Replayed`,
+    /// as Stripe sends). It is removed from requests before the inner service
+    /// sees them and from first responses, so it marks replays only.
+    pub fn replayed_header(mut self, name: HeaderName) -> Self {
+        self.config.settings.marker = name;
+        self
+    }
+
+    /// Answers rejections with `f` instead of problem+json.
+    pub fn on_rejection<R>(mut self, f: R) -> Self
+    where
+        R: Fn(&Rejection) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.config.settings.on_rejection = Some(Arc::new(f));
+        self
+    }
+
+    /// Fingerprints requests with `fingerprinter` (see [`crate::fingerprint`]).
+    pub fn fingerprint<F2: Fingerprinter>(
+        self,
+        fingerprinter: F2,
+    ) -> IdempotencyLayer<St, Sc, F2, P> {
+        let Config {
+            settings,
+            scope,
+            policy,
+            ..
+        } = self.config;
+        IdempotencyLayer {
+            store: self.store,
+            config: Config {
+                settings,
+                scope,
+                fingerprinter,
+                policy,
+            },
+        }
+    }
+
+    /// Decides with `policy` which responses are stored (see [`crate::policy`]).
+    pub fn store_when<P2: StorePolicy>(self, policy: P2) -> IdempotencyLayer<St, Sc, F, P2> {
+        let Config {
+            settings,
+            scope,
+            fingerprinter,
+            ..
+        } = self.config;
+        IdempotencyLayer {
+            store: self.store,
+            config: Config {
+                settings,
+                scope,
+                fingerprinter,
+                policy,
+            },
+        }
+    }
+}
+
+impl<S, St, Sc, F, P> Layer<S> for IdempotencyLayer<St, Sc, F, P>
+where
+    St: Clone,
+    Sc: Clone,
+    F: Clone,
+    P: Clone,
+{
+    type Service = Idempotency<S, St, Sc, F, P>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::new(inner, self.store.clone(), Arc::new(self.config.clone()))
+    }
+}

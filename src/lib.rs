@@ -1,0 +1,95 @@
+//! Idempotency keys for Tower services: a retried `POST` runs once.
+//!
+//! [`IdempotencyLayer`] intercepts POST and PATCH requests that carry an
+//! `Idempotency-Key` header, claims the key in a [`Store`] whose unique
+//! constraint decides who is first, runs the inner service once, stores its
+//! response and replays it byte for byte to exact repeats, marked
+//! `Idempotent-Replayed: true`. A key reused with a different request gets
+//! 422; a repeat while the first is still in flight gets 409 with
+//! `Retry-After` (IETF draft `draft-ietf-httpapi-idempotency-key-header`).
+//!
+//! # Example
+//!
+//! ```
+//! use axum::{Router, routing::post, http::{Request, StatusCode}, body::Body};
+//! use std::sync::{Arc, atomic::{AtomicUsize, Ordering}};
+//! use tower::ServiceExt;
+//! use tower_idempotency::{IdempotencyLayer, MemoryStore};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let charges = Arc::new(AtomicUsize::new(0));
+//! let counter = charges.clone();
+//! let app = Router::new()
+//!     .route("/charges", post(move || async move {
+//!         let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+//!         (StatusCode::CREATED, format!("charge {n}"))
+//!     }))
+//!     // Keys belong to the caller named by `x-user` (use your real principal).
+//!     .route_layer(IdempotencyLayer::new(MemoryStore::new(), |parts: &http::request::Parts| {
+//!         parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
+//!     }));
+//!
+//! let charge = || Request::post("/charges")
+//!     .header("idempotency-key", "\"order-17\"")
+//!     .header("x-user", "alice")
+//!     .body(Body::from("amount=5"))
+//!     .unwrap();
+//! let first = app.clone().oneshot(charge()).await.unwrap();
+//! let again = app.clone().oneshot(charge()).await.unwrap();
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! assert_eq!(again.status(), StatusCode::CREATED);
+//! assert_eq!(again.headers()["idempotent-replayed"], "true");
+//! assert_eq!(charges.load(Ordering::SeqCst), 1, "the handler ran once");
+//! # }
+//! ```
+//!
+//! # Where things are
+//!
+//! * [`store`]: the [`Store`] trait, its atomic claim, and the stores
+//!   ([`MemoryStore`], [`SqliteStore`]).
+//! * [`IdempotencyLayer`] (in `layer.rs`): configuration.
+//! * [`Idempotency`] (in `service.rs`): the state machine a request walks.
+//! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
+//!   [`problem`]: one rule each.
+//!
+//! # Guarantees and their limits
+//!
+//! * The store's unique constraint decides who is first: one claim per
+//!   `(scope, key)` wins, across threads and, for SQLite, across processes
+//!   sharing the file.
+//! * A completed record is replayed until its TTL ends; a repeat never runs
+//!   the handler while a live record exists.
+//! * A store that cannot answer gets 503, never a replay and never a silent
+//!   pass-through.
+//! * The record is completed in its own write after the handler's. A crash
+//!   between the handler's commit and that write leaves the key in flight;
+//!   when the lease ends, a retry runs the handler again. Exactly-once for
+//!   effects in the same database needs the handler's writes and the record
+//!   in one transaction.
+//! * A handler still running when its lease ends may be overtaken by a
+//!   retry; the fencing token stops the first holder from overwriting the
+//!   second's record, but both executions happened. Set the lease above the
+//!   handler's longest run.
+
+#![deny(unsafe_code, unreachable_pub)]
+#![warn(missing_docs)]
+
+mod body;
+pub mod fingerprint;
+pub mod key;
+mod layer;
+pub mod policy;
+pub mod problem;
+pub mod response;
+pub mod scope;
+mod service;
+pub mod store;
+
+pub use body::{RequestBody, ResponseBody};
+pub use layer::{
+    DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, DEFAULT_TTL,
+    IdempotencyLayer,
+};
+pub use response::{StoredBody, StoredResponse};
+pub use service::{Idempotency, ResponseFuture};
+pub use store::{MemoryStore, SqliteStore, Store, StoreError};

@@ -1,0 +1,84 @@
+//! Which responses complete a record and which release it.
+//!
+//! # Example
+//!
+//! ```
+//! use http::{HeaderMap, StatusCode};
+//! use tower_idempotency::policy::{DefaultStorePolicy, StorePolicy};
+//!
+//! let policy = DefaultStorePolicy;
+//! assert!(policy.should_store(StatusCode::CREATED, &HeaderMap::new()));
+//! assert!(policy.should_store(StatusCode::NOT_FOUND, &HeaderMap::new()));
+//! assert!(!policy.should_store(StatusCode::TOO_MANY_REQUESTS, &HeaderMap::new()));
+//! assert!(!policy.should_store(StatusCode::BAD_GATEWAY, &HeaderMap::new()));
+//!
+//! // Store successes only.
+//! let only_success = |status: StatusCode, _: &HeaderMap| status.is_success();
+//! assert!(!only_success.should_store(StatusCode::NOT_FOUND, &HeaderMap::new()));
+//! ```
+//!
+//! A stored response is replayed to every repeat until the record's TTL ends.
+//! A released record is deleted, so a retry with the same key runs the inner
+//! service again at once. Release is meant for answers that say "nothing
+//! happened, try again": server errors and the transient client errors.
+
+use http::{HeaderMap, StatusCode};
+
+/// Decides, from the inner service's response head, whether the response is
+/// stored (the record completes) or the record is released.
+pub trait StorePolicy: Send + Sync + 'static {
+    /// `true` to store and replay this response; `false` to release the key.
+    fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool;
+}
+
+impl<F> StorePolicy for F
+where
+    F: Fn(StatusCode, &HeaderMap) -> bool + Send + Sync + 'static,
+{
+    fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool {
+        self(status, headers)
+    }
+}
+
+/// Stores 1xx-3xx and every 4xx except 408 Request Timeout, 425 Too Early and
+/// 429 Too Many Requests; releases on those three and on every 5xx.
+///
+/// A 4xx is the handler's considered answer to this request (a retry would
+/// get the same), so it is replayed, as Stripe does for its 4xx answers. The
+/// three transient 4xx and every 5xx invite a retry, so they release the key.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DefaultStorePolicy;
+
+impl StorePolicy for DefaultStorePolicy {
+    fn should_store(&self, status: StatusCode, _headers: &HeaderMap) -> bool {
+        !(status.is_server_error()
+            || matches!(
+                status,
+                StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_MANY_REQUESTS
+            )
+            || status.as_u16() == 425)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_policy_table() {
+        let p = DefaultStorePolicy;
+        let h = HeaderMap::new();
+        for code in [200, 201, 204, 301, 303, 400, 401, 403, 404, 409, 410, 422] {
+            assert!(
+                p.should_store(StatusCode::from_u16(code).unwrap(), &h),
+                "{code}"
+            );
+        }
+        for code in [408, 425, 429, 500, 502, 503, 504] {
+            assert!(
+                !p.should_store(StatusCode::from_u16(code).unwrap(), &h),
+                "{code}"
+            );
+        }
+    }
+}

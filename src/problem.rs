@@ -1,0 +1,220 @@
+//! The layer's own answers: problem details (RFC 9457) for every rejection.
+//!
+//! # Example
+//!
+//! ```
+//! use tower_idempotency::problem::Rejection;
+//!
+//! let response = Rejection::InFlight { retry_after_secs: 3 }.to_problem();
+//! assert_eq!(response.status(), 409);
+//! assert_eq!(response.headers()["content-type"], "application/problem+json");
+//! assert_eq!(response.headers()["retry-after"], "3");
+//! ```
+//!
+//! Each rejection has a stable `type` URI (the constants in [`types`]), a
+//! `title`, the `status`, and a `detail` that never echoes the key or the body.
+//! To answer differently (another format, gRPC statuses), give the layer a
+//! closure with [`crate::IdempotencyLayer::on_rejection`].
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::key::KeyError;
+
+/// The stable `type` URIs of the problems this crate sends.
+pub mod types {
+    macro_rules! problem_type {
+        ($name:ident, $anchor:literal) => {
+            #[doc = concat!("`", "https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/#", $anchor, "`")]
+            pub const $name: &str = concat!(
+                "https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/#",
+                $anchor
+            );
+        };
+    }
+    problem_type!(MISSING_KEY, "missing-key");
+    problem_type!(INVALID_KEY, "invalid-key");
+    problem_type!(BODY_TOO_LARGE, "body-too-large");
+    problem_type!(UNREADABLE_BODY, "unreadable-body");
+    problem_type!(MISMATCH, "mismatch");
+    problem_type!(IN_FLIGHT, "in-flight");
+    problem_type!(STORE_UNAVAILABLE, "store-unavailable");
+    problem_type!(RESPONSE_NOT_STORED, "response-not-stored");
+}
+
+/// Why the layer answered instead of the inner service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// 400: the layer requires a key and the request has none (IETF draft §2.7).
+    MissingKey,
+    /// 400: the key field is malformed (IETF draft §2.1, RFC 8941 §3.3.3).
+    InvalidKey(KeyError),
+    /// 413: the request body is larger than the limit, in bytes. No record
+    /// was created.
+    BodyTooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// 400: the request body could not be read, or the fingerprinter could
+    /// not process it (e.g. not JSON for a JSON fingerprint).
+    UnreadableBody(String),
+    /// 422: the key was used before with a different request (IETF draft §2.7).
+    Mismatch,
+    /// 409: the first request with this key is still being processed (IETF
+    /// draft §2.7). `Retry-After` says when its lease ends.
+    InFlight {
+        /// Seconds until the holder's lease ends, at least 1.
+        retry_after_secs: u64,
+    },
+    /// 503: the store could not answer, so nothing is known about the key;
+    /// the request did not run and nothing was replayed.
+    StoreUnavailable {
+        /// Seconds to wait before retrying, at least 1.
+        retry_after_secs: u64,
+    },
+    /// 410: the key's request completed, but its response was larger than the
+    /// response limit and was not kept. The request is not run again.
+    ResponseNotStored,
+}
+
+impl Rejection {
+    /// The HTTP status of this rejection.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Rejection::MissingKey | Rejection::InvalidKey(_) | Rejection::UnreadableBody(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            Rejection::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Rejection::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Rejection::InFlight { .. } => StatusCode::CONFLICT,
+            Rejection::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::ResponseNotStored => StatusCode::GONE,
+        }
+    }
+
+    /// The problem `type` URI (one of [`types`]).
+    pub fn problem_type(&self) -> &'static str {
+        match self {
+            Rejection::MissingKey => types::MISSING_KEY,
+            Rejection::InvalidKey(_) => types::INVALID_KEY,
+            Rejection::BodyTooLarge { .. } => types::BODY_TOO_LARGE,
+            Rejection::UnreadableBody(_) => types::UNREADABLE_BODY,
+            Rejection::Mismatch => types::MISMATCH,
+            Rejection::InFlight { .. } => types::IN_FLIGHT,
+            Rejection::StoreUnavailable { .. } => types::STORE_UNAVAILABLE,
+            Rejection::ResponseNotStored => types::RESPONSE_NOT_STORED,
+        }
+    }
+
+    /// The problem `title`: short, fixed per type.
+    pub fn title(&self) -> &'static str {
+        match self {
+            Rejection::MissingKey => "Idempotency key required",
+            Rejection::InvalidKey(_) => "Invalid idempotency key",
+            Rejection::BodyTooLarge { .. } => "Request body too large",
+            Rejection::UnreadableBody(_) => "Request body unreadable",
+            Rejection::Mismatch => "Idempotency key reused with a different request",
+            Rejection::InFlight { .. } => "Request with this idempotency key in flight",
+            Rejection::StoreUnavailable { .. } => "Idempotency store unavailable",
+            Rejection::ResponseNotStored => "Response not available for replay",
+        }
+    }
+
+    /// The problem `detail`: what happened and what the client can do.
+    pub fn detail(&self) -> String {
+        match self {
+            Rejection::MissingKey => {
+                "this endpoint requires an Idempotency-Key header; send a new unique key with each new operation and reuse it for retries".into()
+            }
+            Rejection::InvalidKey(e) => e.describe().into(),
+            Rejection::BodyTooLarge { limit } => {
+                format!("the request body is larger than {limit} bytes; nothing was recorded")
+            }
+            Rejection::UnreadableBody(why) => why.clone(),
+            Rejection::Mismatch => {
+                "this idempotency key was first used with a different method, path, query or body; use a new key for a new operation".into()
+            }
+            Rejection::InFlight { retry_after_secs } => format!(
+                "the first request with this idempotency key has not finished; retry in {retry_after_secs} s"
+            ),
+            Rejection::StoreUnavailable { .. } => {
+                "the idempotency store could not be reached; the request was not processed".into()
+            }
+            Rejection::ResponseNotStored => {
+                "the request with this idempotency key completed, but its response was too large to keep for replay; it will not be run again".into()
+            }
+        }
+    }
+
+    fn retry_after(&self) -> Option<u64> {
+        match self {
+            Rejection::InFlight { retry_after_secs }
+            | Rejection::StoreUnavailable { retry_after_secs } => Some(*retry_after_secs),
+            _ => None,
+        }
+    }
+
+    /// The default answer: an `application/problem+json` body with `type`,
+    /// `title`, `status` and `detail`, plus `Retry-After` (seconds) on 409
+    /// and 503.
+    pub fn to_problem(&self) -> Response<Bytes> {
+        let body = serde_json::json!({
+            "type": self.problem_type(),
+            "title": self.title(),
+            "status": self.status().as_u16(),
+            "detail": self.detail(),
+        });
+        let body = Bytes::from(body.to_string());
+        let mut response = Response::new(body);
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(secs) = self.retry_after() {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+impl std::fmt::Display for Rejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.title(), self.detail())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rejection_is_a_complete_problem() {
+        let all = [
+            Rejection::MissingKey,
+            Rejection::InvalidKey(KeyError::Empty),
+            Rejection::BodyTooLarge { limit: 10 },
+            Rejection::UnreadableBody("x".into()),
+            Rejection::Mismatch,
+            Rejection::InFlight {
+                retry_after_secs: 2,
+            },
+            Rejection::StoreUnavailable {
+                retry_after_secs: 1,
+            },
+            Rejection::ResponseNotStored,
+        ];
+        let expected = [400, 400, 413, 400, 422, 409, 503, 410];
+        for (rejection, status) in all.iter().zip(expected) {
+            let response = rejection.to_problem();
+            assert_eq!(response.status(), status);
+            let doc: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
+            assert_eq!(doc["status"], status);
+            assert_eq!(doc["type"], rejection.problem_type());
+            assert_eq!(doc["title"], rejection.title());
+            assert!(doc["detail"].as_str().is_some_and(|d| !d.is_empty()));
+        }
+    }
+}

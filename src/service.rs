@@ -1,0 +1,537 @@
+//! [`Idempotency`]: the service, and the request's path through the state
+//! machine of DESIGN §3.
+//!
+//! The path of one intercepted request, in [`intercept`]:
+//!
+//! 1. the key is parsed (400 before anything else; see [`crate::key`]);
+//! 2. the body is buffered up to the limit (413) and fingerprinted;
+//! 3. ONE atomic [`Store::claim`] decides: 422, replay, 409, or run;
+//! 4. the inner service runs while a [`ReleaseGuard`] holds the claim;
+//! 5. its response is stored (token-checked) or the claim is released.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::{HeaderMap, Request, Response};
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, Limited};
+use pin_project_lite::pin_project;
+use tower_service::Service;
+use tracing::Instrument;
+
+use crate::body::{RequestBody, ResponseBody};
+use crate::fingerprint::Fingerprinter;
+use crate::key::parse_key;
+use crate::layer::{Config, Settings};
+use crate::policy::StorePolicy;
+use crate::problem::Rejection;
+use crate::response::{StoredBody, StoredResponse};
+use crate::scope::Scope;
+use crate::store::{Claim, ClaimRequest, Completion, FencingToken, Store, retry_after_secs};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// `Retry-After` on 503 when the store cannot answer, in seconds.
+const STORE_RETRY_AFTER_SECS: u64 = 1;
+
+/// The service made by [`crate::IdempotencyLayer`].
+///
+/// The inner service receives `Request<`[`RequestBody<B>`]`>` and its errors
+/// pass through unchanged (`Error = S::Error`); the layer's own rejections are
+/// responses, so it can sit in axum, whose services must be infallible.
+pub struct Idempotency<S, St, Sc, F, P> {
+    inner: S,
+    store: St,
+    config: Arc<Config<Sc, F, P>>,
+}
+
+impl<S: Clone, St: Clone, Sc, F, P> Clone for Idempotency<S, St, Sc, F, P> {
+    fn clone(&self) -> Self {
+        Idempotency {
+            inner: self.inner.clone(),
+            store: self.store.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, St, Sc, F, P> std::fmt::Debug for Idempotency<S, St, Sc, F, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St, Sc, F, P> Idempotency<S, St, Sc, F, P> {
+    pub(crate) fn new(inner: S, store: St, config: Arc<Config<Sc, F, P>>) -> Self {
+        Idempotency {
+            inner,
+            store,
+            config,
+        }
+    }
+}
+
+impl<S, St, Sc, F, P, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, Sc, F, P>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    St: Store,
+    Sc: Scope,
+    F: Fingerprinter,
+    P: StorePolicy,
+    ReqBody: Body + Send + 'static,
+    ReqBody::Data: Send,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body + Send + 'static,
+    ResBody::Data: Send,
+    ResBody::Error: Send,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let settings = &self.config.settings;
+        if !settings.methods.contains(req.method()) {
+            return ResponseFuture::pass_through(self.inner.call(req.map(RequestBody::inner)));
+        }
+        let key = match parse_key(req.headers(), &settings.header) {
+            Ok(Some(key)) => key,
+            Ok(None) if !settings.require_key => {
+                return ResponseFuture::pass_through(self.inner.call(req.map(RequestBody::inner)));
+            }
+            Ok(None) => return ResponseFuture::rejected(settings, &Rejection::MissingKey),
+            Err(e) => return ResponseFuture::rejected(settings, &Rejection::InvalidKey(e)),
+        };
+        // The service that was driven to readiness goes with this request;
+        // its clone stays for the next (tower's usual swap).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let run = intercept(inner, self.store.clone(), self.config.clone(), req, key);
+        ResponseFuture::intercepted(Box::pin(run))
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+pin_project! {
+    /// The response future of [`Idempotency`].
+    pub struct ResponseFuture<Fut, B: Body, E> {
+        #[pin]
+        kind: Kind<Fut, B, E>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<Fut, B: Body, E> {
+        PassThrough { #[pin] future: Fut },
+        Ready { response: Option<Response<ResponseBody<B>>> },
+        Intercepted { future: BoxFuture<Result<Response<ResponseBody<B>>, E>> },
+    }
+}
+
+impl<Fut, B: Body, E> ResponseFuture<Fut, B, E> {
+    fn pass_through(future: Fut) -> Self {
+        ResponseFuture {
+            kind: Kind::PassThrough { future },
+        }
+    }
+
+    fn rejected(settings: &Settings, rejection: &Rejection) -> Self {
+        ResponseFuture {
+            kind: Kind::Ready {
+                response: Some(rejection_response(settings, rejection)),
+            },
+        }
+    }
+
+    fn intercepted(future: BoxFuture<Result<Response<ResponseBody<B>>, E>>) -> Self {
+        ResponseFuture {
+            kind: Kind::Intercepted { future },
+        }
+    }
+}
+
+impl<Fut, B, E> Future for ResponseFuture<Fut, B, E>
+where
+    Fut: Future<Output = Result<Response<B>, E>>,
+    B: Body,
+{
+    type Output = Result<Response<ResponseBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::PassThrough { future } => future
+                .poll(cx)
+                .map_ok(|response| response.map(ResponseBody::inner)),
+            KindProj::Ready { response } => {
+                // A `None` here means polled after completion; answer with an
+                // error response rather than panic.
+                Poll::Ready(Ok(response.take().unwrap_or_else(|| {
+                    let mut r = Response::new(ResponseBody::full(Bytes::new(), None));
+                    *r.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
+                    r
+                })))
+            }
+            KindProj::Intercepted { future } => future.as_mut().poll(cx),
+        }
+    }
+}
+
+fn rejection_response<B: Body>(
+    settings: &Settings,
+    rejection: &Rejection,
+) -> Response<ResponseBody<B>> {
+    settings
+        .rejection(rejection)
+        .map(|body| ResponseBody::full(body, None))
+}
+
+/// A short, non-reversible tag of the key for logs: the first 8 bytes of its
+/// SHA-256, in hex. The raw key never appears in a span.
+fn key_tag(scope: &str, key: &str) -> String {
+    let mut hasher = crate::fingerprint::Hasher::new("tower-idempotency/log/v1");
+    hasher.part(scope.as_bytes()).part(key.as_bytes());
+    hasher.finish().0[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// One intercepted request, from its buffered body to its stored response.
+async fn intercept<S, St, Sc, F, P, ReqBody, ResBody>(
+    inner: S,
+    store: St,
+    config: Arc<Config<Sc, F, P>>,
+    req: Request<ReqBody>,
+    key: String,
+) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    St: Store,
+    Sc: Scope,
+    F: Fingerprinter,
+    P: StorePolicy,
+    ReqBody: Body,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body,
+{
+    let (parts, body) = req.into_parts();
+    let scope = config.scope.scope(&parts);
+    let span = tracing::info_span!(
+        "idempotency",
+        scope = %scope,
+        key = %key_tag(&scope, &key),
+        outcome = tracing::field::Empty,
+    );
+    serve(inner, store, &config, parts, body, scope, key)
+        .instrument(span)
+        .await
+}
+
+/// Records the outcome on the request's span.
+fn outcome(name: &'static str) {
+    tracing::Span::current().record("outcome", name);
+}
+
+async fn serve<S, St, Sc, F, P, ReqBody, ResBody>(
+    mut inner: S,
+    store: St,
+    config: &Config<Sc, F, P>,
+    mut parts: http::request::Parts,
+    body: ReqBody,
+    scope: String,
+    key: String,
+) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    St: Store,
+    F: Fingerprinter,
+    P: StorePolicy,
+    ReqBody: Body,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body,
+{
+    let settings = &config.settings;
+    let reject = |name: &'static str, rejection: Rejection| {
+        outcome(name);
+        Ok(rejection_response(settings, &rejection))
+    };
+    let (body, trailers) = match buffer_request(body, settings.max_request_body).await {
+        Ok(buffered) => buffered,
+        Err(rejection) => return reject("rejected", rejection),
+    };
+    let fingerprint = match config.fingerprinter.fingerprint(&parts, &body) {
+        Ok(fingerprint) => fingerprint,
+        Err(e) => return reject("rejected", Rejection::UnreadableBody(e.to_string())),
+    };
+    let token = FencingToken::random();
+    let claim = store
+        .claim(ClaimRequest {
+            scope: scope.clone(),
+            key: key.clone(),
+            fingerprint,
+            token,
+            lease: settings.lease,
+            ttl: settings.ttl,
+        })
+        .await;
+    let taken_over = match claim {
+        Ok(Claim::Acquired { taken_over }) => taken_over,
+        Ok(Claim::Mismatch) => return reject("mismatch", Rejection::Mismatch),
+        Ok(Claim::InFlight { lease_remaining }) => {
+            let retry_after_secs = retry_after_secs(lease_remaining);
+            return reject("in_flight", Rejection::InFlight { retry_after_secs });
+        }
+        Ok(Claim::Completed(stored)) => return Ok(replay(settings, &stored)),
+        Err(e) => {
+            tracing::error!(error = %e, "idempotency store failed to claim; answering 503");
+            let retry_after_secs = STORE_RETRY_AFTER_SECS;
+            return reject(
+                "store_error",
+                Rejection::StoreUnavailable { retry_after_secs },
+            );
+        }
+    };
+    outcome(if taken_over { "taken_over" } else { "claimed" });
+
+    let mut guard = ReleaseGuard::new(store.clone(), scope, key, token);
+    parts.headers.remove(&settings.marker);
+    let request = Request::from_parts(parts, RequestBody::buffered(body, trailers));
+    let response = match inner.call(request).await {
+        Ok(response) => response,
+        Err(e) => {
+            guard.release().await;
+            return Err(e);
+        }
+    };
+    if !config
+        .policy
+        .should_store(response.status(), response.headers())
+    {
+        guard.release().await;
+        let (mut parts, body) = response.into_parts();
+        parts.headers.remove(&settings.marker);
+        return Ok(Response::from_parts(parts, ResponseBody::inner(body)));
+    }
+    // The handler has answered: from here on its effect may exist, so a
+    // cancelled future must not release the key (the lease decides).
+    let (scope, key) = guard.keep();
+    Ok(store_response(&store, settings, scope, key, token, response).await)
+}
+
+/// Buffers the request body up to `limit` bytes.
+async fn buffer_request<B>(body: B, limit: usize) -> Result<(Bytes, Option<HeaderMap>), Rejection>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Err(Rejection::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => {
+            let trailers = collected.trailers().cloned();
+            Ok((collected.to_bytes(), trailers))
+        }
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(Rejection::BodyTooLarge { limit })
+        }
+        Err(e) => Err(Rejection::UnreadableBody(format!(
+            "the request body could not be read: {e}"
+        ))),
+    }
+}
+
+/// The answer to a repeat of a completed request.
+fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<ResponseBody<B>> {
+    if stored.body == StoredBody::Omitted {
+        outcome("not_stored");
+        return rejection_response(settings, &Rejection::ResponseNotStored);
+    }
+    outcome("replayed");
+    let trailers = stored.trailer_map();
+    stored
+        .replay(&settings.marker)
+        .map(|body| ResponseBody::full(body, trailers))
+}
+
+/// Reads the first response's body up to the response limit, completes the
+/// record (token-checked), and returns the response for the first caller:
+/// always whole, whatever happened to the record.
+async fn store_response<St: Store, B: Body>(
+    store: &St,
+    settings: &Settings,
+    scope: String,
+    key: String,
+    token: FencingToken,
+    response: Response<B>,
+) -> Response<ResponseBody<B>> {
+    let (mut parts, body) = response.into_parts();
+    parts.headers.remove(&settings.marker);
+    let mut body = Box::pin(body);
+    let mut frames = VecDeque::new();
+    let mut size = 0usize;
+    let stored_body = loop {
+        match body.frame().await {
+            None => break StoredBody::Complete(concat(&frames, size)),
+            Some(Ok(frame)) => {
+                let frame = frame.map_data(|mut d| d.copy_to_bytes(d.remaining()));
+                size += frame.data_ref().map_or(0, Bytes::len);
+                frames.push_back(frame);
+                if size > settings.max_response_body {
+                    break StoredBody::Omitted;
+                }
+            }
+            Some(Err(e)) => {
+                // The handler answered but its body failed: the effect may
+                // exist and no response can be stored. Keep the record in
+                // flight; the lease decides.
+                tracing::warn!(
+                    "response body failed before it was stored; the key stays in flight until its lease ends"
+                );
+                return Response::from_parts(parts, ResponseBody::then_error(frames, e));
+            }
+        }
+    };
+    let trailers = frames.iter().find_map(|f| f.trailers_ref()).cloned();
+    let omitted = stored_body == StoredBody::Omitted;
+    let stored = StoredResponse::capture_with_marker(
+        parts.status,
+        &parts.headers,
+        stored_body,
+        trailers.as_ref(),
+        Some(&settings.marker),
+    );
+    match store.complete(scope, key, token, stored).await {
+        Ok(Completion::Stored) => {
+            outcome(if omitted {
+                "completed_without_body"
+            } else {
+                "completed"
+            });
+        }
+        Ok(Completion::Fenced) => {
+            outcome("fenced");
+            tracing::warn!(
+                "the lease ended and another request took the key over; this response was not stored"
+            );
+        }
+        Err(e) => {
+            outcome("store_error");
+            tracing::error!(error = %e, "storing the response failed; the key stays in flight until its lease ends");
+        }
+    }
+    let body = if omitted {
+        ResponseBody::then_rest(frames, body)
+    } else {
+        ResponseBody::frames(frames)
+    };
+    Response::from_parts(parts, body)
+}
+
+/// The data frames' bytes as one buffer (no copy when there is one frame).
+fn concat(frames: &VecDeque<Frame<Bytes>>, size: usize) -> Bytes {
+    let mut data = frames.iter().filter_map(Frame::data_ref);
+    match (data.next(), data.next()) {
+        (None, _) => Bytes::new(),
+        (Some(only), None) => only.clone(),
+        _ => {
+            let mut out = BytesMut::with_capacity(size);
+            for chunk in frames.iter().filter_map(Frame::data_ref) {
+                out.extend_from_slice(chunk);
+            }
+            out.freeze()
+        }
+    }
+}
+
+/// Holds a claim while the inner service runs. Dropped while armed (the
+/// request's future was dropped, or the handler panicked), it releases the
+/// record from a spawned task, so a retry runs at once instead of waiting for
+/// the lease. Never panics.
+struct ReleaseGuard<St: Store> {
+    store: St,
+    scope: String,
+    key: String,
+    token: FencingToken,
+    armed: bool,
+}
+
+impl<St: Store> ReleaseGuard<St> {
+    fn new(store: St, scope: String, key: String, token: FencingToken) -> Self {
+        ReleaseGuard {
+            store,
+            scope,
+            key,
+            token,
+            armed: true,
+        }
+    }
+
+    /// Releases the record now (token-checked). If this future is dropped
+    /// midway, the guard is still armed and releases from `Drop`.
+    async fn release(&mut self) {
+        let released = self
+            .store
+            .release(self.scope.clone(), self.key.clone(), self.token)
+            .await;
+        self.armed = false;
+        match released {
+            Ok(_) => outcome("released"),
+            Err(e) => {
+                outcome("store_error");
+                tracing::error!(error = %e, "releasing the key failed; it stays in flight until its lease ends");
+            }
+        }
+    }
+
+    /// Disarms the guard, keeping the claim; returns the scope and key.
+    fn keep(mut self) -> (String, String) {
+        self.armed = false;
+        (
+            std::mem::take(&mut self.scope),
+            std::mem::take(&mut self.key),
+        )
+    }
+}
+
+impl<St: Store> Drop for ReleaseGuard<St> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, token) = (self.store.clone(), self.token);
+        let (scope, key) = (
+            std::mem::take(&mut self.scope),
+            std::mem::take(&mut self.key),
+        );
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    if let Err(e) = store.release(scope, key, token).await {
+                        tracing::error!(error = %e, "releasing an abandoned key failed; it stays in flight until its lease ends");
+                    }
+                });
+            }
+            Err(_) => tracing::error!(
+                "an abandoned key could not be released outside a Tokio runtime; it stays in flight until its lease ends"
+            ),
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! An in-process store for tests and single-process services.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::{
+    Claim, ClaimRequest, Clock, Completion, FencingToken, Store, StoreError, SystemClock,
+    duration_ms,
+};
+use crate::fingerprint::Fingerprint;
+use crate::response::StoredResponse;
+
+/// Records in a `HashMap` behind a mutex: lost when the process exits, not
+/// shared between processes.
+///
+/// # Example
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope::GlobalScope};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope);
+/// ```
+#[derive(Clone)]
+pub struct MemoryStore {
+    records: Arc<Mutex<HashMap<(String, String), Record>>>,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore").finish_non_exhaustive()
+    }
+}
+
+struct Record {
+    fingerprint: Fingerprint,
+    token: FencingToken,
+    lease_until: i64,
+    expires_at: i64,
+    response: Option<StoredResponse>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store on the system clock.
+    pub fn new() -> Self {
+        Self::with_clock(SystemClock)
+    }
+
+    /// An empty store on `clock` (e.g. a [`super::ManualClock`] in tests).
+    pub fn with_clock(clock: impl Clock) -> Self {
+        MemoryStore {
+            records: Arc::default(),
+            clock: Arc::new(clock),
+        }
+    }
+
+    /// How many records (expired or not) the store holds.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether the store holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Record>> {
+        // A panic while the lock was held cannot leave a record half-written
+        // (every update below is one assignment), so a poisoned map is usable.
+        self.records.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Store for MemoryStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        let now = self.clock.now_ms();
+        let fresh = Record {
+            fingerprint: req.fingerprint,
+            token: req.token,
+            lease_until: now.saturating_add(duration_ms(req.lease)),
+            expires_at: now.saturating_add(duration_ms(req.ttl)),
+            response: None,
+        };
+        let mut records = self.lock();
+        let record = match records.get_mut(&(req.scope.clone(), req.key.clone())) {
+            Some(record) if record.expires_at > now => record,
+            _ => {
+                records.insert((req.scope, req.key), fresh);
+                return Ok(Claim::Acquired { taken_over: false });
+            }
+        };
+        if record.fingerprint != req.fingerprint {
+            return Ok(Claim::Mismatch);
+        }
+        if let Some(response) = &record.response {
+            return Ok(Claim::Completed(response.clone()));
+        }
+        if record.lease_until > now {
+            let remaining = Duration::from_millis((record.lease_until - now) as u64);
+            return Ok(Claim::InFlight {
+                lease_remaining: remaining,
+            });
+        }
+        *record = fresh;
+        Ok(Claim::Acquired { taken_over: true })
+    }
+
+    async fn complete(
+        &self,
+        scope: String,
+        key: String,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Completion, StoreError> {
+        let mut records = self.lock();
+        match records.get_mut(&(scope, key)) {
+            Some(record) if record.token == token && record.response.is_none() => {
+                record.response = Some(response);
+                Ok(Completion::Stored)
+            }
+            _ => Ok(Completion::Fenced),
+        }
+    }
+
+    async fn release(
+        &self,
+        scope: String,
+        key: String,
+        token: FencingToken,
+    ) -> Result<bool, StoreError> {
+        let mut records = self.lock();
+        let id = (scope, key);
+        match records.get(&id) {
+            Some(record) if record.token == token && record.response.is_none() => {
+                records.remove(&id);
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let now = self.clock.now_ms();
+        let mut records = self.lock();
+        let before = records.len();
+        records.retain(|_, r| r.expires_at > now);
+        Ok((before - records.len()) as u64)
+    }
+}

@@ -1,0 +1,279 @@
+//! Stores: where records live, and the one atomic claim that decides who is first.
+//!
+//! # Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_idempotency::store::{Claim, ClaimRequest, MemoryStore, Store, FencingToken};
+//! use tower_idempotency::fingerprint::Fingerprint;
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let store = MemoryStore::new();
+//! let request = |token| ClaimRequest {
+//!     scope: "alice".into(),
+//!     key: "k-1".into(),
+//!     fingerprint: Fingerprint([7; 32]),
+//!     token,
+//!     lease: Duration::from_secs(60),
+//!     ttl: Duration::from_secs(86_400),
+//! };
+//! let first = FencingToken::random();
+//! assert_eq!(store.claim(request(first)).await.unwrap(), Claim::Acquired { taken_over: false });
+//! // A second claim while the first holds its lease is refused.
+//! assert!(matches!(store.claim(request(FencingToken::random())).await.unwrap(), Claim::InFlight { .. }));
+//! # }
+//! ```
+//!
+//! # The contract (DESIGN §3)
+//!
+//! A record is identified by `(scope, key)` and holds a fingerprint, a state
+//! (in flight or completed), a fencing token, a lease deadline, a TTL
+//! deadline and, once completed, the stored response. [`Store::claim`] is ONE
+//! atomic operation that, for the record it finds:
+//!
+//! | found | does | returns |
+//! |---|---|---|
+//! | nothing, or a record past its TTL | inserts an in-flight record | [`Claim::Acquired`] |
+//! | a different fingerprint | nothing | [`Claim::Mismatch`] |
+//! | completed | nothing | [`Claim::Completed`] |
+//! | in flight, lease alive | nothing | [`Claim::InFlight`] |
+//! | in flight, lease over | takes it over with the new token and lease | [`Claim::Acquired`] `{ taken_over: true }` |
+//!
+//! [`Store::complete`] and [`Store::release`] act only while the record still
+//! carries the caller's token, so a holder whose lease was taken over cannot
+//! overwrite or delete the new holder's record.
+//!
+//! Expiry is judged by the store's clock, never by a caller's.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use crate::fingerprint::Fingerprint;
+use crate::response::StoredResponse;
+
+mod memory;
+mod sqlite;
+
+pub use memory::MemoryStore;
+pub use sqlite::{SqliteStore, SqliteStoreBuilder, Synchronous};
+
+/// An in-flight record's owner mark. Complete and release succeed only with
+/// the token that the record still carries.
+///
+/// Random 64-bit values: a record that is released and claimed again never
+/// reuses a token that an old holder may still hold.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FencingToken(pub i64);
+
+impl FencingToken {
+    /// A fresh random token from the operating system's generator.
+    pub fn random() -> Self {
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let mut bytes = [0; 8];
+        // getrandom fails only where the OS has no entropy source at all;
+        // then a clock reading and a process-wide counter still differ per call.
+        if getrandom::fill(&mut bytes).is_err() {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            bytes = (nanos ^ n.rotate_left(48)).to_be_bytes();
+        }
+        FencingToken(i64::from_be_bytes(bytes))
+    }
+}
+
+impl fmt::Debug for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "FencingToken({:016x})", self.0)
+    }
+}
+
+/// Everything [`Store::claim`] needs.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// Who the key belongs to (see [`crate::scope`]).
+    pub scope: String,
+    /// The parsed idempotency key.
+    pub key: String,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The token the new or taken-over record will carry.
+    pub token: FencingToken,
+    /// How long an in-flight claim holds before another request may take it over.
+    pub lease: Duration,
+    /// How long the record is kept, counted from the claim.
+    pub ttl: Duration,
+}
+
+/// The outcome of [`Store::claim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The caller holds the record now and runs the request.
+    Acquired {
+        /// `true` when an in-flight record whose lease had ended was taken over.
+        taken_over: bool,
+    },
+    /// The record was made by a request with another fingerprint.
+    Mismatch,
+    /// The record is completed: replay this.
+    Completed(StoredResponse),
+    /// Another holder's lease is alive for this long.
+    InFlight {
+        /// Time left on the holder's lease.
+        lease_remaining: Duration,
+    },
+}
+
+/// The outcome of [`Store::complete`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completion {
+    /// The response is stored; repeats replay it.
+    Stored,
+    /// The record no longer carries the caller's token (its lease was taken
+    /// over, or it expired and was purged): nothing was written.
+    Fenced,
+}
+
+/// A store failure. The layer answers 503 and never replays or runs the
+/// request on a store error during the claim.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The store did not answer: locked past its busy timeout, unreachable,
+    /// an I/O error, a pool timeout.
+    Unavailable(Box<dyn std::error::Error + Send + Sync>),
+    /// A record could not be decoded.
+    Corrupt(String),
+}
+
+impl StoreError {
+    /// Wraps any error as [`StoreError::Unavailable`].
+    pub fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        StoreError::Unavailable(e.into())
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::Unavailable(e) => write!(f, "idempotency store unavailable: {e}"),
+            StoreError::Corrupt(why) => write!(f, "idempotency record corrupt: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StoreError::Unavailable(e) => Some(&**e),
+            StoreError::Corrupt(_) => None,
+        }
+    }
+}
+
+/// A place to keep idempotency records. See the module docs for the contract
+/// every implementation follows.
+pub trait Store: Clone + Send + Sync + 'static {
+    /// Claims `(scope, key)` in one atomic operation (the table in the module docs).
+    fn claim(
+        &self,
+        request: ClaimRequest,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// Stores `response` and marks the record completed, if it still carries
+    /// `token`.
+    fn complete(
+        &self,
+        scope: String,
+        key: String,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> impl Future<Output = Result<Completion, StoreError>> + Send;
+
+    /// Deletes the in-flight record if it still carries `token`, so a retry
+    /// runs at once. Returns whether a record was deleted.
+    fn release(
+        &self,
+        scope: String,
+        key: String,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes every record past its TTL. Returns how many were deleted.
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
+
+/// Spawns a task on the current Tokio runtime that calls
+/// [`Store::purge_expired`] every `period`. Errors are logged and the loop
+/// goes on; abort the returned handle to stop it.
+///
+/// Expired records are already ignored by every lookup; purging only reclaims
+/// their space.
+pub fn spawn_purge_task<S: Store>(store: S, period: Duration) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut interval = tokio::time::interval(period);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            interval.tick().await;
+            match store.purge_expired().await {
+                Ok(n) => tracing::debug!(purged = n, "purged expired idempotency records"),
+                Err(e) => tracing::warn!(error = %e, "purging expired idempotency records failed"),
+            }
+        }
+    })
+}
+
+/// Milliseconds since the Unix epoch, the time unit every store keeps.
+pub(crate) fn duration_ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A source of the current time for the embedded stores, in milliseconds since
+/// the Unix epoch. [`SystemClock`] in production; [`ManualClock`] lets tests
+/// move time on without sleeping.
+pub trait Clock: Send + Sync + 'static {
+    /// Now, in milliseconds since the Unix epoch.
+    fn now_ms(&self) -> i64;
+}
+
+/// The operating system's wall clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now_ms(&self) -> i64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, duration_ms)
+    }
+}
+
+/// A clock that moves only when told to: for tests of leases and TTLs.
+#[derive(Debug, Clone, Default)]
+pub struct ManualClock(std::sync::Arc<std::sync::atomic::AtomicI64>);
+
+impl ManualClock {
+    /// A clock reading `start_ms`.
+    pub fn new(start_ms: i64) -> Self {
+        ManualClock(std::sync::Arc::new(start_ms.into()))
+    }
+
+    /// Moves the clock forward by `by`.
+    pub fn advance(&self, by: Duration) {
+        self.0
+            .fetch_add(duration_ms(by), std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_ms(&self) -> i64 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Seconds for `Retry-After` from a remaining lease: rounded up, at least 1.
+pub(crate) fn retry_after_secs(remaining: Duration) -> u64 {
+    remaining.as_millis().div_ceil(1000).max(1) as u64
+}
