@@ -202,11 +202,28 @@ fn problem(status: StatusCode, title: &str, detail: impl Into<String>) -> Respon
         .into_response()
 }
 
-fn bad_request(detail: impl Into<String>) -> Response {
-    problem(StatusCode::BAD_REQUEST, "Bad Request", detail)
+/// Why a request failed; each answers with a problem.
+enum ApiError {
+    BadRequest(String),
+    Ledger(LedgerError),
 }
 
-fn created(body: serde_json::Value) -> Response {
+impl From<LedgerError> for ApiError {
+    fn from(e: LedgerError) -> Self {
+        ApiError::Ledger(e)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        match self {
+            ApiError::BadRequest(detail) => problem(StatusCode::BAD_REQUEST, "Bad Request", detail),
+            ApiError::Ledger(e) => e.into_response(),
+        }
+    }
+}
+
+fn created<T: serde::Serialize>(body: T) -> Response {
     (StatusCode::CREATED, axum::Json(body)).into_response()
 }
 
@@ -234,7 +251,7 @@ impl IntoResponse for LedgerError {
 }
 
 /// A fault-injection delay header, in milliseconds (0..=30000).
-fn delay(state: &AppState, headers: &HeaderMap, name: &str) -> Result<Duration, Response> {
+fn delay(state: &AppState, headers: &HeaderMap, name: &str) -> Result<Duration, ApiError> {
     let Some(value) = headers.get(name).filter(|_| state.fault_injection) else {
         return Ok(Duration::ZERO);
     };
@@ -244,42 +261,37 @@ fn delay(state: &AppState, headers: &HeaderMap, name: &str) -> Result<Duration, 
         .and_then(|v| v.trim().parse::<u64>().ok())
         .filter(|ms| *ms <= 30_000)
         .map(Duration::from_millis)
-        .ok_or_else(|| bad_request(format!("{name} must be an integer in 0..=30000")))
+        .ok_or_else(|| ApiError::BadRequest(format!("{name} must be an integer in 0..=30000")))
 }
 
-fn parse_json<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Response> {
-    serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid JSON body: {e}")))
+fn parse_json<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
 }
 
-fn parse_id(id: &str) -> Result<i64, Response> {
+/// An id that is not an integer names no account.
+fn parse_id(id: &str) -> Result<i64, ApiError> {
     id.parse()
-        .map_err(|_| problem(StatusCode::NOT_FOUND, "Not Found", "no such account"))
+        .map_err(|_| ApiError::Ledger(LedgerError::NoSuchAccount))
 }
 
-async fn create_account(State(state): State<AppState>, body: Bytes) -> Response {
-    let new: NewAccount = match parse_json(&body) {
-        Ok(new) => new,
-        Err(response) => return response,
-    };
-    let len = new.name.chars().count();
-    if !(1..=100).contains(&len) {
-        return bad_request("name must be 1 to 100 characters");
+async fn create_account(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let new: NewAccount = parse_json(&body)?;
+    if !(1..=100).contains(&new.name.chars().count()) {
+        return Err(ApiError::BadRequest(
+            "name must be 1 to 100 characters".into(),
+        ));
     }
-    match state.db.create_account(new.name).await {
-        Ok(account) => created(serde_json::to_value(account).unwrap_or_default()),
-        Err(e) => e.into_response(),
-    }
+    let account = state.db.create_account(new.name).await?;
+    Ok(created(account))
 }
 
-async fn account(State(state): State<AppState>, Path(id): Path<String>) -> Response {
-    let id = match parse_id(&id) {
-        Ok(id) => id,
-        Err(response) => return response,
-    };
-    match state.db.account(id).await {
-        Ok(account) => axum::Json(account).into_response(),
-        Err(e) => e.into_response(),
-    }
+async fn account(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let account = state.db.account(parse_id(&id)?).await?;
+    Ok(axum::Json(account).into_response())
 }
 
 async fn credit(
@@ -287,35 +299,22 @@ async fn credit(
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Bytes,
-) -> Response {
-    let id = match parse_id(&id) {
-        Ok(id) => id,
-        Err(response) => return response,
-    };
-    let new: NewCredit = match parse_json(&body) {
-        Ok(new) => new,
-        Err(response) => return response,
-    };
+) -> Result<Response, ApiError> {
+    let id = parse_id(&id)?;
+    let new: NewCredit = parse_json(&body)?;
     if !(1..=1_000_000_000).contains(&new.amount) {
-        return bad_request("amount must be an integer in 1..=1000000000");
+        return Err(ApiError::BadRequest(
+            "amount must be an integer in 1..=1000000000".into(),
+        ));
     }
-    let (before, after_effect) = match (
-        delay(&state, &headers, "x-ledger-delay-ms"),
-        delay(&state, &headers, "x-ledger-pause-after-effect-ms"),
-    ) {
-        (Ok(before), Ok(after)) => (before, after),
-        (Err(response), _) | (_, Err(response)) => return response,
-    };
+    let before = delay(&state, &headers, "x-ledger-delay-ms")?;
+    let after_effect = delay(&state, &headers, "x-ledger-pause-after-effect-ms")?;
     let fail_after_effect = state.fault_injection
         && headers
             .get("x-ledger-fail")
             .is_some_and(|v| v.as_bytes() == b"after-effect");
     tokio::time::sleep(before).await;
-    match state.db.credit(id, new.amount, fail_after_effect).await {
-        Ok(credit) => {
-            tokio::time::sleep(after_effect).await;
-            created(serde_json::to_value(credit).unwrap_or_default())
-        }
-        Err(e) => e.into_response(),
-    }
+    let credit = state.db.credit(id, new.amount, fail_after_effect).await?;
+    tokio::time::sleep(after_effect).await;
+    Ok(created(credit))
 }
