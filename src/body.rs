@@ -232,3 +232,23 @@ impl<B: Body> Body for ResponseBody<B> {
         }
     }
 }
+
+impl<B> std::fmt::Debug for RequestBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &self.kind {
+            RequestKind::Inner { .. } => "inner",
+            RequestKind::Buffered { .. } => "buffered",
+        };
+        f.debug_struct("RequestBody").field("kind", &kind).finish()
+    }
+}
+
+impl<B: Body> std::fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &self.kind {
+            ResponseKind::Inner { .. } => "inner",
+            ResponseKind::Buffered { .. } => "buffered",
+        };
+        f.debug_struct("ResponseBody").field("kind", &kind).finish()
+    }
+}

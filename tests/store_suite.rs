@@ -1,0 +1,372 @@
+//! One conformance suite for every store (DESIGN §3 and §8): each test is a
+//! generic function, and `store_suite!` runs all of them against one store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
+use tokio::sync::Barrier;
+use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::store::{
+    Claim, ClaimRequest, Completion, FencingToken, ManualClock, MemoryStore, SqliteStore, Store,
+};
+use tower_idempotency::{StoredBody, StoredResponse};
+
+const LEASE: Duration = Duration::from_secs(60);
+const TTL: Duration = Duration::from_secs(3600);
+const START_MS: i64 = 1_800_000_000_000;
+
+fn claim_of(scope: &str, key: &str, fp: u8, token: FencingToken) -> ClaimRequest {
+    ClaimRequest {
+        scope: scope.into(),
+        key: key.into(),
+        fingerprint: Fingerprint([fp; 32]),
+        token,
+        lease: LEASE,
+        ttl: TTL,
+    }
+}
+
+fn response(body: &'static [u8]) -> StoredResponse {
+    let mut headers = HeaderMap::new();
+    headers.append("link", "</a>; rel=next".parse().unwrap());
+    headers.append("link", "</b>; rel=prev".parse().unwrap());
+    StoredResponse::capture(
+        StatusCode::CREATED,
+        &headers,
+        Bytes::from_static(body),
+        None,
+    )
+}
+
+async fn acquire<S: Store>(store: &S, key: &str) -> FencingToken {
+    let token = FencingToken::random();
+    assert_eq!(
+        store.claim(claim_of("s", key, 1, token)).await.unwrap(),
+        Claim::Acquired { taken_over: false }
+    );
+    token
+}
+
+async fn complete<S: Store>(
+    store: &S,
+    key: &str,
+    token: FencingToken,
+    body: &'static [u8],
+) -> Completion {
+    store
+        .complete("s".into(), key.into(), token, response(body))
+        .await
+        .unwrap()
+}
+
+async fn new_key_is_acquired<S: Store>(store: S, _clock: ManualClock) {
+    acquire(&store, "k").await;
+}
+
+async fn completed_record_is_replayed<S: Store>(store: S, _clock: ManualClock) {
+    let token = acquire(&store, "k").await;
+    assert_eq!(
+        complete(&store, "k", token, b"\xff\x00\xfe").await,
+        Completion::Stored
+    );
+    let again = store
+        .claim(claim_of("s", "k", 1, FencingToken::random()))
+        .await
+        .unwrap();
+    assert_eq!(again, Claim::Completed(response(b"\xff\x00\xfe")));
+}
+
+async fn mismatch_is_checked_first<S: Store>(store: S, _clock: ManualClock) {
+    let token = acquire(&store, "k").await;
+    // In flight: a different fingerprint is a mismatch, not a 409.
+    let other = store
+        .claim(claim_of("s", "k", 2, FencingToken::random()))
+        .await
+        .unwrap();
+    assert_eq!(other, Claim::Mismatch);
+    complete(&store, "k", token, b"done").await;
+    let other = store
+        .claim(claim_of("s", "k", 2, FencingToken::random()))
+        .await
+        .unwrap();
+    assert_eq!(other, Claim::Mismatch);
+}
+
+async fn in_flight_reports_remaining_lease<S: Store>(store: S, clock: ManualClock) {
+    acquire(&store, "k").await;
+    clock.advance(Duration::from_secs(10));
+    let again = store
+        .claim(claim_of("s", "k", 1, FencingToken::random()))
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        Claim::InFlight {
+            lease_remaining: Duration::from_secs(50)
+        }
+    );
+}
+
+async fn expired_lease_is_taken_over_and_fenced<S: Store>(store: S, clock: ManualClock) {
+    let first = acquire(&store, "k").await;
+    clock.advance(LEASE + Duration::from_millis(1));
+    let second = FencingToken::random();
+    let claim = store.claim(claim_of("s", "k", 1, second)).await.unwrap();
+    assert_eq!(claim, Claim::Acquired { taken_over: true });
+    // The first holder comes back late: it can neither complete nor release.
+    assert_eq!(
+        complete(&store, "k", first, b"first").await,
+        Completion::Fenced
+    );
+    assert!(!store.release("s".into(), "k".into(), first).await.unwrap());
+    assert_eq!(
+        complete(&store, "k", second, b"second").await,
+        Completion::Stored
+    );
+    let replay = store
+        .claim(claim_of("s", "k", 1, FencingToken::random()))
+        .await
+        .unwrap();
+    assert_eq!(replay, Claim::Completed(response(b"second")));
+}
+
+async fn release_needs_the_token<S: Store>(store: S, _clock: ManualClock) {
+    let token = acquire(&store, "k").await;
+    let stranger = FencingToken::random();
+    assert!(
+        !store
+            .release("s".into(), "k".into(), stranger)
+            .await
+            .unwrap()
+    );
+    assert!(matches!(
+        store
+            .claim(claim_of("s", "k", 1, FencingToken::random()))
+            .await
+            .unwrap(),
+        Claim::InFlight { .. }
+    ));
+    assert!(store.release("s".into(), "k".into(), token).await.unwrap());
+    // Released: the next request runs at once, even with another fingerprint.
+    let next = store
+        .claim(claim_of("s", "k", 2, FencingToken::random()))
+        .await
+        .unwrap();
+    assert_eq!(next, Claim::Acquired { taken_over: false });
+}
+
+async fn completed_record_is_final<S: Store>(store: S, _clock: ManualClock) {
+    let token = acquire(&store, "k").await;
+    assert_eq!(
+        complete(&store, "k", token, b"one").await,
+        Completion::Stored
+    );
+    assert_eq!(
+        complete(&store, "k", token, b"two").await,
+        Completion::Fenced
+    );
+    assert!(!store.release("s".into(), "k".into(), token).await.unwrap());
+    let replay = store
+        .claim(claim_of("s", "k", 1, FencingToken::random()))
+        .await
+        .unwrap();
+    assert_eq!(replay, Claim::Completed(response(b"one")));
+}
+
+async fn record_past_ttl_is_new<S: Store>(store: S, clock: ManualClock) {
+    let token = acquire(&store, "k").await;
+    complete(&store, "k", token, b"old").await;
+    clock.advance(TTL - Duration::from_millis(1));
+    assert!(matches!(
+        store
+            .claim(claim_of("s", "k", 1, FencingToken::random()))
+            .await
+            .unwrap(),
+        Claim::Completed(_)
+    ));
+    clock.advance(Duration::from_millis(1));
+    // Past its TTL the record is ignored, whatever its fingerprint was.
+    let fresh = store
+        .claim(claim_of("s", "k", 2, FencingToken::random()))
+        .await
+        .unwrap();
+    assert_eq!(fresh, Claim::Acquired { taken_over: false });
+}
+
+async fn purge_removes_only_expired<S: Store>(store: S, clock: ManualClock) {
+    acquire(&store, "old").await;
+    clock.advance(TTL / 2);
+    acquire(&store, "young").await;
+    assert_eq!(store.purge_expired().await.unwrap(), 0);
+    clock.advance(TTL / 2);
+    assert_eq!(store.purge_expired().await.unwrap(), 1);
+    // "young" survived the purge: its lease is long over, so it is taken over
+    // (a purged record would be claimed afresh).
+    assert_eq!(
+        store
+            .claim(claim_of("s", "young", 1, FencingToken::random()))
+            .await
+            .unwrap(),
+        Claim::Acquired { taken_over: true }
+    );
+    assert_eq!(store.purge_expired().await.unwrap(), 0);
+}
+
+async fn scopes_never_meet<S: Store>(store: S, _clock: ManualClock) {
+    let token = FencingToken::random();
+    store.claim(claim_of("alice", "k", 1, token)).await.unwrap();
+    store
+        .complete("alice".into(), "k".into(), token, response(b"alice's"))
+        .await
+        .unwrap();
+    let bob = store
+        .claim(claim_of("bob", "k", 1, FencingToken::random()))
+        .await
+        .unwrap();
+    assert_eq!(bob, Claim::Acquired { taken_over: false });
+}
+
+async fn concurrent_claims_have_one_winner<S: Store>(store: S, _clock: ManualClock) {
+    const N: usize = 32;
+    let barrier = Arc::new(Barrier::new(N));
+    let tasks: Vec<_> = (0..N)
+        .map(|_| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store
+                    .claim(claim_of("s", "k", 1, FencingToken::random()))
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut acquired = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            Claim::Acquired { taken_over: false } => acquired += 1,
+            Claim::InFlight { .. } => {}
+            other => panic!("unexpected claim outcome {other:?}"),
+        }
+    }
+    assert_eq!(acquired, 1);
+}
+
+async fn omitted_body_round_trips<S: Store>(store: S, _clock: ManualClock) {
+    let token = acquire(&store, "k").await;
+    let mut stored = response(b"");
+    stored.body = StoredBody::Omitted;
+    store
+        .complete("s".into(), "k".into(), token, stored.clone())
+        .await
+        .unwrap();
+    let replay = store
+        .claim(claim_of("s", "k", 1, FencingToken::random()))
+        .await
+        .unwrap();
+    assert_eq!(replay, Claim::Completed(stored));
+}
+
+macro_rules! store_suite {
+    ($store:ident, $make:expr) => {
+        mod $store {
+            use super::*;
+
+            store_suite!(@tests $make;
+                new_key_is_acquired,
+                completed_record_is_replayed,
+                mismatch_is_checked_first,
+                in_flight_reports_remaining_lease,
+                expired_lease_is_taken_over_and_fenced,
+                release_needs_the_token,
+                completed_record_is_final,
+                record_past_ttl_is_new,
+                purge_removes_only_expired,
+                scopes_never_meet,
+                concurrent_claims_have_one_winner,
+                omitted_body_round_trips,
+            );
+        }
+    };
+    (@tests $make:expr; $($test:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() {
+                let clock = ManualClock::new(START_MS);
+                let (store, _keep) = $make(clock.clone()).await;
+                super::$test(store, clock).await;
+            }
+        )*
+    };
+}
+
+async fn memory(clock: ManualClock) -> (MemoryStore, ()) {
+    (MemoryStore::with_clock(clock), ())
+}
+
+async fn sqlite(clock: ManualClock) -> (SqliteStore, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::builder(dir.path().join("records.sqlite3"))
+        .clock(clock)
+        .open()
+        .await
+        .unwrap();
+    (store, dir)
+}
+
+store_suite!(memory_store, memory);
+store_suite!(sqlite_store, sqlite);
+
+/// Two independent handles on one file (as two processes would have): the
+/// primary key decides, not anything in either handle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_two_handles_one_file_one_winner() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("shared.sqlite3");
+    let one = SqliteStore::open(&path).await.unwrap();
+    let two = SqliteStore::open(&path).await.unwrap();
+    for round in 0..10 {
+        let key = format!("k{round}");
+        let barrier = Arc::new(Barrier::new(16));
+        let tasks: Vec<_> = (0..16)
+            .map(|i| {
+                let store = if i % 2 == 0 { one.clone() } else { two.clone() };
+                let (barrier, key) = (barrier.clone(), key.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    store
+                        .claim(claim_of("s", &key, 1, FencingToken::random()))
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        let mut acquired = 0;
+        for task in tasks {
+            if let Claim::Acquired { .. } = task.await.unwrap() {
+                acquired += 1;
+            }
+        }
+        assert_eq!(acquired, 1, "round {round}");
+    }
+}
+
+#[tokio::test]
+async fn the_purge_task_removes_expired_records() {
+    let clock = ManualClock::new(START_MS);
+    let store = MemoryStore::with_clock(clock.clone());
+    acquire(&store, "k").await;
+    let task = tower_idempotency::store::spawn_purge_task(store.clone(), Duration::from_millis(10));
+    clock.advance(TTL);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !store.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the purge task never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    task.abort();
+}
