@@ -196,18 +196,15 @@ impl Fingerprinter for JsonFingerprinter {
             .map_err(|e| FingerprintError(format!("the request body is not JSON: {e}")))?;
         let mut hasher = Hasher::new("tower-idempotency/json/v1");
         hasher.request_target(parts);
-        // `serde_json::Value` keeps object keys sorted (no `preserve_order`
-        // feature here), and `to_vec` writes no whitespace: canonical form.
-        let canonical = |v: &serde_json::Value| serde_json::to_vec(v).unwrap_or_default();
         match &self.pointers {
             None => {
-                hasher.part(&canonical(&value));
+                hasher.part(&canonical_json(&value));
             }
             Some(pointers) => {
                 for pointer in pointers.iter() {
                     hasher.part(pointer.as_bytes());
                     match value.pointer(pointer) {
-                        Some(v) => hasher.part(b"present").part(&canonical(v)),
+                        Some(v) => hasher.part(b"present").part(&canonical_json(v)),
                         None => hasher.part(b"absent"),
                     };
                 }
@@ -215,6 +212,50 @@ impl Fingerprinter for JsonFingerprinter {
         }
         Ok(hasher.finish())
     }
+}
+
+/// `value` as compact JSON with every object's keys sorted by their bytes.
+///
+/// The sorting is done here rather than left to `serde_json::Map`, whose
+/// order depends on whether any crate in the build enables serde_json's
+/// `preserve_order` feature.
+fn canonical_json(value: &serde_json::Value) -> Vec<u8> {
+    fn write(value: &serde_json::Value, out: &mut Vec<u8>) {
+        match value {
+            serde_json::Value::Object(map) => {
+                let mut entries: Vec<_> = map.iter().collect();
+                entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+                out.push(b'{');
+                for (i, (key, value)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    write_scalar(&serde_json::Value::String(key.clone()), out);
+                    out.push(b':');
+                    write(value, out);
+                }
+                out.push(b'}');
+            }
+            serde_json::Value::Array(items) => {
+                out.push(b'[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    write(item, out);
+                }
+                out.push(b']');
+            }
+            scalar => write_scalar(scalar, out),
+        }
+    }
+    fn write_scalar(value: &serde_json::Value, out: &mut Vec<u8>) {
+        // Writing a scalar to a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, value);
+    }
+    let mut out = Vec::new();
+    write(value, &mut out);
+    out
 }
 
 #[cfg(test)]
@@ -285,6 +326,16 @@ mod tests {
         assert!(
             f.fingerprint(&parts("POST", "/p"), &Bytes::from_static(b"{no"))
                 .is_err()
+        );
+    }
+
+    #[test]
+    fn canonical_json_sorts_keys_at_every_depth() {
+        let v: serde_json::Value =
+            serde_json::from_str(r#"{"b":{"y":1,"x":[{"d":1,"c":2}]},"a":"\u00e9\"q"}"#).unwrap();
+        assert_eq!(
+            String::from_utf8(canonical_json(&v)).unwrap(),
+            r#"{"a":"é\"q","b":{"x":[{"c":2,"d":1}],"y":1}}"#
         );
     }
 

@@ -86,6 +86,11 @@ mod service;
 pub mod store;
 
 pub use body::{RequestBody, ResponseBody};
+
+/// The README's Rust examples, compiled and run as doc tests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 pub use layer::{
     DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, DEFAULT_TTL,
     IdempotencyLayer,

@@ -159,13 +159,15 @@ impl Rejection {
     /// `title`, `status` and `detail`, plus `Retry-After` (seconds) on 409
     /// and 503.
     pub fn to_problem(&self) -> Response<Bytes> {
-        let body = serde_json::json!({
-            "type": self.problem_type(),
-            "title": self.title(),
-            "status": self.status().as_u16(),
-            "detail": self.detail(),
-        });
-        let body = Bytes::from(body.to_string());
+        // Members in the order RFC 9457 §3.1 lists them; strings escaped by serde_json.
+        let string = |s: &str| serde_json::Value::from(s).to_string();
+        let body = Bytes::from(format!(
+            "{{\"type\":{},\"title\":{},\"status\":{},\"detail\":{}}}",
+            string(self.problem_type()),
+            string(self.title()),
+            self.status().as_u16(),
+            string(&self.detail()),
+        ));
         let mut response = Response::new(body);
         *response.status_mut() = self.status();
         let headers = response.headers_mut();
