@@ -1,6 +1,7 @@
 //! [`IdempotencyLayer`]: the configuration, and the [`tower_layer::Layer`]
 //! that wraps a service in [`Idempotency`].
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,11 +10,12 @@ use http::{HeaderName, Method, Response};
 use tower_layer::Layer;
 
 use crate::fingerprint::{DefaultFingerprinter, Fingerprinter};
+use crate::mode::{Separate, Transactional};
 use crate::policy::{DefaultStorePolicy, StorePolicy};
 use crate::problem::Rejection;
 use crate::scope::Scope;
 use crate::service::Idempotency;
-use crate::store::Store;
+use crate::store::{Store, TransactionalStore};
 
 /// The default lease: how long an in-flight claim holds, 60 seconds.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
@@ -32,12 +34,14 @@ type RejectionFn = Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
 /// See the [crate docs](crate) for an example and the full behaviour.
 ///
 /// Type parameters: `St` the [`Store`], `Sc` the [`Scope`], `F` the
-/// [`Fingerprinter`], `P` the [`StorePolicy`].
-#[derive(Clone)]
+/// [`Fingerprinter`], `P` the [`StorePolicy`], `M` the [`crate::mode`]
+/// ([`Separate`] unless [`IdempotencyLayer::transactional`] was called).
 #[must_use]
-pub struct IdempotencyLayer<St, Sc, F = DefaultFingerprinter, P = DefaultStorePolicy> {
+pub struct IdempotencyLayer<St, Sc, F = DefaultFingerprinter, P = DefaultStorePolicy, M = Separate>
+{
     store: St,
     config: Config<Sc, F, P>,
+    mode: PhantomData<fn() -> M>,
 }
 
 /// What a layer is configured with; shared by its services behind an `Arc`.
@@ -72,7 +76,17 @@ impl Settings {
     }
 }
 
-impl<St, Sc, F, P> std::fmt::Debug for IdempotencyLayer<St, Sc, F, P> {
+impl<St: Clone, Sc: Clone, F: Clone, P: Clone, M> Clone for IdempotencyLayer<St, Sc, F, P, M> {
+    fn clone(&self) -> Self {
+        IdempotencyLayer {
+            store: self.store.clone(),
+            config: self.config.clone(),
+            mode: PhantomData,
+        }
+    }
+}
+
+impl<St, Sc, F, P, M> std::fmt::Debug for IdempotencyLayer<St, Sc, F, P, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let c = &self.config.settings;
         f.debug_struct("IdempotencyLayer")
@@ -116,11 +130,12 @@ impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
                 fingerprinter: DefaultFingerprinter::new(),
                 policy: DefaultStorePolicy,
             },
+            mode: PhantomData,
         }
     }
 }
 
-impl<St, Sc, F, P> IdempotencyLayer<St, Sc, F, P> {
+impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// The field that carries the key (default `Idempotency-Key`), e.g.
     /// `webhook-id` for Standard Webhooks receivers.
     pub fn header_name(mut self, name: HeaderName) -> Self {
@@ -198,7 +213,7 @@ impl<St, Sc, F, P> IdempotencyLayer<St, Sc, F, P> {
     pub fn fingerprint<F2: Fingerprinter>(
         self,
         fingerprinter: F2,
-    ) -> IdempotencyLayer<St, Sc, F2, P> {
+    ) -> IdempotencyLayer<St, Sc, F2, P, M> {
         let Config {
             settings,
             scope,
@@ -206,6 +221,7 @@ impl<St, Sc, F, P> IdempotencyLayer<St, Sc, F, P> {
             ..
         } = self.config;
         IdempotencyLayer {
+            mode: PhantomData,
             store: self.store,
             config: Config {
                 settings,
@@ -217,7 +233,7 @@ impl<St, Sc, F, P> IdempotencyLayer<St, Sc, F, P> {
     }
 
     /// Decides with `policy` which responses are stored (see [`crate::policy`]).
-    pub fn store_when<P2: StorePolicy>(self, policy: P2) -> IdempotencyLayer<St, Sc, F, P2> {
+    pub fn store_when<P2: StorePolicy>(self, policy: P2) -> IdempotencyLayer<St, Sc, F, P2, M> {
         let Config {
             settings,
             scope,
@@ -225,6 +241,7 @@ impl<St, Sc, F, P> IdempotencyLayer<St, Sc, F, P> {
             ..
         } = self.config;
         IdempotencyLayer {
+            mode: PhantomData,
             store: self.store,
             config: Config {
                 settings,
@@ -236,14 +253,33 @@ impl<St, Sc, F, P> IdempotencyLayer<St, Sc, F, P> {
     }
 }
 
-impl<S, St, Sc, F, P> Layer<S> for IdempotencyLayer<St, Sc, F, P>
+impl<St: TransactionalStore, Sc, F, P> IdempotencyLayer<St, Sc, F, P, Separate> {
+    /// Commits the handler's writes, the record and the response in one
+    /// transaction (see [`crate::mode`]). The handler gets the store's
+    /// transaction type (for SQLite, [`crate::store::SqliteTransaction`])
+    /// from its request's extensions, or as an axum extractor.
+    ///
+    /// A concurrent duplicate never runs the handler: it waits for the
+    /// store's lock (up to SQLite's busy timeout), then sees the committed
+    /// record and gets the replay (or 422). If the first request holds the
+    /// lock past the busy timeout, the duplicate gets 503 with `Retry-After`.
+    pub fn transactional(self) -> IdempotencyLayer<St, Sc, F, P, Transactional> {
+        IdempotencyLayer {
+            store: self.store,
+            config: self.config,
+            mode: PhantomData,
+        }
+    }
+}
+
+impl<S, St, Sc, F, P, M> Layer<S> for IdempotencyLayer<St, Sc, F, P, M>
 where
     St: Clone,
     Sc: Clone,
     F: Clone,
     P: Clone,
 {
-    type Service = Idempotency<S, St, Sc, F, P>;
+    type Service = Idempotency<S, St, Sc, F, P, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency::new(inner, self.store.clone(), Arc::new(self.config.clone()))

@@ -78,6 +78,7 @@ mod body;
 pub mod fingerprint;
 pub mod key;
 mod layer;
+pub mod mode;
 pub mod policy;
 pub mod problem;
 pub mod response;

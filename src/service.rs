@@ -11,6 +11,7 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -27,6 +28,7 @@ use crate::body::{RequestBody, ResponseBody};
 use crate::fingerprint::Fingerprinter;
 use crate::key::parse_key;
 use crate::layer::{Config, Settings};
+use crate::mode::{Hold, Mode, Separate};
 use crate::policy::StorePolicy;
 use crate::problem::Rejection;
 use crate::response::{StoredBody, StoredResponse};
@@ -43,23 +45,25 @@ const STORE_RETRY_AFTER_SECS: u64 = 1;
 /// The inner service receives `Request<`[`RequestBody<B>`]`>` and its errors
 /// pass through unchanged (`Error = S::Error`); the layer's own rejections are
 /// responses, so it can sit in axum, whose services must be infallible.
-pub struct Idempotency<S, St, Sc, F, P> {
+pub struct Idempotency<S, St, Sc, F, P, M = Separate> {
     inner: S,
     store: St,
     config: Arc<Config<Sc, F, P>>,
+    mode: PhantomData<fn() -> M>,
 }
 
-impl<S: Clone, St: Clone, Sc, F, P> Clone for Idempotency<S, St, Sc, F, P> {
+impl<S: Clone, St: Clone, Sc, F, P, M> Clone for Idempotency<S, St, Sc, F, P, M> {
     fn clone(&self) -> Self {
         Idempotency {
             inner: self.inner.clone(),
             store: self.store.clone(),
             config: self.config.clone(),
+            mode: PhantomData,
         }
     }
 }
 
-impl<S: std::fmt::Debug, St, Sc, F, P> std::fmt::Debug for Idempotency<S, St, Sc, F, P> {
+impl<S: std::fmt::Debug, St, Sc, F, P, M> std::fmt::Debug for Idempotency<S, St, Sc, F, P, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
@@ -67,18 +71,21 @@ impl<S: std::fmt::Debug, St, Sc, F, P> std::fmt::Debug for Idempotency<S, St, Sc
     }
 }
 
-impl<S, St, Sc, F, P> Idempotency<S, St, Sc, F, P> {
+impl<S, St, Sc, F, P, M> Idempotency<S, St, Sc, F, P, M> {
     pub(crate) fn new(inner: S, store: St, config: Arc<Config<Sc, F, P>>) -> Self {
         Idempotency {
             inner,
             store,
             config,
+            mode: PhantomData,
         }
     }
 }
 
-impl<S, St, Sc, F, P, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, Sc, F, P>
+impl<S, St, Sc, F, P, M, ReqBody, ResBody> Service<Request<ReqBody>>
+    for Idempotency<S, St, Sc, F, P, M>
 where
+    M: Mode<St>,
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
         + Clone
         + Send
@@ -121,7 +128,13 @@ where
         // its clone stays for the next (tower's usual swap).
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let run = intercept(inner, self.store.clone(), self.config.clone(), req, key);
+        let run = intercept::<M, _, _, _, _, _, _, _>(
+            inner,
+            self.store.clone(),
+            self.config.clone(),
+            req,
+            key,
+        );
         ResponseFuture::intercepted(Box::pin(run))
     }
 }
@@ -214,7 +227,7 @@ fn key_tag(scope: &str, key: &str) -> String {
 }
 
 /// One intercepted request, from its buffered body to its stored response.
-async fn intercept<S, St, Sc, F, P, ReqBody, ResBody>(
+async fn intercept<M, S, St, Sc, F, P, ReqBody, ResBody>(
     inner: S,
     store: St,
     config: Arc<Config<Sc, F, P>>,
@@ -222,6 +235,7 @@ async fn intercept<S, St, Sc, F, P, ReqBody, ResBody>(
     key: String,
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
+    M: Mode<St>,
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     St: Store,
     Sc: Scope,
@@ -239,17 +253,17 @@ where
         key = %key_tag(&scope, &key),
         outcome = tracing::field::Empty,
     );
-    serve(inner, store, &config, parts, body, scope, key)
+    serve::<M, _, _, _, _, _, _, _>(inner, store, &config, parts, body, scope, key)
         .instrument(span)
         .await
 }
 
 /// Records the outcome on the request's span.
-fn outcome(name: &'static str) {
+pub(crate) fn outcome(name: &'static str) {
     tracing::Span::current().record("outcome", name);
 }
 
-async fn serve<S, St, Sc, F, P, ReqBody, ResBody>(
+async fn serve<M, S, St, Sc, F, P, ReqBody, ResBody>(
     mut inner: S,
     store: St,
     config: &Config<Sc, F, P>,
@@ -259,6 +273,7 @@ async fn serve<S, St, Sc, F, P, ReqBody, ResBody>(
     key: String,
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
+    M: Mode<St>,
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     St: Store,
     F: Fingerprinter,
@@ -280,25 +295,34 @@ where
         Ok(fingerprint) => fingerprint,
         Err(e) => return reject("rejected", Rejection::UnreadableBody(e.to_string())),
     };
-    let token = FencingToken::random();
-    let claim = store
-        .claim(ClaimRequest {
-            scope: scope.clone(),
-            key: key.clone(),
-            fingerprint,
-            token,
-            lease: settings.lease,
-            ttl: settings.ttl,
-        })
-        .await;
-    let taken_over = match claim {
-        Ok(Claim::Acquired { taken_over }) => taken_over,
-        Ok(Claim::Mismatch) => return reject("mismatch", Rejection::Mismatch),
-        Ok(Claim::InFlight { lease_remaining }) => {
+    let request = ClaimRequest {
+        scope,
+        key,
+        fingerprint,
+        token: FencingToken::random(),
+        lease: settings.lease,
+        ttl: settings.ttl,
+    };
+    let mut hold = match M::claim(&store, request).await {
+        Ok(Ok((hold, taken_over))) => {
+            outcome(if taken_over { "taken_over" } else { "claimed" });
+            hold
+        }
+        Ok(Err(Claim::Mismatch)) => return reject("mismatch", Rejection::Mismatch),
+        Ok(Err(Claim::InFlight { lease_remaining })) => {
             let retry_after_secs = retry_after_secs(lease_remaining);
             return reject("in_flight", Rejection::InFlight { retry_after_secs });
         }
-        Ok(Claim::Completed(stored)) => return Ok(replay(settings, &stored)),
+        Ok(Err(Claim::Completed(stored))) => return Ok(replay(settings, &stored)),
+        Ok(Err(Claim::Acquired { .. })) => {
+            // A store bug: it refused the claim yet says it was acquired.
+            tracing::error!("the idempotency store contradicted itself; answering 503");
+            let retry_after_secs = STORE_RETRY_AFTER_SECS;
+            return reject(
+                "store_error",
+                Rejection::StoreUnavailable { retry_after_secs },
+            );
+        }
         Err(e) => {
             tracing::error!(error = %e, "idempotency store failed to claim; answering 503");
             let retry_after_secs = STORE_RETRY_AFTER_SECS;
@@ -308,15 +332,14 @@ where
             );
         }
     };
-    outcome(if taken_over { "taken_over" } else { "claimed" });
 
-    let mut guard = ReleaseGuard::new(store.clone(), scope, key, token);
     parts.headers.remove(&settings.marker);
+    hold.attach(&mut parts.extensions);
     let request = Request::from_parts(parts, RequestBody::buffered(body, trailers));
     let response = match inner.call(request).await {
         Ok(response) => response,
         Err(e) => {
-            guard.release().await;
+            hold.release().await;
             return Err(e);
         }
     };
@@ -324,15 +347,13 @@ where
         .policy
         .should_store(response.status(), response.headers())
     {
-        guard.release().await;
+        hold.release().await;
         let (mut parts, body) = response.into_parts();
         parts.headers.remove(&settings.marker);
         return Ok(Response::from_parts(parts, ResponseBody::inner(body)));
     }
-    // The handler has answered: from here on its effect may exist, so a
-    // cancelled future must not release the key (the lease decides).
-    let (scope, key) = guard.keep();
-    Ok(store_response(&store, settings, scope, key, token, response).await)
+    hold.answered();
+    Ok(store_response(hold, settings, response).await)
 }
 
 /// Buffers the request body up to `limit` bytes.
@@ -371,15 +392,13 @@ fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<Res
         .map(|body| ResponseBody::full(body, trailers))
 }
 
-/// Reads the first response's body up to the response limit, completes the
-/// record (token-checked), and returns the response for the first caller:
-/// always whole, whatever happened to the record.
-async fn store_response<St: Store, B: Body>(
-    store: &St,
+/// Reads the first response's body up to the response limit and completes
+/// the record. The first caller gets the response whole, unless the record
+/// and the effect commit together and that commit failed: then nothing
+/// happened, and the answer is 503.
+async fn store_response<H: Hold, B: Body>(
+    hold: H,
     settings: &Settings,
-    scope: String,
-    key: String,
-    token: FencingToken,
     response: Response<B>,
 ) -> Response<ResponseBody<B>> {
     let (mut parts, body) = response.into_parts();
@@ -399,12 +418,11 @@ async fn store_response<St: Store, B: Body>(
                 }
             }
             Some(Err(e)) => {
-                // The handler answered but its body failed: the effect may
-                // exist and no response can be stored. Keep the record in
-                // flight; the lease decides.
-                tracing::warn!(
-                    "response body failed before it was stored; the key stays in flight until its lease ends"
-                );
+                // No response can be stored. Separate mode keeps the key in
+                // flight (the effect may exist; the lease decides);
+                // transactional mode rolls the effect back.
+                tracing::warn!("the response body failed before it was stored");
+                drop(hold);
                 return Response::from_parts(parts, ResponseBody::then_error(frames, e));
             }
         }
@@ -418,7 +436,7 @@ async fn store_response<St: Store, B: Body>(
         trailers.as_ref(),
         Some(&settings.marker),
     );
-    match store.complete(scope, key, token, stored).await {
+    match hold.complete(stored).await {
         Ok(Completion::Stored) => {
             outcome(if omitted {
                 "completed_without_body"
@@ -431,6 +449,12 @@ async fn store_response<St: Store, B: Body>(
             tracing::warn!(
                 "the lease ended and another request took the key over; this response was not stored"
             );
+        }
+        Err(e) if H::ATOMIC => {
+            outcome("store_error");
+            tracing::error!(error = %e, "committing the request failed; nothing happened; answering 503");
+            let retry_after_secs = STORE_RETRY_AFTER_SECS;
+            return rejection_response(settings, &Rejection::StoreUnavailable { retry_after_secs });
         }
         Err(e) => {
             outcome("store_error");
@@ -457,81 +481,6 @@ fn concat(frames: &VecDeque<Frame<Bytes>>, size: usize) -> Bytes {
                 out.extend_from_slice(chunk);
             }
             out.freeze()
-        }
-    }
-}
-
-/// Holds a claim while the inner service runs. Dropped while armed (the
-/// request's future was dropped, or the handler panicked), it releases the
-/// record from a spawned task, so a retry runs at once instead of waiting for
-/// the lease. Never panics.
-struct ReleaseGuard<St: Store> {
-    store: St,
-    scope: String,
-    key: String,
-    token: FencingToken,
-    armed: bool,
-}
-
-impl<St: Store> ReleaseGuard<St> {
-    fn new(store: St, scope: String, key: String, token: FencingToken) -> Self {
-        ReleaseGuard {
-            store,
-            scope,
-            key,
-            token,
-            armed: true,
-        }
-    }
-
-    /// Releases the record now (token-checked). If this future is dropped
-    /// midway, the guard is still armed and releases from `Drop`.
-    async fn release(&mut self) {
-        let released = self
-            .store
-            .release(self.scope.clone(), self.key.clone(), self.token)
-            .await;
-        self.armed = false;
-        match released {
-            Ok(_) => outcome("released"),
-            Err(e) => {
-                outcome("store_error");
-                tracing::error!(error = %e, "releasing the key failed; it stays in flight until its lease ends");
-            }
-        }
-    }
-
-    /// Disarms the guard, keeping the claim; returns the scope and key.
-    fn keep(mut self) -> (String, String) {
-        self.armed = false;
-        (
-            std::mem::take(&mut self.scope),
-            std::mem::take(&mut self.key),
-        )
-    }
-}
-
-impl<St: Store> Drop for ReleaseGuard<St> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let (store, token) = (self.store.clone(), self.token);
-        let (scope, key) = (
-            std::mem::take(&mut self.scope),
-            std::mem::take(&mut self.key),
-        );
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                handle.spawn(async move {
-                    if let Err(e) = store.release(scope, key, token).await {
-                        tracing::error!(error = %e, "releasing an abandoned key failed; it stays in flight until its lease ends");
-                    }
-                });
-            }
-            Err(_) => tracing::error!(
-                "an abandoned key could not be released outside a Tokio runtime; it stays in flight until its lease ends"
-            ),
         }
     }
 }

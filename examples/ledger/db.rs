@@ -100,18 +100,18 @@ impl Db {
             .map_err(|e| LedgerError::Database(Box::new(e)))?
     }
 
-    pub async fn create_account(&self, name: String) -> Result<Account, LedgerError> {
-        self.run(move |conn| {
-            let id = conn.query_row(
-                "INSERT INTO accounts (name) VALUES (?1) RETURNING id",
-                params![name],
-                |r| r.get(0),
-            )?;
-            Ok(Account {
-                id,
-                name,
-                balance: 0,
-            })
+    /// Runs `f` in a transaction of its own, committed when `f` succeeds
+    /// (the `separate` mode's writes).
+    pub async fn in_transaction<T, F>(&self, f: F) -> Result<T, LedgerError>
+    where
+        F: FnOnce(&rusqlite::Connection) -> Result<T, LedgerError> + Send + 'static,
+        T: Send + 'static,
+    {
+        self.run(|conn| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let value = f(&tx)?;
+            tx.commit()?;
+            Ok(value)
         })
         .await
     }
@@ -134,42 +134,45 @@ impl Db {
         })
         .await
     }
+}
 
-    /// Writes the credit and the account's new balance in one transaction.
-    /// With `fail_after_effect`, both are written and then rolled back.
-    pub async fn credit(
-        &self,
-        account_id: i64,
-        amount: i64,
-        fail_after_effect: bool,
-    ) -> Result<Credit, LedgerError> {
-        self.run(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let balance: Option<i64> = tx
-                .query_row(
-                    "UPDATE accounts SET balance = balance + ?2 WHERE id = ?1 RETURNING balance",
-                    params![account_id, amount],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            let balance = balance.ok_or(LedgerError::NoSuchAccount)?;
-            let credit_id = tx.query_row(
-                "INSERT INTO credits (account_id, amount) VALUES (?1, ?2) RETURNING id",
-                params![account_id, amount],
-                |r| r.get(0),
-            )?;
-            if fail_after_effect {
-                // Dropping `tx` rolls the credit back.
-                return Err(LedgerError::InjectedFailure);
-            }
-            tx.commit()?;
-            Ok(Credit {
-                credit_id,
-                account_id,
-                amount,
-                balance,
-            })
-        })
-        .await
-    }
+pub fn create_account(conn: &rusqlite::Connection, name: String) -> Result<Account, LedgerError> {
+    let id = conn.query_row(
+        "INSERT INTO accounts (name) VALUES (?1) RETURNING id",
+        params![name],
+        |r| r.get(0),
+    )?;
+    Ok(Account {
+        id,
+        name,
+        balance: 0,
+    })
+}
+
+/// Writes the credit and the account's new balance (inside the caller's
+/// transaction).
+pub fn credit(
+    conn: &rusqlite::Connection,
+    account_id: i64,
+    amount: i64,
+) -> Result<Credit, LedgerError> {
+    let balance: Option<i64> = conn
+        .query_row(
+            "UPDATE accounts SET balance = balance + ?2 WHERE id = ?1 RETURNING balance",
+            params![account_id, amount],
+            |r| r.get(0),
+        )
+        .optional()?;
+    let balance = balance.ok_or(LedgerError::NoSuchAccount)?;
+    let credit_id = conn.query_row(
+        "INSERT INTO credits (account_id, amount) VALUES (?1, ?2) RETURNING id",
+        params![account_id, amount],
+        |r| r.get(0),
+    )?;
+    Ok(Credit {
+        credit_id,
+        account_id,
+        amount,
+        balance,
+    })
 }

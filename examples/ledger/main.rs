@@ -2,7 +2,7 @@
 //! delivered twice must be applied once.
 //!
 //! ```text
-//! cargo run --example ledger -- [--db PATH] [--mode separate] [--listen ADDR]
+//! cargo run --example ledger -- [--db PATH] [--mode transactional|separate] [--listen ADDR]
 //!     [--lease-secs N] [--fault-injection]
 //! ```
 //!
@@ -22,16 +22,27 @@ use axum::http::{HeaderMap, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
+use tower_idempotency::store::SqliteTransaction;
 use tower_idempotency::{IdempotencyLayer, SqliteStore};
 
 use db::{Db, LedgerError};
 
-const USAGE: &str = "usage: ledger [--db PATH] [--key-store URL] [--mode separate] \
+const USAGE: &str = "usage: ledger [--db PATH] [--mode transactional|separate] \
 [--listen ADDR] [--lease-secs N] [--fault-injection]";
+
+/// When the idempotency record is written (see `tower_idempotency::mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The credit, the record and the stored response in one commit.
+    Transactional,
+    /// The credit commits, then the record is completed in a second write.
+    Separate,
+}
 
 #[derive(Debug)]
 struct Args {
     db: PathBuf,
+    mode: Mode,
     listen: SocketAddr,
     lease: Option<Duration>,
     fault_injection: bool,
@@ -40,6 +51,7 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         db: PathBuf::from("ledger.sqlite3"),
+        mode: Mode::Transactional,
         listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
         lease: None,
         fault_injection: false,
@@ -72,11 +84,9 @@ fn parse_args() -> Result<Args, String> {
                 ));
             }
             "--mode" => {
-                match value()?.as_str() {
-                    "separate" => {}
-                    "transactional" => {
-                        return Err("--mode transactional is not available in this build; use --mode separate".into());
-                    }
+                args.mode = match value()?.as_str() {
+                    "separate" => Mode::Separate,
+                    "transactional" => Mode::Transactional,
                     other => return Err(format!("unknown --mode {other:?}\n{USAGE}")),
                 }
             }
@@ -105,6 +115,7 @@ fn parse_args() -> Result<Args, String> {
 #[derive(Clone)]
 struct AppState {
     db: Db,
+    mode: Mode,
     fault_injection: bool,
 }
 
@@ -125,12 +136,40 @@ fn app(state: AppState, store: SqliteStore, lease: Option<Duration>) -> Router {
     if let Some(lease) = lease {
         idempotency = idempotency.lease(lease);
     }
-    Router::new()
+    let routes = Router::new()
         .route("/accounts", post(create_account))
-        .route("/accounts/{id}/credits", post(credit))
+        .route("/accounts/{id}/credits", post(credit));
+    let routes = match state.mode {
+        Mode::Transactional => routes.route_layer(idempotency.transactional()),
+        Mode::Separate => routes.route_layer(idempotency),
+    };
+    routes
         .route("/accounts/{id}", get(account))
-        .route_layer(idempotency)
         .with_state(state)
+}
+
+/// Runs the handler's writes: inside the idempotency transaction, or in a
+/// transaction of their own. Either way `f` failing rolls its writes back.
+async fn write<T, F>(state: &AppState, tx: Option<SqliteTransaction>, f: F) -> Result<T, ApiError>
+where
+    F: FnOnce(&rusqlite::Connection) -> Result<T, LedgerError> + Send + 'static,
+    T: Send + 'static,
+{
+    match (state.mode, tx) {
+        (Mode::Separate, _) => Ok(state.db.in_transaction(f).await?),
+        (Mode::Transactional, Some(tx)) => {
+            // An `Err` makes the handler answer 4xx/5xx; the layer then
+            // rolls the transaction back or commits the refusal.
+            let value = tx
+                .run(move |tx| f(tx))
+                .await
+                .map_err(|e| LedgerError::Database(Box::new(e)))??;
+            Ok(value)
+        }
+        (Mode::Transactional, None) => Err(ApiError::Ledger(LedgerError::Database(
+            "no idempotency transaction for this request".into(),
+        ))),
+    }
 }
 
 #[tokio::main]
@@ -160,6 +199,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let db = Db::open(&args.db).await?;
     let state = AppState {
         db,
+        mode: args.mode,
         fault_injection: args.fault_injection,
     };
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
@@ -275,14 +315,18 @@ fn parse_id(id: &str) -> Result<i64, ApiError> {
         .map_err(|_| ApiError::Ledger(LedgerError::NoSuchAccount))
 }
 
-async fn create_account(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+async fn create_account(
+    State(state): State<AppState>,
+    tx: Option<SqliteTransaction>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let new: NewAccount = parse_json(&body)?;
     if !(1..=100).contains(&new.name.chars().count()) {
         return Err(ApiError::BadRequest(
             "name must be 1 to 100 characters".into(),
         ));
     }
-    let account = state.db.create_account(new.name).await?;
+    let account = write(&state, tx, move |conn| db::create_account(conn, new.name)).await?;
     Ok(created(account))
 }
 
@@ -297,6 +341,7 @@ async fn account(
 async fn credit(
     State(state): State<AppState>,
     Path(id): Path<String>,
+    tx: Option<SqliteTransaction>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -314,7 +359,17 @@ async fn credit(
             .get("x-ledger-fail")
             .is_some_and(|v| v.as_bytes() == b"after-effect");
     tokio::time::sleep(before).await;
-    let credit = state.db.credit(id, new.amount, fail_after_effect).await?;
+    let credit = write(&state, tx, move |conn| {
+        let credit = db::credit(conn, id, new.amount)?;
+        if fail_after_effect {
+            // Written, then failed before the commit: the credit rolls back.
+            return Err(LedgerError::InjectedFailure);
+        }
+        Ok(credit)
+    })
+    .await?;
+    // Separate mode: the credit is committed. Transactional mode: it commits
+    // with the record once this response is returned.
     tokio::time::sleep(after_effect).await;
     Ok(created(credit))
 }

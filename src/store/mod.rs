@@ -56,7 +56,7 @@ mod memory;
 mod sqlite;
 
 pub use memory::MemoryStore;
-pub use sqlite::{SqliteStore, SqliteStoreBuilder, Synchronous};
+pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous};
 
 /// An in-flight record's owner mark. Complete and release succeed only with
 /// the token that the record still carries.
@@ -203,6 +203,49 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Deletes every record past its TTL. Returns how many were deleted.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
+
+/// A store that can claim a key inside a transaction the handler writes
+/// through, and commit the handler's writes, the record and the response
+/// together ([`crate::mode::Transactional`]).
+pub trait TransactionalStore: Store {
+    /// The open transaction, handed to the handler through the request's
+    /// extensions (so: `Clone + Send + Sync`).
+    type Transaction: Clone + Send + Sync + 'static;
+
+    /// Opens a transaction and claims the key in it (the table in the module
+    /// docs). When acquired, the in-flight record exists only inside the
+    /// uncommitted transaction; refused, the transaction is already closed.
+    fn claim_in_transaction(
+        &self,
+        request: ClaimRequest,
+    ) -> impl Future<Output = Result<TransactionClaim<Self::Transaction>, StoreError>> + Send;
+
+    /// Completes the record with `response` and commits the transaction.
+    /// An error means nothing was committed.
+    fn commit(
+        &self,
+        transaction: &Self::Transaction,
+        response: StoredResponse,
+    ) -> impl Future<Output = Result<Completion, StoreError>> + Send;
+
+    /// Rolls the transaction back: the handler's writes and the claim vanish.
+    /// Returns at once; safe to call from `Drop`.
+    fn rollback(&self, transaction: &Self::Transaction);
+}
+
+/// The outcome of [`TransactionalStore::claim_in_transaction`].
+#[derive(Debug)]
+pub enum TransactionClaim<T> {
+    /// The caller holds the key inside `transaction`.
+    Acquired {
+        /// The open transaction.
+        transaction: T,
+        /// `true` when an in-flight record whose lease had ended was taken over.
+        taken_over: bool,
+    },
+    /// Any other outcome of the claim (never [`Claim::Acquired`]).
+    Refused(Claim),
 }
 
 /// Spawns a task on the current Tokio runtime that calls

@@ -10,7 +10,7 @@ use rusqlite::{TransactionBehavior, params};
 
 use super::{
     Claim, ClaimRequest, Clock, Completion, FencingToken, Store, StoreError, SystemClock,
-    duration_ms,
+    TransactionClaim, TransactionalStore, duration_ms,
 };
 use crate::response::StoredResponse;
 
@@ -245,87 +245,119 @@ enum Found {
     Completed(Vec<u8>),
 }
 
-impl Store for SqliteStore {
-    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
-        let found = self
-            .with_conn(move |conn, now| {
-                let lease_until = now.saturating_add(duration_ms(req.lease));
-                let expires_at = now.saturating_add(duration_ms(req.ttl));
-                let fingerprint = &req.fingerprint.0[..];
-                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                let inserted = tx.execute(
-                    "INSERT INTO idempotency_records
-                        (scope, key, fingerprint, token, state, lease_until, expires_at)
-                     VALUES (?1, ?2, ?3, ?4, 'in_flight', ?5, ?6)
-                     ON CONFLICT (scope, key) DO NOTHING",
-                    params![
-                        req.scope,
-                        req.key,
-                        fingerprint,
-                        req.token.0,
-                        lease_until,
-                        expires_at
-                    ],
-                )?;
-                if inserted == 1 {
-                    tx.commit()?;
-                    return Ok(Found::Claim(Claim::Acquired { taken_over: false }));
-                }
-                // The primary key refused the insert: the record exists. The
-                // IMMEDIATE transaction holds the write lock, so what we read
-                // now is what we decide on.
-                let (old_fingerprint, state, old_lease, old_expiry, response) = tx.query_row(
-                    "SELECT fingerprint, state, lease_until, expires_at, response
-                     FROM idempotency_records WHERE scope = ?1 AND key = ?2",
-                    params![req.scope, req.key],
-                    |r| {
-                        Ok((
-                            r.get::<_, Vec<u8>>(0)?,
-                            r.get::<_, String>(1)?,
-                            r.get::<_, i64>(2)?,
-                            r.get::<_, i64>(3)?,
-                            r.get::<_, Option<Vec<u8>>>(4)?,
-                        ))
-                    },
-                )?;
-                let expired = old_expiry <= now;
-                let found = if !expired && old_fingerprint != fingerprint {
-                    Found::Claim(Claim::Mismatch)
-                } else if !expired && state == "completed" {
-                    Found::Completed(response.unwrap_or_default())
-                } else if !expired && old_lease > now {
-                    Found::Claim(Claim::InFlight {
-                        lease_remaining: Duration::from_millis((old_lease - now) as u64),
-                    })
-                } else {
-                    tx.execute(
-                        "UPDATE idempotency_records
-                         SET fingerprint = ?3, token = ?4, state = 'in_flight',
-                             lease_until = ?5, expires_at = ?6, response = NULL
-                         WHERE scope = ?1 AND key = ?2",
-                        params![
-                            req.scope,
-                            req.key,
-                            fingerprint,
-                            req.token.0,
-                            lease_until,
-                            expires_at
-                        ],
-                    )?;
-                    Found::Claim(Claim::Acquired {
-                        taken_over: !expired,
-                    })
-                };
-                tx.commit()?;
-                Ok(found)
-            })
-            .await?;
-        match found {
+impl Found {
+    fn decode(self) -> Result<Claim, StoreError> {
+        match self {
             Found::Claim(claim) => Ok(claim),
             Found::Completed(blob) => StoredResponse::decode(&blob)
                 .map(Claim::Completed)
                 .map_err(|e| StoreError::Corrupt(e.to_string())),
         }
+    }
+}
+
+/// The claim of DESIGN §3 inside `tx`, an IMMEDIATE transaction: it holds
+/// SQLite's write lock, so what it reads is what it decides on. The primary
+/// key `(scope, key)` decides who inserts first.
+fn claim_in(
+    tx: &rusqlite::Transaction<'_>,
+    req: &ClaimRequest,
+    now: i64,
+) -> rusqlite::Result<Found> {
+    let lease_until = now.saturating_add(duration_ms(req.lease));
+    let expires_at = now.saturating_add(duration_ms(req.ttl));
+    let fingerprint = &req.fingerprint.0[..];
+    let inserted = tx.execute(
+        "INSERT INTO idempotency_records
+            (scope, key, fingerprint, token, state, lease_until, expires_at)
+         VALUES (?1, ?2, ?3, ?4, 'in_flight', ?5, ?6)
+         ON CONFLICT (scope, key) DO NOTHING",
+        params![
+            req.scope,
+            req.key,
+            fingerprint,
+            req.token.0,
+            lease_until,
+            expires_at
+        ],
+    )?;
+    if inserted == 1 {
+        return Ok(Found::Claim(Claim::Acquired { taken_over: false }));
+    }
+    let (old_fingerprint, state, old_lease, old_expiry, response) = tx.query_row(
+        "SELECT fingerprint, state, lease_until, expires_at, response
+         FROM idempotency_records WHERE scope = ?1 AND key = ?2",
+        params![req.scope, req.key],
+        |r| {
+            Ok((
+                r.get::<_, Vec<u8>>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, i64>(2)?,
+                r.get::<_, i64>(3)?,
+                r.get::<_, Option<Vec<u8>>>(4)?,
+            ))
+        },
+    )?;
+    let expired = old_expiry <= now;
+    if !expired && old_fingerprint != fingerprint {
+        return Ok(Found::Claim(Claim::Mismatch));
+    }
+    if !expired && state == "completed" {
+        return Ok(Found::Completed(response.unwrap_or_default()));
+    }
+    if !expired && old_lease > now {
+        let lease_remaining = Duration::from_millis((old_lease - now) as u64);
+        return Ok(Found::Claim(Claim::InFlight { lease_remaining }));
+    }
+    tx.execute(
+        "UPDATE idempotency_records
+         SET fingerprint = ?3, token = ?4, state = 'in_flight',
+             lease_until = ?5, expires_at = ?6, response = NULL
+         WHERE scope = ?1 AND key = ?2",
+        params![
+            req.scope,
+            req.key,
+            fingerprint,
+            req.token.0,
+            lease_until,
+            expires_at
+        ],
+    )?;
+    Ok(Found::Claim(Claim::Acquired {
+        taken_over: !expired,
+    }))
+}
+
+/// Completes the record if it still carries `token`.
+fn complete_in(
+    conn: &rusqlite::Connection,
+    scope: &str,
+    key: &str,
+    token: FencingToken,
+    blob: &[u8],
+) -> rusqlite::Result<Completion> {
+    let updated = conn.execute(
+        "UPDATE idempotency_records SET state = 'completed', response = ?4
+         WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight'",
+        params![scope, key, token.0, blob],
+    )?;
+    Ok(if updated == 1 {
+        Completion::Stored
+    } else {
+        Completion::Fenced
+    })
+}
+
+impl Store for SqliteStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        self.with_conn(move |conn, now| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let found = claim_in(&tx, &req, now)?;
+            tx.commit()?;
+            Ok(found)
+        })
+        .await?
+        .decode()
     }
 
     async fn complete(
@@ -336,19 +368,8 @@ impl Store for SqliteStore {
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
         let blob = response.encode();
-        self.with_conn(move |conn, _now| {
-            let updated = conn.execute(
-                "UPDATE idempotency_records SET state = 'completed', response = ?4
-                 WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight'",
-                params![scope, key, token.0, blob],
-            )?;
-            Ok(if updated == 1 {
-                Completion::Stored
-            } else {
-                Completion::Fenced
-            })
-        })
-        .await
+        self.with_conn(move |conn, _now| complete_in(conn, &scope, &key, token, &blob))
+            .await
     }
 
     async fn release(
@@ -377,6 +398,224 @@ impl Store for SqliteStore {
             Ok(n as u64)
         })
         .await
+    }
+}
+
+// ------------------------------------------------------------ transactional
+
+/// An open SQLite transaction in which the layer has claimed the request's
+/// key. The handler runs its own SQL in it with [`SqliteTransaction::run`];
+/// the layer commits (with the stored response) or rolls back after the
+/// handler answers.
+///
+/// The transaction lives on one of Tokio's blocking threads, which holds the
+/// connection and SQLite's write lock until the commit or rollback: async
+/// worker threads never block on it. While it is open, every other writer to
+/// the file waits (up to its busy timeout): SQLite has one writer at a time,
+/// so transactional requests on one file run one after another.
+///
+/// It reaches the handler as a request extension
+/// (`req.extensions().get::<SqliteTransaction>()`) and, with the `axum`
+/// feature, as an extractor.
+///
+/// # Example
+///
+/// ```
+/// use tower_idempotency::store::SqliteTransaction;
+///
+/// // An axum handler behind `IdempotencyLayer::new(store, scope).transactional()`.
+/// async fn credit(tx: SqliteTransaction) -> Result<String, String> {
+///     let balance = tx
+///         .run(|tx| {
+///             tx.execute("UPDATE accounts SET balance = balance + 5 WHERE id = 1", [])?;
+///             tx.query_row("SELECT balance FROM accounts WHERE id = 1", [], |r| r.get::<_, i64>(0))
+///         })
+///         .await
+///         .map_err(|e| e.to_string())?
+///         .map_err(|e: rusqlite::Error| e.to_string())?;
+///     Ok(format!("balance {balance}"))
+/// }
+/// ```
+#[derive(Clone)]
+pub struct SqliteTransaction {
+    commands: std::sync::mpsc::Sender<Command>,
+}
+
+impl std::fmt::Debug for SqliteTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteTransaction").finish_non_exhaustive()
+    }
+}
+
+type Job = Box<dyn FnOnce(&rusqlite::Transaction<'_>) + Send>;
+
+enum Command {
+    Run(Job),
+    Commit {
+        response: Vec<u8>,
+        reply: tokio::sync::oneshot::Sender<Result<Completion, StoreError>>,
+    },
+    Rollback,
+}
+
+fn transaction_over() -> StoreError {
+    StoreError::unavailable("the idempotency transaction has already been committed or rolled back")
+}
+
+impl SqliteTransaction {
+    /// Runs `f` on the transaction's thread and returns its result. `f` must
+    /// not commit, roll back or end the transaction itself (the layer does);
+    /// savepoints are fine.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] when the transaction has already ended
+    /// (committed, rolled back, or its thread died).
+    pub async fn run<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(&rusqlite::Transaction<'_>) -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let job: Job = Box::new(move |tx| {
+            let _ = reply.send(f(tx));
+        });
+        self.commands
+            .send(Command::Run(job))
+            .map_err(|_| transaction_over())?;
+        answer.await.map_err(|_| transaction_over())
+    }
+}
+
+/// The transaction's thread: runs the handler's jobs until the layer commits
+/// or rolls back. When every handle is gone without either, the transaction
+/// rolls back.
+fn serve_transaction(
+    tx: rusqlite::Transaction<'_>,
+    commands: std::sync::mpsc::Receiver<Command>,
+    req: &ClaimRequest,
+) {
+    while let Ok(command) = commands.recv() {
+        match command {
+            Command::Run(job) => job(&tx),
+            Command::Commit { response, reply } => {
+                let committed = match complete_in(&tx, &req.scope, &req.key, req.token, &response) {
+                    Ok(Completion::Stored) => tx.commit().map(|()| Completion::Stored),
+                    // Only the handler's own SQL could have removed the
+                    // record inside this transaction: commit nothing.
+                    Ok(Completion::Fenced) => {
+                        let _ = reply.send(Err(StoreError::Corrupt(
+                            "the claimed record vanished inside its transaction".into(),
+                        )));
+                        return;
+                    }
+                    Err(e) => Err(e),
+                };
+                let _ = reply.send(committed.map_err(StoreError::unavailable));
+                return;
+            }
+            Command::Rollback => return,
+        }
+    }
+}
+
+/// Extracts the request's transaction in a handler behind a
+/// [`crate::IdempotencyLayer::transactional`] layer. A request that reached
+/// the handler without one (no key on a layer that does not require one, or
+/// no transactional layer at all) is answered with a 500 problem: the
+/// handler would otherwise write outside the idempotency transaction.
+#[cfg(feature = "axum")]
+impl<S: Sync> axum_core::extract::FromRequestParts<S> for SqliteTransaction {
+    type Rejection = http::Response<axum_core::body::Body>;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<SqliteTransaction>().cloned().ok_or_else(|| {
+            let body = r#"{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"this handler needs an idempotency transaction, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)"}"#;
+            let mut response = http::Response::new(axum_core::body::Body::from(body));
+            *response.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
+            response.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/problem+json"),
+            );
+            response
+        })
+    }
+}
+
+/// `Option<SqliteTransaction>`: `None` for requests that passed through
+/// without a key.
+#[cfg(feature = "axum")]
+impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for SqliteTransaction {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<SqliteTransaction>().cloned())
+    }
+}
+
+impl TransactionalStore for SqliteStore {
+    type Transaction = SqliteTransaction;
+
+    async fn claim_in_transaction(
+        &self,
+        req: ClaimRequest,
+    ) -> Result<TransactionClaim<SqliteTransaction>, StoreError> {
+        let (pool, clock) = (self.pool.clone(), self.clock.clone());
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        // Not awaited: the thread lives until the transaction ends.
+        tokio::task::spawn_blocking(move || {
+            let mut conn = match pool.get() {
+                Ok(conn) => conn,
+                Err(e) => return drop(reply.send(Err(StoreError::unavailable(e)))),
+            };
+            let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+                Ok(tx) => tx,
+                Err(e) => return drop(reply.send(Err(StoreError::unavailable(e)))),
+            };
+            match claim_in(&tx, &req, clock.now_ms()) {
+                Ok(Found::Claim(Claim::Acquired { taken_over })) => {
+                    let (commands, inbox) = std::sync::mpsc::channel();
+                    let transaction = SqliteTransaction { commands };
+                    if reply
+                        .send(Ok(TransactionClaim::Acquired {
+                            transaction,
+                            taken_over,
+                        }))
+                        .is_ok()
+                    {
+                        serve_transaction(tx, inbox, &req);
+                    }
+                }
+                // Refused: nothing was written; the transaction ends here.
+                Ok(found) => drop(reply.send(found.decode().map(TransactionClaim::Refused))),
+                Err(e) => drop(reply.send(Err(StoreError::unavailable(e)))),
+            }
+        });
+        answer.await.map_err(|_| transaction_over())?
+    }
+
+    async fn commit(
+        &self,
+        transaction: &SqliteTransaction,
+        response: StoredResponse,
+    ) -> Result<Completion, StoreError> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let response = response.encode();
+        transaction
+            .commands
+            .send(Command::Commit { response, reply })
+            .map_err(|_| transaction_over())?;
+        answer.await.map_err(|_| transaction_over())?
+    }
+
+    fn rollback(&self, transaction: &SqliteTransaction) {
+        let _ = transaction.commands.send(Command::Rollback);
     }
 }
 

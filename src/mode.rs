@@ -1,0 +1,285 @@
+//! When the record of a completed request is written: after the handler's own
+//! commit ([`Separate`]), or in the same transaction ([`Transactional`]).
+//!
+//! # Example
+//!
+//! ```
+//! use tower_idempotency::{IdempotencyLayer, SqliteStore, scope::GlobalScope};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! let store = SqliteStore::open(dir.path().join("app.sqlite3")).await?;
+//! // The handler finds a `SqliteTransaction` in its request and writes through it.
+//! let layer = IdempotencyLayer::new(store, GlobalScope).transactional();
+//! # Ok(()) }
+//! ```
+//!
+//! # Separate
+//!
+//! The default, for every [`Store`]. The claim commits at once; the handler
+//! does its work and commits it wherever it likes; then the record is
+//! completed in a second write. If the process dies between the handler's
+//! commit and that write, the key stays in flight until its lease ends and a
+//! retry then runs the handler again: the effect happens twice.
+//!
+//! # Transactional
+//!
+//! For a [`TransactionalStore`] whose database also holds the handler's
+//! data. The layer opens a transaction, claims the key in it, and hands the
+//! transaction to the handler (an axum extractor, or a request extension for
+//! a plain tower service). After the handler answers, the layer stores the
+//! response in the same transaction and commits: the effect, the record and
+//! the response in ONE commit, or none of them. A response the policy does
+//! not store, an `Err`, a panic or a dropped request roll everything back. A
+//! crash anywhere before the commit leaves neither key nor effect, so the
+//! retry runs exactly once. If the commit itself fails, the first caller gets
+//! 503 instead of the handler's response, since nothing happened.
+
+use std::future::Future;
+
+use http::Extensions;
+
+use crate::response::StoredResponse;
+use crate::service::outcome;
+use crate::store::{
+    Claim, ClaimRequest, Completion, FencingToken, Store, StoreError, TransactionClaim,
+    TransactionalStore,
+};
+
+/// The record is completed in its own write after the handler (the default).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Separate;
+
+/// The handler's writes, the record and the response commit together.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Transactional;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Separate {}
+    impl Sealed for super::Transactional {}
+}
+
+/// How a layer claims keys and finishes records: [`Separate`] or
+/// [`Transactional`]. Sealed: its methods are the layer's internals.
+pub trait Mode<St>: sealed::Sealed + Clone + Send + Sync + 'static {
+    /// The claim while the inner service runs.
+    #[doc(hidden)]
+    type Hold: Hold;
+
+    /// Claims the key: the hold and whether an expired lease was taken over,
+    /// or the claim outcome that refuses the request.
+    #[doc(hidden)]
+    fn claim(
+        store: &St,
+        request: ClaimRequest,
+    ) -> impl Future<Output = Result<Result<(Self::Hold, bool), Claim>, StoreError>> + Send;
+}
+
+/// A held claim. Dropped without [`Hold::complete`] or [`Hold::release`]
+/// (a cancelled request, a panic), it gives the key back.
+#[doc(hidden)]
+pub trait Hold: Send + 'static {
+    /// Whether a failed completion means the handler's effect did not happen.
+    const ATOMIC: bool;
+
+    /// Makes the claim available to the handler.
+    fn attach(&self, extensions: &mut Extensions);
+
+    /// The handler has answered with a response the policy stores.
+    fn answered(&mut self);
+
+    /// Stores `response` and finishes the record.
+    fn complete(
+        self,
+        response: StoredResponse,
+    ) -> impl Future<Output = Result<Completion, StoreError>> + Send;
+
+    /// Gives the key back, so a retry runs at once.
+    fn release(self) -> impl Future<Output = ()> + Send;
+}
+
+impl<St: Store> Mode<St> for Separate {
+    type Hold = SeparateHold<St>;
+
+    async fn claim(
+        store: &St,
+        request: ClaimRequest,
+    ) -> Result<Result<(Self::Hold, bool), Claim>, StoreError> {
+        let (scope, key, token) = (request.scope.clone(), request.key.clone(), request.token);
+        Ok(match store.claim(request).await? {
+            Claim::Acquired { taken_over } => Ok((
+                SeparateHold::new(store.clone(), scope, key, token),
+                taken_over,
+            )),
+            refused => Err(refused),
+        })
+    }
+}
+
+/// A claim whose record was committed at once. Dropped while armed (the
+/// request was cancelled, or the handler panicked), it releases the record
+/// from a spawned task, so a retry runs at once instead of waiting for the
+/// lease. Never panics.
+#[doc(hidden)]
+pub struct SeparateHold<St: Store> {
+    store: St,
+    scope: String,
+    key: String,
+    token: FencingToken,
+    armed: bool,
+}
+
+impl<St: Store> SeparateHold<St> {
+    fn new(store: St, scope: String, key: String, token: FencingToken) -> Self {
+        SeparateHold {
+            store,
+            scope,
+            key,
+            token,
+            armed: true,
+        }
+    }
+
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+
+    /// Releases the record now (token-checked). If this future is dropped
+    /// midway, the hold is still armed and releases from `Drop`.
+    async fn release(mut self) {
+        let released = self
+            .store
+            .release(self.scope.clone(), self.key.clone(), self.token)
+            .await;
+        self.armed = false;
+        match released {
+            Ok(_) => outcome("released"),
+            Err(e) => {
+                outcome("store_error");
+                tracing::error!(error = %e, "releasing the key failed; it stays in flight until its lease ends");
+            }
+        }
+    }
+
+    async fn complete(mut self, response: StoredResponse) -> Result<Completion, StoreError> {
+        self.armed = false;
+        let (scope, key) = (
+            std::mem::take(&mut self.scope),
+            std::mem::take(&mut self.key),
+        );
+        self.store.complete(scope, key, self.token, response).await
+    }
+}
+
+impl<St: Store> Drop for SeparateHold<St> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, token) = (self.store.clone(), self.token);
+        let (scope, key) = (
+            std::mem::take(&mut self.scope),
+            std::mem::take(&mut self.key),
+        );
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    if let Err(e) = store.release(scope, key, token).await {
+                        tracing::error!(error = %e, "releasing an abandoned key failed; it stays in flight until its lease ends");
+                    }
+                });
+            }
+            Err(_) => tracing::error!(
+                "an abandoned key could not be released outside a Tokio runtime; it stays in flight until its lease ends"
+            ),
+        }
+    }
+}
+
+impl<St: Store> Hold for SeparateHold<St> {
+    const ATOMIC: bool = false;
+
+    fn attach(&self, _extensions: &mut Extensions) {}
+
+    fn answered(&mut self) {
+        // From here on the handler's effect may exist: a cancelled request
+        // must not release the key; the lease decides.
+        self.disarm();
+    }
+
+    fn complete(
+        self,
+        response: StoredResponse,
+    ) -> impl Future<Output = Result<Completion, StoreError>> + Send {
+        SeparateHold::complete(self, response)
+    }
+
+    fn release(self) -> impl Future<Output = ()> + Send {
+        SeparateHold::release(self)
+    }
+}
+
+impl<St: TransactionalStore> Mode<St> for Transactional {
+    type Hold = TransactionHold<St>;
+
+    async fn claim(
+        store: &St,
+        request: ClaimRequest,
+    ) -> Result<Result<(Self::Hold, bool), Claim>, StoreError> {
+        Ok(match store.claim_in_transaction(request).await? {
+            TransactionClaim::Acquired {
+                transaction,
+                taken_over,
+            } => Ok((
+                TransactionHold {
+                    store: store.clone(),
+                    transaction: Some(transaction),
+                },
+                taken_over,
+            )),
+            TransactionClaim::Refused(claim) => Err(claim),
+        })
+    }
+}
+
+/// A claim made inside an open transaction. Dropped unfinished, it rolls the
+/// transaction back, even if the handler kept a clone of it.
+#[doc(hidden)]
+pub struct TransactionHold<St: TransactionalStore> {
+    store: St,
+    transaction: Option<St::Transaction>,
+}
+
+impl<St: TransactionalStore> Hold for TransactionHold<St> {
+    const ATOMIC: bool = true;
+
+    fn attach(&self, extensions: &mut Extensions) {
+        if let Some(transaction) = &self.transaction {
+            extensions.insert(transaction.clone());
+        }
+    }
+
+    fn answered(&mut self) {}
+
+    async fn complete(mut self, response: StoredResponse) -> Result<Completion, StoreError> {
+        match self.transaction.take() {
+            Some(transaction) => self.store.commit(&transaction, response).await,
+            None => Ok(Completion::Fenced),
+        }
+    }
+
+    async fn release(mut self) {
+        if let Some(transaction) = self.transaction.take() {
+            self.store.rollback(&transaction);
+        }
+    }
+}
+
+impl<St: TransactionalStore> Drop for TransactionHold<St> {
+    fn drop(&mut self) {
+        if let Some(transaction) = self.transaction.take() {
+            self.store.rollback(&transaction);
+        }
+    }
+}
