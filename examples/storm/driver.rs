@@ -1,0 +1,317 @@
+//! Drives ledger processes from outside: bursts of distinct keys from
+//! parallel clients, SIGKILLs at random moments, restarts, retries until every
+//! key completes, then counts each key's credits in the database.
+//!
+//! Shared by `examples/storm` (which prints the figures) and `tests/crash.rs`
+//! (which asserts them). Standard library only, plus rusqlite to read the
+//! credits afterwards.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+/// One ledger process.
+pub struct Ledger {
+    binary: PathBuf,
+    db: PathBuf,
+    mode: String,
+    lease_secs: u64,
+    child: Option<Child>,
+    pub addr: SocketAddr,
+}
+
+impl Ledger {
+    pub fn start(binary: &Path, db: &Path, mode: &str, lease_secs: u64) -> Ledger {
+        let mut ledger = Ledger {
+            binary: binary.to_owned(),
+            db: db.to_owned(),
+            mode: mode.to_owned(),
+            lease_secs,
+            child: None,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+        };
+        ledger.restart();
+        ledger
+    }
+
+    /// Starts the process (again) and waits for its `listening on` line.
+    pub fn restart(&mut self) {
+        let mut child = Command::new(&self.binary)
+            .arg("--db")
+            .arg(&self.db)
+            .args([
+                "--mode",
+                &self.mode,
+                "--listen",
+                "127.0.0.1:0",
+                "--fault-injection",
+            ])
+            .args(["--lease-secs", &self.lease_secs.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.binary.display()));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read the ledger's first line");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on http://")
+            .unwrap_or_else(|| panic!("unexpected first line from the ledger: {line:?}"));
+        self.addr = addr.parse().expect("a socket address");
+        self.child = Some(child);
+    }
+
+    /// SIGKILL, and wait for the process to be gone.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Ledger {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// An answer: status and the `Retry-After` seconds, if any.
+pub struct Answer {
+    pub status: u16,
+    pub retry_after: Option<u64>,
+    pub replayed: bool,
+    pub body: String,
+}
+
+/// One HTTP/1.1 request; `None` when the connection fails or dies (the
+/// server was killed).
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Option<Answer> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .ok()?;
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: ledger\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        req.push_str(&format!("{name}: {value}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    stream.write_all(req.as_bytes()).ok()?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).ok()?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let mut lines = head.lines();
+    let status = lines.next()?.split(' ').nth(1)?.parse().ok()?;
+    let mut retry_after = None;
+    let mut replayed = false;
+    for line in lines {
+        let (name, value) = line.split_once(':')?;
+        match name.trim().to_ascii_lowercase().as_str() {
+            "retry-after" => retry_after = value.trim().parse().ok(),
+            "idempotent-replayed" => replayed = value.trim() == "true",
+            _ => {}
+        }
+    }
+    Some(Answer {
+        status,
+        retry_after,
+        replayed,
+        body: body.to_owned(),
+    })
+}
+
+/// A small deterministic generator for kill moments (xorshift64*).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.max(1))
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n.max(1)
+    }
+}
+
+pub struct StormConfig {
+    pub binary: PathBuf,
+    pub db: PathBuf,
+    pub mode: String,
+    pub bursts: usize,
+    pub keys_per_burst: usize,
+    /// `X-Ledger-Pause-After-Effect-Ms` on every first delivery.
+    pub pause_ms: u64,
+    pub lease_secs: u64,
+    pub seed: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct StormReport {
+    pub keys: usize,
+    pub kills: usize,
+    /// First deliveries that got no answer because the server died.
+    pub unanswered: usize,
+    pub applied_twice: usize,
+    pub lost: usize,
+    pub balance: i64,
+    pub expected_balance: i64,
+}
+
+/// Credits a new key until it completes; panics after `deadline`.
+fn retry_until_complete(ledger: &Ledger, account: i64, key: &str, amount: i64, deadline: Instant) {
+    loop {
+        assert!(Instant::now() < deadline, "key {key} never completed");
+        let answer = request(
+            ledger.addr,
+            "POST",
+            &format!("/accounts/{account}/credits"),
+            &[("idempotency-key", key), ("authorization", "Bearer storm")],
+            &format!("{{\"amount\":{amount}}}"),
+        );
+        match answer {
+            Some(a) if a.status == 201 => return,
+            Some(a) if a.status == 409 || a.status == 503 => {
+                let wait = a.retry_after.unwrap_or(1).min(2);
+                std::thread::sleep(Duration::from_millis(250).min(Duration::from_secs(wait)));
+            }
+            Some(a) => panic!("key {key}: unexpected {} {}", a.status, a.body),
+            None => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+pub fn storm(cfg: &StormConfig) -> StormReport {
+    let mut ledger = Ledger::start(&cfg.binary, &cfg.db, &cfg.mode, cfg.lease_secs);
+    let mut rng = Rng::new(cfg.seed);
+    let account = request(
+        ledger.addr,
+        "POST",
+        "/accounts",
+        &[
+            ("idempotency-key", "storm-account"),
+            ("authorization", "Bearer storm"),
+        ],
+        r#"{"name":"storm"}"#,
+    )
+    .expect("create the account");
+    assert_eq!(account.status, 201, "{}", account.body);
+    let account: i64 = account
+        .body
+        .split("\"id\":")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|id| id.parse().ok())
+        .expect("an account id");
+
+    let mut report = StormReport::default();
+    for burst in 0..cfg.bursts {
+        // Key k of this burst credits amount k + 1 + burst * keys, so every
+        // key's credits can be told apart afterwards.
+        let keys: Vec<(String, i64)> = (0..cfg.keys_per_burst)
+            .map(|k| {
+                let n = burst * cfg.keys_per_burst + k;
+                (format!("storm-{}-{n}", cfg.seed), n as i64 + 1)
+            })
+            .collect();
+        let barrier = Arc::new(Barrier::new(keys.len() + 1));
+        let addr = ledger.addr;
+        let pause = cfg.pause_ms.to_string();
+        let clients: Vec<_> = keys
+            .iter()
+            .cloned()
+            .map(|(key, amount)| {
+                let (barrier, pause) = (barrier.clone(), pause.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    request(
+                        addr,
+                        "POST",
+                        &format!("/accounts/{account}/credits"),
+                        &[
+                            ("idempotency-key", &key),
+                            ("authorization", "Bearer storm"),
+                            ("x-ledger-pause-after-effect-ms", &pause),
+                        ],
+                        &format!("{{\"amount\":{amount}}}"),
+                    )
+                })
+            })
+            .collect();
+        barrier.wait();
+        // Kill at a random moment from a fifth of the pause to twice the
+        // pause: some handlers have written their credit and not answered.
+        let kill_after = cfg.pause_ms / 5 + rng.below(cfg.pause_ms * 2);
+        std::thread::sleep(Duration::from_millis(kill_after));
+        ledger.kill();
+        report.kills += 1;
+        for client in clients {
+            if client.join().expect("client thread").is_none() {
+                report.unanswered += 1;
+            }
+        }
+        ledger.restart();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        for (key, amount) in &keys {
+            retry_until_complete(&ledger, account, key, *amount, deadline);
+        }
+        report.keys += keys.len();
+        report.expected_balance += keys.iter().map(|(_, a)| a).sum::<i64>();
+    }
+
+    let balance = request(
+        ledger.addr,
+        "GET",
+        &format!("/accounts/{account}"),
+        &[("authorization", "Bearer storm")],
+        "",
+    )
+    .expect("read the balance");
+    report.balance = balance
+        .body
+        .split("\"balance\":")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| c != '-' && !c.is_ascii_digit()).next())
+        .and_then(|b| b.parse().ok())
+        .expect("a balance");
+    ledger.kill();
+
+    // Count each key's credits (amounts are unique per key).
+    let conn = rusqlite::Connection::open(&cfg.db).expect("open the ledger database");
+    let mut counts = vec![0u32; report.keys];
+    let mut stmt = conn
+        .prepare("SELECT amount FROM credits WHERE account_id = ?1")
+        .expect("query credits");
+    let amounts = stmt
+        .query_map([account], |r| r.get::<_, i64>(0))
+        .expect("read credits");
+    for amount in amounts {
+        let index = amount.expect("an amount") as usize - 1;
+        counts[index] += 1;
+    }
+    report.applied_twice = counts.iter().filter(|c| **c > 1).count();
+    report.lost = counts.iter().filter(|c| **c == 0).count();
+    report
+}
