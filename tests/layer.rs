@@ -3,9 +3,8 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::Router;
@@ -14,8 +13,8 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use common::{Raw, eventually, send, serve};
-use tokio::sync::{Barrier, Semaphore, mpsc};
+use common::{Harness, Raw, eventually, send, serve};
+use tokio::sync::Barrier;
 use tower_idempotency::problem::types;
 use tower_idempotency::store::{
     Claim, ClaimRequest, Completion, FencingToken, ManualClock, MemoryStore, SqliteStore, Store,
@@ -24,50 +23,6 @@ use tower_idempotency::store::{
 use tower_idempotency::{IdempotencyLayer, StoredResponse};
 
 const START_MS: i64 = 1_800_000_000_000;
-
-/// What the handlers share with the test: how often they ran, and gates that
-/// hold a request inside the handler until the test opens them.
-#[derive(Clone, Default)]
-struct Harness {
-    runs: Arc<AtomicUsize>,
-    gates: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
-    entered: Arc<Mutex<Option<mpsc::UnboundedSender<String>>>>,
-}
-
-impl Harness {
-    fn runs(&self) -> usize {
-        self.runs.load(Ordering::SeqCst)
-    }
-
-    fn gate(&self, name: &str) -> Arc<Semaphore> {
-        let mut gates = self.gates.lock().unwrap();
-        gates
-            .entry(name.to_owned())
-            .or_insert_with(|| Arc::new(Semaphore::new(0)))
-            .clone()
-    }
-
-    fn open(&self, name: &str) {
-        self.gate(name).add_permits(1);
-    }
-
-    /// A receiver told the gate name each time a request reaches a gate.
-    fn watch(&self) -> mpsc::UnboundedReceiver<String> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        *self.entered.lock().unwrap() = Some(tx);
-        rx
-    }
-
-    async fn wait_at_gate(&self, headers: &HeaderMap) {
-        if let Some(name) = headers.get("x-gate").and_then(|v| v.to_str().ok()) {
-            let gate = self.gate(name);
-            if let Some(tx) = &*self.entered.lock().unwrap() {
-                let _ = tx.send(name.to_owned());
-            }
-            gate.acquire().await.unwrap().forget();
-        }
-    }
-}
 
 /// Counts a run, waits at its gate if asked, answers 201 with fields that a
 /// replay must reproduce exactly.

@@ -57,6 +57,8 @@ pub enum Synchronous {
 ///   (default 5 s); past it the call fails with [`StoreError::Unavailable`],
 ///   which the layer answers with 503.
 /// * The schema is created or migrated when the store opens.
+/// * Connections enforce foreign keys (`PRAGMA foreign_keys = ON`), which
+///   matters for the handler's own tables in transactional mode.
 ///
 /// # Example
 ///
@@ -142,6 +144,8 @@ impl SqliteStoreBuilder {
             c.busy_timeout(Duration::from_millis(busy_ms as u64))?;
             c.pragma_update(None, "journal_mode", "WAL")?;
             c.pragma_update(None, "synchronous", synchronous)?;
+            // For the handler's own tables in transactional mode.
+            c.pragma_update(None, "foreign_keys", "ON")?;
             Ok(())
         });
         let path = self.path.clone();

@@ -3,8 +3,14 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use axum::http::HeaderMap;
+use tokio::sync::{Semaphore, mpsc};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -173,5 +179,49 @@ pub async fn eventually(limit: Duration, mut condition: impl FnMut() -> bool) {
             "condition not met within {limit:?}"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// What the handlers share with the test: how often they ran, and gates that
+/// hold a request inside the handler until the test opens them.
+#[derive(Clone, Default)]
+pub struct Harness {
+    pub runs: Arc<AtomicUsize>,
+    gates: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
+    entered: Arc<Mutex<Option<mpsc::UnboundedSender<String>>>>,
+}
+
+impl Harness {
+    pub fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    pub fn gate(&self, name: &str) -> Arc<Semaphore> {
+        let mut gates = self.gates.lock().unwrap();
+        gates
+            .entry(name.to_owned())
+            .or_insert_with(|| Arc::new(Semaphore::new(0)))
+            .clone()
+    }
+
+    pub fn open(&self, name: &str) {
+        self.gate(name).add_permits(1);
+    }
+
+    /// A receiver told the gate name each time a request reaches a gate.
+    pub fn watch(&self) -> mpsc::UnboundedReceiver<String> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        *self.entered.lock().unwrap() = Some(tx);
+        rx
+    }
+
+    pub async fn wait_at_gate(&self, headers: &HeaderMap) {
+        if let Some(name) = headers.get("x-gate").and_then(|v| v.to_str().ok()) {
+            let gate = self.gate(name);
+            if let Some(tx) = &*self.entered.lock().unwrap() {
+                let _ = tx.send(name.to_owned());
+            }
+            gate.acquire().await.unwrap().forget();
+        }
     }
 }

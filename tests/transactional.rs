@@ -1,0 +1,372 @@
+//! Transactional mode over real sockets: the handler's writes, the record and
+//! the response commit together, or none of them do.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, request::Parts};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use common::{Harness, send, serve};
+use tokio::sync::Barrier;
+use tower_idempotency::problem::types;
+use tower_idempotency::store::{SqliteStore, SqliteTransaction};
+use tower_idempotency::{IdempotencyLayer, scope::GlobalScope};
+
+const SCHEMA: &str = "
+CREATE TABLE items (id INTEGER PRIMARY KEY, note TEXT NOT NULL);
+CREATE TABLE parents (id INTEGER PRIMARY KEY);
+CREATE TABLE children (
+    id INTEGER PRIMARY KEY,
+    parent INTEGER NOT NULL REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED
+);
+";
+
+/// Writes an item through the request's transaction, counts the run, waits
+/// at its gate if asked, then answers with `x-status` (default 201). With
+/// `x-fk-violation` it also writes a row whose deferred foreign key fails at
+/// commit; with `x-panic` it panics after writing.
+async fn item(State(h): State<Harness>, tx: SqliteTransaction, headers: HeaderMap) -> Response {
+    let violate = headers.contains_key("x-fk-violation");
+    tx.run(move |t| {
+        t.execute("INSERT INTO items (note) VALUES ('x')", [])?;
+        if violate {
+            t.execute("INSERT INTO children (parent) VALUES (999)", [])?;
+        }
+        Ok::<_, rusqlite::Error>(())
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    if headers.contains_key("x-keep-clone") {
+        KEPT.lock().unwrap().push(tx.clone());
+    }
+    let n = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    h.wait_at_gate(&headers).await;
+    if headers.contains_key("x-panic") {
+        panic!("the handler panics after writing");
+    }
+    let status = headers
+        .get("x-status")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .unwrap_or(201);
+    (
+        StatusCode::from_u16(status).unwrap(),
+        format!("item run {n}"),
+    )
+        .into_response()
+}
+
+/// Transactions a handler kept after its request ended.
+static KEPT: std::sync::Mutex<Vec<SqliteTransaction>> = std::sync::Mutex::new(Vec::new());
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    addr: std::net::SocketAddr,
+    h: Harness,
+}
+
+impl Fixture {
+    async fn start(busy_timeout: Duration) -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("app.sqlite3");
+        let store = SqliteStore::builder(&path)
+            .busy_timeout(busy_timeout)
+            .open()
+            .await
+            .unwrap();
+        rusqlite::Connection::open(&path)
+            .unwrap()
+            .execute_batch(SCHEMA)
+            .unwrap();
+        let h = Harness::default();
+        let layer = IdempotencyLayer::new(store, |p: &Parts| user(p)).transactional();
+        let app = Router::new()
+            .route("/items", post(item))
+            .route_layer(layer)
+            .route("/ping", get(|| async { "pong" }))
+            .with_state(h.clone());
+        Fixture {
+            addr: serve(app).await,
+            dir,
+            h,
+        }
+    }
+
+    fn count(&self, sql: &str) -> i64 {
+        let conn = rusqlite::Connection::open(self.dir.path().join("app.sqlite3")).unwrap();
+        conn.query_row(sql, [], |r| r.get(0)).unwrap()
+    }
+
+    fn items(&self) -> i64 {
+        self.count("SELECT count(*) FROM items")
+    }
+
+    fn records(&self) -> i64 {
+        self.count("SELECT count(*) FROM idempotency_records")
+    }
+
+    async fn post(&self, key: &[u8], extra: &[(&str, &[u8])]) -> common::Raw {
+        let mut headers = vec![("idempotency-key", key)];
+        headers.extend_from_slice(extra);
+        send(self.addr, "POST", "/items", &headers, b"{}").await
+    }
+}
+
+fn user(parts: &Parts) -> String {
+    parts
+        .headers
+        .get("x-user")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("anonymous")
+        .to_owned()
+}
+
+#[tokio::test]
+async fn effect_record_and_response_commit_together() {
+    let f = Fixture::start(Duration::from_secs(5)).await;
+    let first = f.post(b"k", &[]).await;
+    assert_eq!((first.status, &first.body[..]), (201, &b"item run 1"[..]));
+    assert_eq!((f.items(), f.records()), (1, 1));
+    let again = f.post(b"k", &[]).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!((f.items(), f.h.runs()), (1, 1));
+}
+
+#[tokio::test]
+async fn a_response_that_is_not_stored_rolls_the_effect_back() {
+    let f = Fixture::start(Duration::from_secs(5)).await;
+    let failed = f.post(b"k", &[("x-status", b"500")]).await;
+    assert_eq!(failed.status, 500);
+    assert_eq!((f.items(), f.records()), (0, 0));
+    let retry = f.post(b"k", &[]).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!((f.items(), f.records(), f.h.runs()), (1, 1, 2));
+}
+
+#[tokio::test]
+async fn a_stored_4xx_commits_with_its_writes() {
+    let f = Fixture::start(Duration::from_secs(5)).await;
+    assert_eq!(f.post(b"k", &[("x-status", b"409")]).await.status, 409);
+    let again = f.post(b"k", &[("x-status", b"409")]).await;
+    assert!(again.replayed());
+    assert_eq!((f.items(), f.h.runs()), (1, 1));
+}
+
+#[tokio::test]
+async fn a_dropped_request_rolls_everything_back() {
+    let f = Fixture::start(Duration::from_secs(5)).await;
+    let mut entered = f.h.watch();
+    let mut conn = tokio::net::TcpStream::connect(f.addr).await.unwrap();
+    let req = common::request_bytes(
+        "POST",
+        "/items",
+        &[("idempotency-key", b"k"), ("x-gate", b"g")],
+        b"{}",
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut conn, &req)
+        .await
+        .unwrap();
+    assert_eq!(entered.recv().await.unwrap(), "g");
+    drop(conn); // the client goes away after the handler wrote its item
+    // The retry waits for the rolled-back transaction's lock, then runs.
+    let retry = f.post(b"k", &[]).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!((f.items(), f.records(), f.h.runs()), (1, 1, 2));
+}
+
+#[tokio::test]
+async fn a_clone_kept_by_the_handler_does_not_keep_the_transaction_open() {
+    let f = Fixture::start(Duration::from_millis(500)).await;
+    let mut entered = f.h.watch();
+    let mut conn = tokio::net::TcpStream::connect(f.addr).await.unwrap();
+    let req = common::request_bytes(
+        "POST",
+        "/items",
+        &[
+            ("idempotency-key", b"k"),
+            ("x-gate", b"g"),
+            ("x-keep-clone", b"1"),
+        ],
+        b"{}",
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut conn, &req)
+        .await
+        .unwrap();
+    assert_eq!(entered.recv().await.unwrap(), "g");
+    drop(conn);
+    // Were the transaction still open, this would wait out the busy timeout: 503.
+    let retry = f.post(b"k", &[]).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!((f.items(), f.h.runs()), (1, 2));
+    let kept = KEPT.lock().unwrap().pop().unwrap();
+    assert!(
+        kept.run(|_| ()).await.is_err(),
+        "the kept transaction has ended"
+    );
+}
+
+#[tokio::test]
+async fn a_panicking_handler_rolls_everything_back() {
+    let f = Fixture::start(Duration::from_secs(5)).await;
+    let mut conn = tokio::net::TcpStream::connect(f.addr).await.unwrap();
+    let req = common::request_bytes(
+        "POST",
+        "/items",
+        &[("idempotency-key", b"k"), ("x-panic", b"1")],
+        b"{}",
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut conn, &req)
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = tokio::io::AsyncReadExt::read_to_end(&mut conn, &mut buf).await;
+    assert!(buf.is_empty());
+    let retry = f.post(b"k", &[]).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!((f.items(), f.records(), f.h.runs()), (1, 1, 2));
+}
+
+#[tokio::test]
+async fn a_failed_commit_answers_503_and_leaves_nothing() {
+    let f = Fixture::start(Duration::from_secs(5)).await;
+    let r = f.post(b"k", &[("x-fk-violation", b"1")]).await;
+    assert_eq!(r.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!((f.items(), f.records(), f.h.runs()), (0, 0, 1));
+    // Nothing happened, so the retry runs (the fingerprint ignores headers).
+    let retry = f.post(b"k", &[]).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!((f.items(), f.records()), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_wait_and_replay_without_running() {
+    let f = Fixture::start(Duration::from_secs(10)).await;
+    let mut entered = f.h.watch();
+    const N: usize = 16;
+    let barrier = Arc::new(Barrier::new(N));
+    let addr = f.addr;
+    let clients: Vec<_> = (0..N)
+        .map(|_| {
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                send(
+                    addr,
+                    "POST",
+                    "/items",
+                    &[("idempotency-key", b"k"), ("x-gate", b"g")],
+                    b"{}",
+                )
+                .await
+            })
+        })
+        .collect();
+    assert_eq!(entered.recv().await.unwrap(), "g");
+    f.h.open("g");
+    let mut answers = Vec::new();
+    for client in clients {
+        answers.push(client.await.unwrap());
+    }
+    assert!(answers.iter().all(|r| r.status == 201), "{answers:?}");
+    assert_eq!(answers.iter().filter(|r| !r.replayed()).count(), 1);
+    assert_eq!((f.items(), f.records(), f.h.runs()), (1, 1, 1));
+}
+
+#[tokio::test]
+async fn a_duplicate_that_outwaits_the_busy_timeout_gets_503() {
+    let f = Fixture::start(Duration::from_millis(100)).await;
+    let mut entered = f.h.watch();
+    let addr = f.addr;
+    let first = tokio::spawn(async move {
+        send(
+            addr,
+            "POST",
+            "/items",
+            &[("idempotency-key", b"k"), ("x-gate", b"g")],
+            b"{}",
+        )
+        .await
+    });
+    assert_eq!(entered.recv().await.unwrap(), "g");
+    let busy = f.post(b"k", &[]).await;
+    assert_eq!(busy.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!(busy.header_str("retry-after"), Some("1"));
+    f.h.open("g");
+    assert_eq!(first.await.unwrap().status, 201);
+    assert!(f.post(b"k", &[]).await.replayed());
+    assert_eq!((f.items(), f.h.runs()), (1, 1));
+}
+
+/// One async worker thread: if anything blocked it on SQLite while a
+/// transaction is held (and a duplicate waits for its lock), `/ping` would
+/// never be answered.
+#[tokio::test(flavor = "current_thread")]
+async fn async_workers_never_block_on_the_held_transaction() {
+    let f = Fixture::start(Duration::from_secs(10)).await;
+    let mut entered = f.h.watch();
+    let addr = f.addr;
+    let holder = tokio::spawn(async move {
+        send(
+            addr,
+            "POST",
+            "/items",
+            &[("idempotency-key", b"k"), ("x-gate", b"g")],
+            b"{}",
+        )
+        .await
+    });
+    assert_eq!(entered.recv().await.unwrap(), "g");
+    let duplicate = tokio::spawn(async move {
+        send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}").await
+    });
+    let other_key = tokio::spawn(async move {
+        send(addr, "POST", "/items", &[("idempotency-key", b"k2")], b"{}").await
+    });
+    let ping = send(f.addr, "GET", "/ping", &[], b"").await;
+    assert_eq!((ping.status, &ping.body[..]), (200, &b"pong"[..]));
+    f.h.open("g");
+    assert_eq!(holder.await.unwrap().status, 201);
+    assert!(duplicate.await.unwrap().replayed());
+    assert_eq!(other_key.await.unwrap().status, 201);
+    assert_eq!((f.items(), f.h.runs()), (2, 2));
+}
+
+#[tokio::test]
+async fn the_extractor_refuses_a_request_without_a_transaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("a.sqlite3"))
+        .await
+        .unwrap();
+    let app =
+        Router::new()
+            .route("/items", post(|_tx: SqliteTransaction| async { "wrote" }))
+            .route(
+                "/maybe",
+                post(|tx: Option<SqliteTransaction>| async move {
+                    if tx.is_some() { "in" } else { "out" }
+                }),
+            )
+            .route_layer(IdempotencyLayer::new(store, GlobalScope).transactional());
+    let addr = serve(app).await;
+    // No key on a layer that does not require one: the request passes through.
+    let r = send(addr, "POST", "/items", &[], b"").await;
+    assert_eq!(r.status, 500);
+    assert_eq!(
+        r.header_str("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(send(addr, "POST", "/maybe", &[], b"").await.body, b"out");
+    assert_eq!(
+        send(addr, "POST", "/maybe", &[("idempotency-key", b"m")], b"")
+            .await
+            .body,
+        b"in"
+    );
+}
