@@ -67,6 +67,11 @@ pub trait Mode<St>: sealed::Sealed + Clone + Send + Sync + 'static {
     #[doc(hidden)]
     type Hold: Hold;
 
+    /// Whether the claim, the handler and the completion run in a task of
+    /// their own, so that a cancelled request still completes.
+    #[doc(hidden)]
+    const DETACHED: bool;
+
     /// Claims the key: the hold and whether an expired lease was taken over,
     /// or the claim outcome that refuses the request.
     #[doc(hidden)]
@@ -101,6 +106,9 @@ pub trait Hold: Send + 'static {
 
 impl<St: Store> Mode<St> for Separate {
     type Hold = SeparateHold<St>;
+    // The handler's effect commits on its own and may outlive a cancelled
+    // future: only finishing the request keeps the record true to it.
+    const DETACHED: bool = true;
 
     async fn claim(
         store: &St,
@@ -222,6 +230,9 @@ impl<St: Store> Hold for SeparateHold<St> {
 
 impl<St: TransactionalStore> Mode<St> for Transactional {
     type Hold = TransactionHold<St>;
+    // Nothing commits until the layer commits: a cancelled request rolls
+    // back cleanly and frees the writer at once.
+    const DETACHED: bool = false;
 
     async fn claim(
         store: &St,

@@ -236,14 +236,17 @@ async fn intercept<M, S, St, Sc, F, P, ReqBody, ResBody>(
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
     M: Mode<St>,
-    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
     St: Store,
     Sc: Scope,
     F: Fingerprinter,
     P: StorePolicy,
-    ReqBody: Body,
+    ReqBody: Body + Send + 'static,
     ReqBody::Error: Into<BoxError>,
-    ResBody: Body,
+    ResBody: Body + Send + 'static,
+    ResBody::Error: Send,
 {
     let (parts, body) = req.into_parts();
     let scope = config.scope.scope(&parts);
@@ -253,9 +256,52 @@ where
         key = %key_tag(&scope, &key),
         outcome = tracing::field::Empty,
     );
-    serve::<M, _, _, _, _, _, _, _>(inner, store, &config, parts, body, scope, key)
-        .instrument(span)
-        .await
+    async move {
+        let settings = &config.settings;
+        let (body, trailers) = match buffer_request(body, settings.max_request_body).await {
+            Ok(buffered) => buffered,
+            Err(rejection) => return Ok(reject(settings, "rejected", rejection)),
+        };
+        let fingerprint = match config.fingerprinter.fingerprint(&parts, &body) {
+            Ok(fingerprint) => fingerprint,
+            Err(e) => {
+                let rejection = Rejection::UnreadableBody(e.to_string());
+                return Ok(reject(settings, "rejected", rejection));
+            }
+        };
+        let claim = ClaimRequest {
+            scope,
+            key,
+            fingerprint,
+            token: FencingToken::random(),
+            lease: settings.lease,
+            ttl: settings.ttl,
+        };
+        let request = Request::from_parts(parts, RequestBody::buffered(body, trailers));
+        let run =
+            claim_and_run::<M, _, _, _, _, _, _, _>(inner, store, config.clone(), claim, request);
+        if !M::DETACHED {
+            return run.await;
+        }
+        // From the claim on, the request runs in a task of its own: a client
+        // that goes away cannot cut the claim, the handler and the stored
+        // response apart (the handler's effect may outlive a cancelled
+        // future). Its retry gets 409 until the record completes, then the
+        // replay.
+        match tokio::spawn(run.in_current_span()).await {
+            Ok(result) => result,
+            Err(e) => match e.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(_) => {
+                    let retry_after_secs = STORE_RETRY_AFTER_SECS;
+                    let rejection = Rejection::StoreUnavailable { retry_after_secs };
+                    Ok(reject(&config.settings, "cancelled", rejection))
+                }
+            },
+        }
+    }
+    .instrument(span)
+    .await
 }
 
 /// Records the outcome on the request's span.
@@ -263,79 +309,71 @@ pub(crate) fn outcome(name: &'static str) {
     tracing::Span::current().record("outcome", name);
 }
 
-async fn serve<M, S, St, Sc, F, P, ReqBody, ResBody>(
+/// Records the outcome and answers with the rejection.
+fn reject<B: Body>(
+    settings: &Settings,
+    name: &'static str,
+    rejection: Rejection,
+) -> Response<ResponseBody<B>> {
+    outcome(name);
+    rejection_response(settings, &rejection)
+}
+
+/// The atomic claim, then the inner service, then the record's completion
+/// or release (DESIGN §3).
+async fn claim_and_run<M, S, St, Sc, F, P, ReqBody, ResBody>(
     mut inner: S,
     store: St,
-    config: &Config<Sc, F, P>,
-    mut parts: http::request::Parts,
-    body: ReqBody,
-    scope: String,
-    key: String,
+    config: Arc<Config<Sc, F, P>>,
+    claim: ClaimRequest,
+    mut request: Request<RequestBody<ReqBody>>,
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
     M: Mode<St>,
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     St: Store,
-    F: Fingerprinter,
     P: StorePolicy,
-    ReqBody: Body,
-    ReqBody::Error: Into<BoxError>,
     ResBody: Body,
 {
     let settings = &config.settings;
-    let reject = |name: &'static str, rejection: Rejection| {
-        outcome(name);
-        Ok(rejection_response(settings, &rejection))
-    };
-    let (body, trailers) = match buffer_request(body, settings.max_request_body).await {
-        Ok(buffered) => buffered,
-        Err(rejection) => return reject("rejected", rejection),
-    };
-    let fingerprint = match config.fingerprinter.fingerprint(&parts, &body) {
-        Ok(fingerprint) => fingerprint,
-        Err(e) => return reject("rejected", Rejection::UnreadableBody(e.to_string())),
-    };
-    let request = ClaimRequest {
-        scope,
-        key,
-        fingerprint,
-        token: FencingToken::random(),
-        lease: settings.lease,
-        ttl: settings.ttl,
-    };
-    let mut hold = match M::claim(&store, request).await {
+    let mut hold = match M::claim(&store, claim).await {
         Ok(Ok((hold, taken_over))) => {
             outcome(if taken_over { "taken_over" } else { "claimed" });
             hold
         }
-        Ok(Err(Claim::Mismatch)) => return reject("mismatch", Rejection::Mismatch),
+        Ok(Err(Claim::Mismatch)) => return Ok(reject(settings, "mismatch", Rejection::Mismatch)),
         Ok(Err(Claim::InFlight { lease_remaining })) => {
             let retry_after_secs = retry_after_secs(lease_remaining);
-            return reject("in_flight", Rejection::InFlight { retry_after_secs });
+            return Ok(reject(
+                settings,
+                "in_flight",
+                Rejection::InFlight { retry_after_secs },
+            ));
         }
         Ok(Err(Claim::Completed(stored))) => return Ok(replay(settings, &stored)),
         Ok(Err(Claim::Acquired { .. })) => {
             // A store bug: it refused the claim yet says it was acquired.
             tracing::error!("the idempotency store contradicted itself; answering 503");
             let retry_after_secs = STORE_RETRY_AFTER_SECS;
-            return reject(
+            return Ok(reject(
+                settings,
                 "store_error",
                 Rejection::StoreUnavailable { retry_after_secs },
-            );
+            ));
         }
         Err(e) => {
             tracing::error!(error = %e, "idempotency store failed to claim; answering 503");
             let retry_after_secs = STORE_RETRY_AFTER_SECS;
-            return reject(
+            return Ok(reject(
+                settings,
                 "store_error",
                 Rejection::StoreUnavailable { retry_after_secs },
-            );
+            ));
         }
     };
 
-    parts.headers.remove(&settings.marker);
-    hold.attach(&mut parts.extensions);
-    let request = Request::from_parts(parts, RequestBody::buffered(body, trailers));
+    request.headers_mut().remove(&settings.marker);
+    hold.attach(request.extensions_mut());
     let response = match inner.call(request).await {
         Ok(response) => response,
         Err(e) => {

@@ -444,8 +444,11 @@ async fn lease_taken_over_fences_the_first_holder() {
 
 // ------------------------------------------------------------ release
 
+/// A client that goes away mid-handler does not cut the handler from its
+/// record: the request finishes, and the retry gets its answer (409 while it
+/// runs, the replay once it is stored), never a second run.
 #[tokio::test]
-async fn dropped_request_releases_the_key_at_once() {
+async fn a_request_whose_client_left_still_completes_and_is_replayed() {
     let (store, _) = memory();
     let (addr, h) = start(layer(store.clone()).lease(Duration::from_secs(3600))).await;
     let mut entered = h.watch();
@@ -460,13 +463,95 @@ async fn dropped_request_releases_the_key_at_once() {
         .await
         .unwrap();
     assert_eq!(entered.recv().await.unwrap(), "g");
-    assert_eq!(store.len(), 1);
     drop(conn); // the client goes away mid-handler
-    eventually(Duration::from_secs(10), || store.is_empty()).await;
-    let retry = post_key(addr, "/charges", "k", b"").await;
-    assert_eq!(retry.status, 201);
-    assert!(!retry.replayed());
-    // The dropped run never reached its count; the retry ran.
+    let busy = post_key(addr, "/charges", "k", b"").await;
+    assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
+    h.open("g");
+    let mut retry = post_key(addr, "/charges", "k", b"").await;
+    for _ in 0..1000 {
+        if retry.status != 409 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        retry = post_key(addr, "/charges", "k", b"").await;
+    }
+    assert_eq!((retry.status, retry.replayed()), (201, true));
+    assert_eq!(retry.body, b"{\"charge\":1}");
+    assert_eq!(h.runs(), 1);
+}
+
+/// A store whose claim, once made, waits for the test before it answers: a
+/// request cancelled in that moment has a record but no one to finish it,
+/// unless the layer finishes the request regardless.
+#[derive(Clone)]
+struct SlowClaimAnswer {
+    inner: MemoryStore,
+    claimed: Arc<tokio::sync::Notify>,
+    answer: Arc<tokio::sync::Semaphore>,
+}
+
+impl Store for SlowClaimAnswer {
+    async fn claim(&self, request: ClaimRequest) -> Result<Claim, StoreError> {
+        let claim = self.inner.claim(request).await;
+        if matches!(claim, Ok(Claim::Acquired { .. })) {
+            self.claimed.notify_one();
+            self.answer.acquire().await.unwrap().forget();
+        }
+        claim
+    }
+    async fn complete(
+        &self,
+        s: String,
+        k: String,
+        t: FencingToken,
+        r: StoredResponse,
+    ) -> Result<Completion, StoreError> {
+        self.inner.complete(s, k, t, r).await
+    }
+    async fn release(&self, s: String, k: String, t: FencingToken) -> Result<bool, StoreError> {
+        self.inner.release(s, k, t).await
+    }
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        self.inner.purge_expired().await
+    }
+}
+
+/// Cancellation at an exact point (a task aborted while the store has made
+/// the claim but not answered), driven through the router without a socket.
+#[tokio::test]
+async fn a_request_cancelled_during_its_claim_still_runs_once() {
+    use tower::ServiceExt;
+    let (inner, _) = memory();
+    let store = SlowClaimAnswer {
+        inner,
+        claimed: Arc::default(),
+        answer: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    let h = Harness::default();
+    let app = routes()
+        .route_layer(layer(store.clone()).lease(Duration::from_secs(3600)))
+        .with_state(h.clone());
+    let request = || {
+        http::Request::post("/charges")
+            .header("idempotency-key", "k")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let first = tokio::spawn(app.clone().oneshot(request()));
+    store.claimed.notified().await;
+    first.abort(); // cancelled while the claim is made but not yet answered
+    assert!(first.await.unwrap_err().is_cancelled());
+    store.answer.add_permits(1);
+    let mut retry = app.clone().oneshot(request()).await.unwrap();
+    for _ in 0..1000 {
+        if retry.status() != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        retry = app.clone().oneshot(request()).await.unwrap();
+    }
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
     assert_eq!(h.runs(), 1);
 }
 

@@ -120,15 +120,24 @@ struct AppState {
 }
 
 /// Keys are scoped per caller: `Authorization: Bearer <token>` names the
-/// caller (a stand-in for real authentication); no token is `anonymous`.
+/// caller (a stand-in for real authentication; the scheme is
+/// case-insensitive, RFC 9110 §11.1). Only a request without the header is
+/// `anonymous`; any other value is a caller of its own, so that no malformed
+/// header can share anonymous's records.
 fn caller(parts: &Parts) -> String {
-    parts
-        .headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(|token| format!("bearer:{}", token.trim()))
-        .unwrap_or_else(|| "anonymous".to_owned())
+    let Some(value) = parts.headers.get("authorization") else {
+        return "anonymous".to_owned();
+    };
+    let bytes = value.as_bytes();
+    match bytes.get(..7) {
+        Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => {
+            format!("bearer:{}", String::from_utf8_lossy(&bytes[7..]).trim())
+        }
+        _ => format!(
+            "authorization:{}",
+            bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        ),
+    }
 }
 
 fn app(state: AppState, store: SqliteStore, lease: Option<Duration>) -> Router {
@@ -136,15 +145,26 @@ fn app(state: AppState, store: SqliteStore, lease: Option<Duration>) -> Router {
     if let Some(lease) = lease {
         idempotency = idempotency.lease(lease);
     }
-    let routes = Router::new()
+    // The layer goes on the POST routes only: a POST to a GET-only path is a
+    // plain 405, not a missing-key 400.
+    let writes = Router::new()
         .route("/accounts", post(create_account))
         .route("/accounts/{id}/credits", post(credit));
-    let routes = match state.mode {
-        Mode::Transactional => routes.route_layer(idempotency.transactional()),
-        Mode::Separate => routes.route_layer(idempotency),
+    let writes = match state.mode {
+        Mode::Transactional => writes.route_layer(idempotency.transactional()),
+        Mode::Separate => writes.route_layer(idempotency),
     };
-    routes
+    Router::new()
         .route("/accounts/{id}", get(account))
+        .merge(writes)
+        .fallback(|| async { problem(StatusCode::NOT_FOUND, "Not Found", "no such resource") })
+        .method_not_allowed_fallback(|| async {
+            problem(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "Method Not Allowed",
+                "this resource does not accept that method",
+            )
+        })
         .with_state(state)
 }
 

@@ -316,7 +316,8 @@ impl Clock for ManualClock {
     }
 }
 
-/// Seconds for `Retry-After` from a remaining lease: rounded up, at least 1.
+/// Seconds for `Retry-After` from a remaining lease: whole seconds not past
+/// the lease's end (DESIGN: 1..=remaining), and at least 1.
 pub(crate) fn retry_after_secs(remaining: Duration) -> u64 {
-    remaining.as_millis().div_ceil(1000).max(1) as u64
+    remaining.as_secs().max(1)
 }

@@ -225,19 +225,19 @@ impl SqliteStore {
         &self.path
     }
 
-    /// Runs `f` with a pooled connection on the blocking pool.
+    /// Runs `f` with a pooled connection on the blocking pool. `f` reads
+    /// the clock itself, after it holds whatever lock it waits for: a claim
+    /// that waited for the write lock must not start its lease in the past.
     async fn with_conn<T, F>(&self, f: F) -> Result<T, StoreError>
     where
-        F: FnOnce(&mut rusqlite::Connection, i64) -> rusqlite::Result<T> + Send + 'static,
+        F: FnOnce(&mut rusqlite::Connection, &dyn Clock) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
     {
         let pool = self.pool.clone();
         let clock = self.clock.clone();
         blocking(move || {
             let mut conn = pool.get().map_err(StoreError::unavailable)?;
-            // Read the clock once the connection is ours, so a wait for the
-            // pool does not make the store judge leases by a stale time.
-            f(&mut conn, clock.now_ms()).map_err(StoreError::unavailable)
+            f(&mut conn, &*clock).map_err(StoreError::unavailable)
         })
         .await
     }
@@ -354,9 +354,9 @@ fn complete_in(
 
 impl Store for SqliteStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
-        self.with_conn(move |conn, now| {
+        self.with_conn(move |conn, clock| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let found = claim_in(&tx, &req, now)?;
+            let found = claim_in(&tx, &req, clock.now_ms())?;
             tx.commit()?;
             Ok(found)
         })
@@ -372,7 +372,7 @@ impl Store for SqliteStore {
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
         let blob = response.encode();
-        self.with_conn(move |conn, _now| complete_in(conn, &scope, &key, token, &blob))
+        self.with_conn(move |conn, _| complete_in(conn, &scope, &key, token, &blob))
             .await
     }
 
@@ -382,7 +382,7 @@ impl Store for SqliteStore {
         key: String,
         token: FencingToken,
     ) -> Result<bool, StoreError> {
-        self.with_conn(move |conn, _now| {
+        self.with_conn(move |conn, _| {
             let deleted = conn.execute(
                 "DELETE FROM idempotency_records
                  WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight'",
@@ -394,10 +394,10 @@ impl Store for SqliteStore {
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.with_conn(|conn, now| {
+        self.with_conn(|conn, clock| {
             let n = conn.execute(
                 "DELETE FROM idempotency_records WHERE expires_at <= ?1",
-                params![now],
+                params![clock.now_ms()],
             )?;
             Ok(n as u64)
         })
