@@ -45,10 +45,11 @@
 //!
 //! # Where things are
 //!
-//! * [`store`]: the [`Store`] trait, its atomic claim, and the stores
-//!   ([`MemoryStore`], [`SqliteStore`]).
+//! * [`store`]: the [`Store`] trait, the state machine of one record, its
+//!   atomic claim, and the stores ([`MemoryStore`], [`SqliteStore`]).
 //! * [`IdempotencyLayer`] (in `layer.rs`): configuration.
-//! * [`Idempotency`] (in `service.rs`): the state machine a request walks.
+//! * [`Idempotency`] (in `service.rs`): the path a request walks.
+//! * [`mode`]: separate or transactional, i.e. when the record is written.
 //! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
 //!   [`problem`]: one rule each.
 //!
@@ -61,11 +62,15 @@
 //!   the handler while a live record exists.
 //! * A store that cannot answer gets 503, never a replay and never a silent
 //!   pass-through.
-//! * The record is completed in its own write after the handler's. A crash
-//!   between the handler's commit and that write leaves the key in flight;
-//!   when the lease ends, a retry runs the handler again. Exactly-once for
-//!   effects in the same database needs the handler's writes and the record
-//!   in one transaction.
+//! * [`mode::Transactional`]: the handler's writes, the record and the
+//!   response commit together. A crash, an error, a panic or a cancelled
+//!   request before that commit leaves neither effect nor key, so the retry
+//!   runs exactly once.
+//! * [`mode::Separate`] (the default): the record is completed in its own
+//!   write after the handler's. A request whose client goes away still runs
+//!   to completion and is recorded. But a process that dies between the
+//!   handler's commit and that write leaves the key in flight; when the lease
+//!   ends, a retry runs the handler again.
 //! * A handler still running when its lease ends may be overtaken by a
 //!   retry; the fencing token stops the first holder from overwriting the
 //!   second's record, but both executions happened. Set the lease above the

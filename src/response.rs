@@ -24,7 +24,7 @@
 //! assert_eq!(replay.headers()["idempotent-replayed"], "true");
 //! ```
 //!
-//! # What a replay holds (DESIGN §6)
+//! # What a replay holds
 //!
 //! The first response's status, every header field in order with its raw
 //! bytes (a multi-valued field stays several fields), the body bytes and the

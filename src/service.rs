@@ -1,12 +1,14 @@
 //! [`Idempotency`]: the service, and the request's path through the state
-//! machine of DESIGN §3.
+//! machine of [`crate::store`].
 //!
-//! The path of one intercepted request, in [`intercept`]:
+//! The path of one intercepted request, in `intercept` and `claim_and_run`:
 //!
 //! 1. the key is parsed (400 before anything else; see [`crate::key`]);
 //! 2. the body is buffered up to the limit (413) and fingerprinted;
-//! 3. ONE atomic [`Store::claim`] decides: 422, replay, 409, or run;
-//! 4. the inner service runs while a [`ReleaseGuard`] holds the claim;
+//! 3. ONE atomic claim in the store decides: 422, replay, 409, or run
+//!    (in separate mode, from here on in a task of its own, so that a client
+//!    that goes away cannot cut the handler from its record);
+//! 4. the inner service runs while a [`crate::mode::Hold`] holds the claim;
 //! 5. its response is stored (token-checked) or the claim is released.
 
 use std::collections::VecDeque;
@@ -320,7 +322,7 @@ fn reject<B: Body>(
 }
 
 /// The atomic claim, then the inner service, then the record's completion
-/// or release (DESIGN §3).
+/// or release.
 async fn claim_and_run<M, S, St, Sc, F, P, ReqBody, ResBody>(
     mut inner: S,
     store: St,

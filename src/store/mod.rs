@@ -24,7 +24,7 @@
 //! # }
 //! ```
 //!
-//! # The contract (DESIGN §3)
+//! # The contract
 //!
 //! A record is identified by `(scope, key)` and holds a fingerprint, a state
 //! (in flight or completed), a fencing token, a lease deadline, a TTL
@@ -317,7 +317,7 @@ impl Clock for ManualClock {
 }
 
 /// Seconds for `Retry-After` from a remaining lease: whole seconds not past
-/// the lease's end (DESIGN: 1..=remaining), and at least 1.
+/// the lease's end, and at least 1.
 pub(crate) fn retry_after_secs(remaining: Duration) -> u64 {
     remaining.as_secs().max(1)
 }

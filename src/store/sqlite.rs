@@ -260,7 +260,7 @@ impl Found {
     }
 }
 
-/// The claim of DESIGN §3 inside `tx`, an IMMEDIATE transaction: it holds
+/// The claim (the table in the module docs of [`super`]) inside `tx`, an IMMEDIATE transaction: it holds
 /// SQLite's write lock, so what it reads is what it decides on. The primary
 /// key `(scope, key)` decides who inserts first.
 fn claim_in(
