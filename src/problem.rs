@@ -22,50 +22,50 @@
 //!
 //! ## missing-key
 //!
-//! 400. The route requires an `Idempotency-Key` and the request has none.
+//! Status 400. The route requires an `Idempotency-Key` and the request has none.
 //! Send a new unique key (a UUID, say) with each new operation and the same
 //! key with every retry of it.
 //!
 //! ## invalid-key
 //!
-//! 400. The key field is malformed: empty, over 255 characters, bytes outside
+//! Status 400. The key field is malformed: empty, over 255 characters, bytes outside
 //! printable ASCII, an unterminated or wrongly escaped sf-string, a list,
 //! parameters, or the field sent twice (see [`crate::key`]). Nothing was
 //! recorded.
 //!
 //! ## body-too-large
 //!
-//! 413. The request body is over the layer's limit. Nothing was recorded;
+//! Status 413. The request body is over the layer's limit. Nothing was recorded;
 //! the key is still free.
 //!
 //! ## unreadable-body
 //!
-//! 400. The body could not be read, or the fingerprint could not be computed
+//! Status 400. The body could not be read, or the fingerprint could not be computed
 //! from it (a JSON fingerprint and a body that is not JSON). Nothing was
 //! recorded.
 //!
 //! ## mismatch
 //!
-//! 422. The key was first used with a different request (method, path,
+//! Status 422. The key was first used with a different request (method, path,
 //! query or body, as the fingerprint sees them). Use a new key for a new
 //! operation.
 //!
 //! ## in-flight
 //!
-//! 409. The first request with this key is still running. `Retry-After`
+//! Status 409. The first request with this key is still running. `Retry-After`
 //! gives whole seconds, at most what is left of its lease; the retry then
 //! gets the stored answer.
 //!
 //! ## store-unavailable
 //!
-//! 503. The store could not answer (a lock held past the busy timeout, an
+//! Status 503. The store could not answer (a lock held past the busy timeout, an
 //! I/O error), or, in transactional mode, the commit failed. The request did
 //! not run, or ran and was rolled back; nothing was replayed. Retry after
 //! `Retry-After` seconds with the same key.
 //!
 //! ## response-not-stored
 //!
-//! 410. The request with this key completed, but its response was larger
+//! Status 410. The request with this key completed, but its response was larger
 //! than the layer's response limit and was not kept. It will not run again.
 
 use bytes::Bytes;
