@@ -78,6 +78,7 @@
 
 #![deny(unsafe_code, unreachable_pub)]
 #![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 mod body;
 pub mod fingerprint;
@@ -103,4 +104,6 @@ pub use layer::{
 };
 pub use response::{StoredBody, StoredResponse};
 pub use service::{Idempotency, ResponseFuture};
+#[cfg(feature = "postgres")]
+pub use store::PostgresStore;
 pub use store::{MemoryStore, SqliteStore, Store, StoreError};

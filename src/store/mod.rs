@@ -53,9 +53,13 @@ use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod sqlite;
 
 pub use memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use postgres::{PostgresStore, PostgresStoreBuilder, PostgresTransaction, TransactionClient};
 pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous};
 
 /// An in-flight record's owner mark. Complete and release succeed only with
@@ -246,6 +250,19 @@ pub enum TransactionClaim<T> {
     },
     /// Any other outcome of the claim (never [`Claim::Acquired`]).
     Refused(Claim),
+}
+
+/// The 500 problem of a transaction extractor on a request that has none.
+#[cfg(feature = "axum")]
+fn missing_transaction() -> http::Response<axum_core::body::Body> {
+    let body = r#"{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"this handler needs an idempotency transaction, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)"}"#;
+    let mut response = http::Response::new(axum_core::body::Body::from(body));
+    *response.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/problem+json"),
+    );
+    response
 }
 
 /// Spawns a task on the current Tokio runtime that calls

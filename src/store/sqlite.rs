@@ -536,16 +536,11 @@ impl<S: Sync> axum_core::extract::FromRequestParts<S> for SqliteTransaction {
         parts: &mut http::request::Parts,
         _state: &S,
     ) -> Result<Self, Self::Rejection> {
-        parts.extensions.get::<SqliteTransaction>().cloned().ok_or_else(|| {
-            let body = r#"{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"this handler needs an idempotency transaction, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)"}"#;
-            let mut response = http::Response::new(axum_core::body::Body::from(body));
-            *response.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
-            response.headers_mut().insert(
-                http::header::CONTENT_TYPE,
-                http::HeaderValue::from_static("application/problem+json"),
-            );
-            response
-        })
+        parts
+            .extensions
+            .get::<SqliteTransaction>()
+            .cloned()
+            .ok_or_else(super::missing_transaction)
     }
 }
 

@@ -1,0 +1,648 @@
+//! PostgreSQL, for fleets of app servers sharing one database (feature
+//! `postgres`).
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Object, Pool, RecyclingMethod};
+use tokio_postgres::NoTls;
+
+use super::{
+    Claim, ClaimRequest, Clock, Completion, FencingToken, Store, StoreError, TransactionClaim,
+    TransactionalStore, duration_ms,
+};
+use crate::fingerprint::Hasher;
+use crate::response::StoredResponse;
+
+/// Records in a PostgreSQL table; leases and TTLs judged by the database
+/// server's clock.
+///
+/// * The claim runs in a transaction that first takes a transaction-level
+///   advisory lock on the key, then `INSERT ... ON CONFLICT DO NOTHING`: the
+///   primary key `(scope, key)` decides who is first, across every app server.
+/// * In transactional mode ([`crate::mode::Transactional`]) the handler's
+///   writes share the claiming transaction ([`PostgresTransaction`]). A
+///   concurrent duplicate does not wait on the uncommitted row: it tries the
+///   key's advisory lock without blocking (`pg_try_advisory_xact_lock`) and,
+///   when another transaction holds it, gets 409 with `Retry-After: 1`.
+/// * Connections come from a deadpool pool (default 16); a connection that
+///   cannot be had in time, or a server that cannot be reached, is
+///   [`StoreError::Unavailable`]: the layer answers 503.
+/// * The table (default `idempotency_records`) is created on open under an
+///   advisory lock, so app servers starting together do not race.
+///
+/// # Example
+///
+/// ```no_run
+/// use tower_idempotency::{IdempotencyLayer, PostgresStore, scope::GlobalScope};
+///
+/// # async fn run() -> Result<(), tower_idempotency::StoreError> {
+/// let store = PostgresStore::open("postgres://app@db.internal/app").await?;
+/// let layer = IdempotencyLayer::new(store, GlobalScope).transactional();
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+    sql: Arc<Sql>,
+    offset: Option<Arc<dyn Clock>>,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.sql.table)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Options for [`PostgresStore`]; made by [`PostgresStore::builder`].
+#[must_use]
+pub struct PostgresStoreBuilder {
+    url: String,
+    table: String,
+    pool_size: usize,
+    wait_timeout: Duration,
+    offset: Option<Arc<dyn Clock>>,
+}
+
+/// The statements, with the table name in them.
+struct Sql {
+    table: String,
+    insert: String,
+    select: String,
+    take_over: String,
+    complete: String,
+    release: String,
+    purge: String,
+}
+
+/// The server's clock in unix milliseconds, shifted by parameter `$n` (ms).
+fn now_ms(n: u8) -> String {
+    format!("(floor(extract(epoch from clock_timestamp()) * 1000)::bigint + ${n}::bigint)")
+}
+
+impl Sql {
+    fn new(table: &str) -> Sql {
+        Sql {
+            table: table.to_owned(),
+            insert: format!(
+                "INSERT INTO {table} (scope, key, fingerprint, token, state, lease_until, expires_at)
+                 VALUES ($1, $2, $3, $4, 'in_flight', $5, $6)
+                 ON CONFLICT (scope, key) DO NOTHING"
+            ),
+            select: format!(
+                "SELECT fingerprint, state, lease_until, expires_at, response
+                 FROM {table} WHERE scope = $1 AND key = $2 FOR UPDATE"
+            ),
+            take_over: format!(
+                "UPDATE {table}
+                 SET fingerprint = $3, token = $4, state = 'in_flight',
+                     lease_until = $5, expires_at = $6, response = NULL
+                 WHERE scope = $1 AND key = $2"
+            ),
+            complete: format!(
+                "UPDATE {table} SET state = 'completed', response = $4
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
+            ),
+            release: format!(
+                "DELETE FROM {table}
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
+            ),
+            purge: format!("DELETE FROM {table} WHERE expires_at <= {}", now_ms(1)),
+        }
+    }
+
+    fn schema(&self) -> String {
+        let table = &self.table;
+        format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+                scope       TEXT   NOT NULL,
+                key         TEXT   NOT NULL,
+                fingerprint BYTEA  NOT NULL,
+                token       BIGINT NOT NULL,
+                state       TEXT   NOT NULL CHECK (state IN ('in_flight', 'completed')),
+                lease_until BIGINT NOT NULL, -- unix ms, server clock
+                expires_at  BIGINT NOT NULL, -- unix ms, server clock
+                response    BYTEA,
+                PRIMARY KEY (scope, key)
+            );
+            CREATE INDEX IF NOT EXISTS {table}_expires_at ON {table} (expires_at);"
+        )
+    }
+}
+
+fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
+    StoreError::unavailable(e)
+}
+
+impl PostgresStoreBuilder {
+    /// The table (default `idempotency_records`): ASCII letters, digits and
+    /// underscores, not starting with a digit, at most 48 characters.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Connections kept (default 16). In transactional mode each request
+    /// holds one for its handler's whole run.
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size.max(1);
+        self
+    }
+
+    /// How long a call waits for a pooled connection before it fails with
+    /// [`StoreError::Unavailable`] (default 5 s).
+    pub fn wait_timeout(mut self, timeout: Duration) -> Self {
+        self.wait_timeout = timeout;
+        self
+    }
+
+    /// For tests of leases and TTLs: a [`Clock`] whose reading, in
+    /// milliseconds, is added to the server's clock. Leave it unset in
+    /// production.
+    pub fn time_offset(mut self, offset: impl Clock) -> Self {
+        self.offset = Some(Arc::new(offset));
+        self
+    }
+
+    /// Connects and creates the table if it is missing.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] for a bad URL or table name, or a server
+    /// that cannot be reached.
+    pub async fn open(self) -> Result<PostgresStore, StoreError> {
+        let valid = !self.table.is_empty()
+            && self.table.len() <= 48
+            && !self.table.starts_with(|c: char| c.is_ascii_digit())
+            && self
+                .table
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            return Err(unavailable(format!("invalid table name {:?}", self.table)));
+        }
+        let config = tokio_postgres::Config::from_str(&self.url).map_err(unavailable)?;
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(self.pool_size)
+            .wait_timeout(Some(self.wait_timeout))
+            .create_timeout(Some(self.wait_timeout))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(unavailable)?;
+        let sql = Sql::new(&self.table);
+        let mut client = pool.get().await.map_err(unavailable)?;
+        let tx = client.transaction().await.map_err(unavailable)?;
+        // Two servers starting at once would race on CREATE TABLE.
+        let lock = advisory_key(&self.table, "migrate", "");
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
+            .await
+            .map_err(unavailable)?;
+        tx.batch_execute(&sql.schema()).await.map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(PostgresStore {
+            pool,
+            sql: Arc::new(sql),
+            offset: self.offset,
+        })
+    }
+}
+
+/// The advisory lock key of a record: 64 bits of SHA-256 over table, scope
+/// and key, framed so no two records share an input.
+fn advisory_key(table: &str, scope: &str, key: &str) -> i64 {
+    let mut hasher = Hasher::new("tower-idempotency/pg-lock/v1");
+    hasher
+        .part(table.as_bytes())
+        .part(scope.as_bytes())
+        .part(key.as_bytes());
+    let digest = hasher.finish().0;
+    i64::from_be_bytes([
+        digest[0], digest[1], digest[2], digest[3], digest[4], digest[5], digest[6], digest[7],
+    ])
+}
+
+impl PostgresStore {
+    /// Connects to `url` (`postgres://user@host/db`) with the default options.
+    ///
+    /// # Errors
+    ///
+    /// As [`PostgresStoreBuilder::open`].
+    pub async fn open(url: &str) -> Result<Self, StoreError> {
+        Self::builder(url).open().await
+    }
+
+    /// Options: table, pool size, wait timeout, test time offset.
+    pub fn builder(url: &str) -> PostgresStoreBuilder {
+        PostgresStoreBuilder {
+            url: url.to_owned(),
+            table: "idempotency_records".into(),
+            pool_size: 16,
+            wait_timeout: Duration::from_secs(5),
+            offset: None,
+        }
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    fn offset_ms(&self) -> i64 {
+        self.offset.as_ref().map_or(0, |c| c.now_ms())
+    }
+
+    async fn client(&self) -> Result<Object, StoreError> {
+        self.pool.get().await.map_err(unavailable)
+    }
+
+    /// The claim inside an open transaction that holds the key's advisory
+    /// lock; `now` is the server's clock read after the lock was taken.
+    async fn claim_in<C: GenericClient>(
+        &self,
+        client: &C,
+        req: &ClaimRequest,
+        now: i64,
+    ) -> Result<Claim, StoreError> {
+        let lease_until = now.saturating_add(duration_ms(req.lease));
+        let expires_at = now.saturating_add(duration_ms(req.ttl));
+        let fingerprint = &req.fingerprint.0[..];
+        let sql = &self.sql;
+        let inserted = client
+            .execute(
+                &sql.insert,
+                &[
+                    &req.scope,
+                    &req.key,
+                    &fingerprint,
+                    &req.token.0,
+                    &lease_until,
+                    &expires_at,
+                ],
+            )
+            .await
+            .map_err(unavailable)?;
+        if inserted == 1 {
+            return Ok(Claim::Acquired { taken_over: false });
+        }
+        let row = client
+            .query_opt(&sql.select, &[&req.scope, &req.key])
+            .await
+            .map_err(unavailable)?
+            .ok_or_else(|| unavailable("the conflicting record vanished under the key's lock"))?;
+        let old_fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
+        let state: String = row.try_get(1).map_err(unavailable)?;
+        let old_lease: i64 = row.try_get(2).map_err(unavailable)?;
+        let old_expiry: i64 = row.try_get(3).map_err(unavailable)?;
+        let expired = old_expiry <= now;
+        if !expired && old_fingerprint != fingerprint {
+            return Ok(Claim::Mismatch);
+        }
+        if !expired && state == "completed" {
+            let blob: Option<Vec<u8>> = row.try_get(4).map_err(unavailable)?;
+            return StoredResponse::decode(&blob.unwrap_or_default())
+                .map(Claim::Completed)
+                .map_err(|e| StoreError::Corrupt(e.to_string()));
+        }
+        if !expired && old_lease > now {
+            let lease_remaining = Duration::from_millis((old_lease - now) as u64);
+            return Ok(Claim::InFlight { lease_remaining });
+        }
+        client
+            .execute(
+                &sql.take_over,
+                &[
+                    &req.scope,
+                    &req.key,
+                    &fingerprint,
+                    &req.token.0,
+                    &lease_until,
+                    &expires_at,
+                ],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(Claim::Acquired {
+            taken_over: !expired,
+        })
+    }
+}
+
+impl Store for PostgresStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        let mut client = self.client().await?;
+        // Dropped unfinished (an error below), the transaction rolls back.
+        let tx = client.transaction().await.map_err(unavailable)?;
+        let lock = advisory_key(&self.sql.table, &req.scope, &req.key);
+        let row = tx
+            .query_one(
+                &format!("SELECT {} FROM pg_advisory_xact_lock($1)", now_ms(2)),
+                &[&lock, &self.offset_ms()],
+            )
+            .await
+            .map_err(unavailable)?;
+        let now: i64 = row.try_get(0).map_err(unavailable)?;
+        let claim = self.claim_in(&tx, &req, now).await?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(claim)
+    }
+
+    async fn complete(
+        &self,
+        scope: String,
+        key: String,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Completion, StoreError> {
+        let blob = response.encode();
+        let client = self.client().await?;
+        let updated = client
+            .execute(&self.sql.complete, &[&scope, &key, &token.0, &blob])
+            .await
+            .map_err(unavailable)?;
+        Ok(if updated == 1 {
+            Completion::Stored
+        } else {
+            Completion::Fenced
+        })
+    }
+
+    async fn release(
+        &self,
+        scope: String,
+        key: String,
+        token: FencingToken,
+    ) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let deleted = client
+            .execute(&self.sql.release, &[&scope, &key, &token.0])
+            .await
+            .map_err(unavailable)?;
+        Ok(deleted == 1)
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        client
+            .execute(&self.sql.purge, &[&self.offset_ms()])
+            .await
+            .map_err(unavailable)
+    }
+}
+
+// ------------------------------------------------------------ transactional
+
+/// An open PostgreSQL transaction in which the layer has claimed the
+/// request's key. The handler runs its own statements on it through
+/// [`PostgresTransaction::client`]; the layer commits them with the record
+/// and the stored response, or rolls everything back.
+///
+/// It reaches the handler as a request extension
+/// (`req.extensions().get::<PostgresTransaction>()`) and, with the `axum`
+/// feature, as an extractor.
+///
+/// # Example
+///
+/// ```no_run
+/// use tower_idempotency::store::PostgresTransaction;
+///
+/// async fn credit(tx: PostgresTransaction) -> Result<String, String> {
+///     let client = tx.client().await.map_err(|e| e.to_string())?;
+///     let row = client
+///         .query_one("UPDATE accounts SET balance = balance + 5 WHERE id = 1 RETURNING balance", &[])
+///         .await
+///         .map_err(|e| e.to_string())?;
+///     Ok(format!("balance {}", row.get::<_, i64>(0)))
+/// }
+/// ```
+#[derive(Clone)]
+pub struct PostgresTransaction {
+    connection: Arc<tokio::sync::Mutex<Option<TxConnection>>>,
+}
+
+struct TxConnection {
+    client: Object,
+    scope: String,
+    key: String,
+    token: FencingToken,
+}
+
+impl std::fmt::Debug for PostgresTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresTransaction")
+            .finish_non_exhaustive()
+    }
+}
+
+/// The connection of an open [`PostgresTransaction`]; derefs to
+/// [`tokio_postgres::Client`]. Statements run inside the transaction; do not
+/// `COMMIT` or `ROLLBACK` (the layer does).
+pub struct TransactionClient<'a> {
+    guard: tokio::sync::MappedMutexGuard<'a, TxConnection>,
+}
+
+impl std::ops::Deref for TransactionClient<'_> {
+    type Target = tokio_postgres::Client;
+
+    fn deref(&self) -> &tokio_postgres::Client {
+        &self.guard.client
+    }
+}
+
+fn transaction_over() -> StoreError {
+    unavailable("the idempotency transaction has already been committed or rolled back")
+}
+
+impl PostgresTransaction {
+    /// The transaction's connection, for the handler's statements. Calls
+    /// from clones of this handle take turns.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] when the transaction has already ended.
+    pub async fn client(&self) -> Result<TransactionClient<'_>, StoreError> {
+        let guard = self.connection.lock().await;
+        tokio::sync::MutexGuard::try_map(guard, Option::as_mut)
+            .map(|guard| TransactionClient { guard })
+            .map_err(|_| transaction_over())
+    }
+
+    async fn take(&self) -> Option<TxConnection> {
+        self.connection.lock().await.take()
+    }
+}
+
+/// Ends a transaction by closing its connection (the server rolls back), for
+/// when no `ROLLBACK` can be sent.
+fn discard(connection: TxConnection) {
+    drop(Object::take(connection.client));
+}
+
+async fn roll_back(connection: TxConnection) {
+    if connection.client.batch_execute("ROLLBACK").await.is_err() {
+        discard(connection);
+    }
+}
+
+impl TransactionalStore for PostgresStore {
+    type Transaction = PostgresTransaction;
+
+    async fn claim_in_transaction(
+        &self,
+        req: ClaimRequest,
+    ) -> Result<TransactionClaim<PostgresTransaction>, StoreError> {
+        let client = self.client().await?;
+        client.batch_execute("BEGIN").await.map_err(unavailable)?;
+        let connection = TxConnection {
+            client,
+            scope: req.scope.clone(),
+            key: req.key.clone(),
+            token: req.token,
+        };
+        let lock = advisory_key(&self.sql.table, &req.scope, &req.key);
+        let claimed = async {
+            let row = connection
+                .client
+                .query_one(
+                    &format!("SELECT pg_try_advisory_xact_lock($1), {}", now_ms(2)),
+                    &[&lock, &self.offset_ms()],
+                )
+                .await
+                .map_err(unavailable)?;
+            let locked: bool = row.try_get(0).map_err(unavailable)?;
+            if !locked {
+                // Another transaction holds this key and has not committed:
+                // it is in flight, for as long as its handler runs.
+                return Ok(Claim::InFlight {
+                    lease_remaining: Duration::from_secs(1),
+                });
+            }
+            let now: i64 = row.try_get(1).map_err(unavailable)?;
+            self.claim_in(&connection.client, &req, now).await
+        }
+        .await;
+        match claimed {
+            Ok(Claim::Acquired { taken_over }) => Ok(TransactionClaim::Acquired {
+                transaction: PostgresTransaction {
+                    connection: Arc::new(tokio::sync::Mutex::new(Some(connection))),
+                },
+                taken_over,
+            }),
+            Ok(refused) => {
+                roll_back(connection).await;
+                Ok(TransactionClaim::Refused(refused))
+            }
+            Err(e) => {
+                roll_back(connection).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn commit(
+        &self,
+        transaction: &PostgresTransaction,
+        response: StoredResponse,
+    ) -> Result<Completion, StoreError> {
+        let connection = transaction.take().await.ok_or_else(transaction_over)?;
+        let blob = response.encode();
+        let completed = connection
+            .client
+            .execute(
+                &self.sql.complete,
+                &[
+                    &connection.scope,
+                    &connection.key,
+                    &connection.token.0,
+                    &blob,
+                ],
+            )
+            .await;
+        match completed {
+            Ok(1) => {}
+            Ok(_) => {
+                roll_back(connection).await;
+                return Err(StoreError::Corrupt(
+                    "the claimed record vanished inside its transaction".into(),
+                ));
+            }
+            Err(e) => {
+                roll_back(connection).await;
+                return Err(unavailable(e));
+            }
+        }
+        match connection.client.batch_execute("COMMIT").await {
+            Ok(()) => Ok(Completion::Stored),
+            Err(e) => {
+                // The outcome of a failed COMMIT is unknown to us; closing the
+                // connection makes sure it is not reused mid-transaction.
+                discard(connection);
+                Err(unavailable(e))
+            }
+        }
+    }
+
+    fn rollback(&self, transaction: &PostgresTransaction) {
+        let transaction = transaction.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    if let Some(connection) = transaction.take().await {
+                        roll_back(connection).await;
+                    }
+                });
+            }
+            Err(_) => {
+                if let Some(connection) = transaction
+                    .connection
+                    .try_lock()
+                    .ok()
+                    .and_then(|mut guard| guard.take())
+                {
+                    discard(connection);
+                }
+            }
+        }
+    }
+}
+
+/// Extracts the request's transaction in a handler behind a transactional
+/// layer; a request without one is answered with a 500 problem.
+#[cfg(feature = "axum")]
+impl<S: Sync> axum_core::extract::FromRequestParts<S> for PostgresTransaction {
+    type Rejection = http::Response<axum_core::body::Body>;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<PostgresTransaction>()
+            .cloned()
+            .ok_or_else(super::missing_transaction)
+    }
+}
+
+/// `Option<PostgresTransaction>`: `None` for requests that passed through
+/// without a key.
+#[cfg(feature = "axum")]
+impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for PostgresTransaction {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<PostgresTransaction>().cloned())
+    }
+}
