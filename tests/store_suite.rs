@@ -330,7 +330,6 @@ struct Offset(ManualClock);
 #[cfg(feature = "postgres")]
 impl tower_idempotency::store::Clock for Offset {
     fn now_ms(&self) -> i64 {
-        use tower_idempotency::store::Clock;
         self.0.now_ms() - START_MS
     }
 }
