@@ -1,0 +1,263 @@
+//! PostgreSQL beyond the store suite: several app servers on one database,
+//! and transactional mode over real sockets. Needs a PostgreSQL server:
+//! `TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database.
+
+#![cfg(feature = "postgres")]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use common::{Harness, send, serve};
+use tokio::sync::Barrier;
+use tower_idempotency::problem::types;
+use tower_idempotency::scope::GlobalScope;
+use tower_idempotency::store::{Claim, ClaimRequest, FencingToken, PostgresTransaction, Store};
+use tower_idempotency::{IdempotencyLayer, PostgresStore};
+
+fn url() -> String {
+    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// A store on a table of its own, and the items table its handlers write.
+struct Db {
+    store: PostgresStore,
+    table: String,
+}
+
+impl Db {
+    async fn new() -> Db {
+        let id = format!("{:016x}", FencingToken::random().0);
+        let table = format!("idem_pg_{id}");
+        let store = PostgresStore::builder(&url())
+            .table(table.clone())
+            .open()
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL at {} is required: {e}", url()));
+        let client = store.pool().get().await.unwrap();
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE {table}_items (id BIGSERIAL PRIMARY KEY, note TEXT)"
+            ))
+            .await
+            .unwrap();
+        Db { store, table }
+    }
+
+    async fn count(&self, what: &str) -> i64 {
+        let client = self.store.pool().get().await.unwrap();
+        let table = if what == "items" {
+            format!("{}_items", self.table)
+        } else {
+            self.table.clone()
+        };
+        client
+            .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+            .await
+            .unwrap()
+            .get(0)
+    }
+
+    async fn drop_tables(self) {
+        let client = self.store.pool().get().await.unwrap();
+        client
+            .batch_execute(&format!("DROP TABLE {0}; DROP TABLE {0}_items", self.table))
+            .await
+            .unwrap();
+    }
+}
+
+fn claim(key: &str) -> ClaimRequest {
+    ClaimRequest {
+        scope: "s".into(),
+        key: key.into(),
+        fingerprint: tower_idempotency::fingerprint::Fingerprint([1; 32]),
+        token: FencingToken::random(),
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(3600),
+    }
+}
+
+/// Two app servers' stores (two pools) on one table, racing each key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_one_database_one_winner() {
+    let db = Db::new().await;
+    let other = PostgresStore::builder(&url())
+        .table(db.table.clone())
+        .open()
+        .await
+        .unwrap();
+    for round in 0..10 {
+        let key = format!("k{round}");
+        let barrier = Arc::new(Barrier::new(16));
+        let tasks: Vec<_> = (0..16)
+            .map(|i| {
+                let store = if i % 2 == 0 {
+                    db.store.clone()
+                } else {
+                    other.clone()
+                };
+                let (barrier, key) = (barrier.clone(), key.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    store.claim(claim(&key)).await.unwrap()
+                })
+            })
+            .collect();
+        let mut acquired = 0;
+        for task in tasks {
+            match task.await.unwrap() {
+                Claim::Acquired { .. } => acquired += 1,
+                Claim::InFlight { .. } => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(acquired, 1, "round {round}");
+    }
+    db.drop_tables().await;
+}
+
+async fn item(
+    State((h, table)): State<(Harness, String)>,
+    tx: PostgresTransaction,
+    headers: HeaderMap,
+) -> Response {
+    {
+        let client = tx.client().await.unwrap();
+        client
+            .execute(
+                &format!("INSERT INTO {table}_items (note) VALUES ('x')"),
+                &[],
+            )
+            .await
+            .unwrap();
+    }
+    let n = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    h.wait_at_gate(&headers).await;
+    let status = headers
+        .get("x-status")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .unwrap_or(201);
+    (
+        StatusCode::from_u16(status).unwrap(),
+        format!("item run {n}"),
+    )
+        .into_response()
+}
+
+async fn start(db: &Db) -> (std::net::SocketAddr, Harness) {
+    let h = Harness::default();
+    let app = Router::new()
+        .route("/items", post(item))
+        .route_layer(IdempotencyLayer::new(db.store.clone(), GlobalScope).transactional())
+        .with_state((h.clone(), db.table.clone()));
+    (serve(app).await, h)
+}
+
+#[tokio::test]
+async fn transactional_effect_record_and_response_commit_together() {
+    let db = Db::new().await;
+    let (addr, h) = start(&db).await;
+    let first = send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}").await;
+    assert_eq!(first.status, 201);
+    let again = send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}").await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(
+        (db.count("items").await, db.count("records").await, h.runs()),
+        (1, 1, 1)
+    );
+
+    let failed = send(
+        addr,
+        "POST",
+        "/items",
+        &[("idempotency-key", b"f"), ("x-status", b"500")],
+        b"{}",
+    )
+    .await;
+    assert_eq!(failed.status, 500);
+    assert_eq!(
+        (db.count("items").await, db.count("records").await),
+        (1, 1),
+        "rolled back"
+    );
+    let retry = send(addr, "POST", "/items", &[("idempotency-key", b"f")], b"{}").await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!(db.count("items").await, 2);
+    db.drop_tables().await;
+}
+
+/// A duplicate never waits on the first one's uncommitted row: it gets 409
+/// at once, and the replay once the first has committed.
+#[tokio::test]
+async fn transactional_duplicate_gets_409_without_blocking() {
+    let db = Db::new().await;
+    let (addr, h) = start(&db).await;
+    let mut entered = h.watch();
+    let first = tokio::spawn(async move {
+        send(
+            addr,
+            "POST",
+            "/items",
+            &[("idempotency-key", b"k"), ("x-gate", b"g")],
+            b"{}",
+        )
+        .await
+    });
+    assert_eq!(entered.recv().await.unwrap(), "g");
+    let busy = send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}").await;
+    assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
+    assert_eq!(busy.header_str("retry-after"), Some("1"));
+    h.open("g");
+    assert_eq!(first.await.unwrap().status, 201);
+    assert!(
+        send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}")
+            .await
+            .replayed()
+    );
+    assert_eq!((db.count("items").await, h.runs()), (1, 1));
+    db.drop_tables().await;
+}
+
+#[tokio::test]
+async fn transactional_dropped_request_rolls_back() {
+    let db = Db::new().await;
+    let (addr, h) = start(&db).await;
+    let mut entered = h.watch();
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = common::request_bytes(
+        "POST",
+        "/items",
+        &[("idempotency-key", b"k"), ("x-gate", b"g")],
+        b"{}",
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut conn, &req)
+        .await
+        .unwrap();
+    assert_eq!(entered.recv().await.unwrap(), "g");
+    drop(conn);
+    // The rollback is sent from a spawned task; the retry then runs once.
+    let mut retry = send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}").await;
+    for _ in 0..1000 {
+        if retry.status != 409 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        retry = send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}").await;
+    }
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!(
+        (db.count("items").await, db.count("records").await, h.runs()),
+        (1, 1, 2)
+    );
+    db.drop_tables().await;
+}
