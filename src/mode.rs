@@ -25,15 +25,19 @@
 //! # Transactional
 //!
 //! For a [`TransactionalStore`] whose database also holds the handler's
-//! data. The layer opens a transaction, claims the key in it, and hands the
-//! transaction to the handler (an axum extractor, or a request extension for
-//! a plain tower service). After the handler answers, the layer stores the
-//! response in the same transaction and commits: the effect, the record and
-//! the response in ONE commit, or none of them. A response the policy does
-//! not store, an `Err`, a panic or a dropped request roll everything back. A
-//! crash anywhere before the commit leaves neither key nor effect, so the
-//! retry runs exactly once. If the commit itself fails, the first caller gets
-//! 503 instead of the handler's response, since nothing happened.
+//! data. The layer claims the key, opens a transaction and hands it to the
+//! handler (an axum extractor, or a request extension for a plain tower
+//! service). After the handler answers, the layer completes the record with
+//! the response in the same transaction and commits: the effect and the
+//! completed record in ONE commit, or neither. A response the policy does not
+//! store, an `Err`, a panic or a dropped request roll the effect back and give
+//! the key back. If the commit fails, the first caller gets 503 instead of the
+//! handler's response, since nothing happened.
+//!
+//! After a crash before the commit, no effect exists and the retry runs
+//! exactly once: at once with SQLite (whose claim was inside the rolled-back
+//! transaction), after the lease with PostgreSQL (whose claim committed first,
+//! so that other servers could see it in flight).
 
 use std::future::Future;
 

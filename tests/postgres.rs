@@ -216,7 +216,18 @@ async fn transactional_duplicate_gets_409_without_blocking() {
     assert_eq!(entered.recv().await.unwrap(), "g");
     let busy = send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}").await;
     assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
-    assert_eq!(busy.header_str("retry-after"), Some("1"));
+    let retry_after: u64 = busy.header_str("retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry_after), "{retry_after}");
+    // The claim is visible with its fingerprint: another body is a 422 at once.
+    let other = send(
+        addr,
+        "POST",
+        "/items",
+        &[("idempotency-key", b"k")],
+        b"{\"other\":1}",
+    )
+    .await;
+    assert_eq!(other.assert_problem(422), types::MISMATCH);
     h.open("g");
     assert_eq!(first.await.unwrap().status, 201);
     assert!(

@@ -1,5 +1,6 @@
-//! The ledger's own tables: accounts and credits, in the same SQLite file as
-//! the idempotency records. Every call runs on Tokio's blocking pool.
+//! The ledger's own tables: accounts and credits, in the same database as
+//! the idempotency records. SQLite here (every call on Tokio's blocking
+//! pool); PostgreSQL in `pg.rs`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -22,8 +23,46 @@ CREATE TABLE IF NOT EXISTS credits (
 ";
 
 #[derive(Clone)]
-pub struct Db {
+pub struct SqliteDb {
     pool: r2d2::Pool<SqliteConnectionManager>,
+}
+
+/// One write of the ledger, runnable on either database.
+pub enum Op {
+    CreateAccount {
+        name: String,
+    },
+    /// With `fail_after_effect`, the credit is written and then the op fails,
+    /// so its transaction rolls back.
+    Credit {
+        account_id: i64,
+        amount: i64,
+        fail_after_effect: bool,
+    },
+}
+
+impl Op {
+    /// Runs inside the caller's SQLite transaction.
+    pub fn on_sqlite(self, conn: &rusqlite::Connection) -> Result<serde_json::Value, LedgerError> {
+        match self {
+            Op::CreateAccount { name } => json(create_account(conn, name)?),
+            Op::Credit {
+                account_id,
+                amount,
+                fail_after_effect,
+            } => {
+                let credit = credit(conn, account_id, amount)?;
+                if fail_after_effect {
+                    return Err(LedgerError::InjectedFailure);
+                }
+                json(credit)
+            }
+        }
+    }
+}
+
+pub fn json<T: Serialize>(value: T) -> Result<serde_json::Value, LedgerError> {
+    serde_json::to_value(value).map_err(|e| LedgerError::Database(Box::new(e)))
 }
 
 #[derive(Debug, Serialize)]
@@ -73,15 +112,15 @@ impl From<r2d2::Error> for LedgerError {
     }
 }
 
-impl Db {
-    pub async fn open(path: &Path) -> Result<Db, LedgerError> {
+impl SqliteDb {
+    pub async fn open(path: &Path) -> Result<SqliteDb, LedgerError> {
         let manager = SqliteConnectionManager::file(path).with_init(|c| {
             c.busy_timeout(Duration::from_secs(5))?;
             c.pragma_update(None, "journal_mode", "WAL")?;
             c.pragma_update(None, "synchronous", "FULL")?;
             c.pragma_update(None, "foreign_keys", "ON")
         });
-        let db = Db {
+        let db = SqliteDb {
             pool: r2d2::Pool::builder().max_size(8).build_unchecked(manager),
         };
         db.run(|conn| conn.execute_batch(SCHEMA).map_err(Into::into))

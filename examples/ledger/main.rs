@@ -10,6 +10,8 @@
 //! drives it over real HTTP.
 
 mod db;
+#[cfg(feature = "postgres")]
+mod pg;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -22,10 +24,10 @@ use axum::http::{HeaderMap, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
-use tower_idempotency::store::SqliteTransaction;
+use tower_idempotency::store::{SqliteTransaction, TransactionalStore};
 use tower_idempotency::{IdempotencyLayer, SqliteStore};
 
-use db::{Db, LedgerError};
+use db::{LedgerError, Op, SqliteDb};
 
 const USAGE: &str = "usage: ledger [--db PATH] [--mode transactional|separate] \
 [--listen ADDR] [--lease-secs N] [--fault-injection]";
@@ -72,8 +74,11 @@ fn parse_args() -> Result<Args, String> {
         match flag.as_str() {
             "--db" => {
                 let db = value()?;
-                if db.starts_with("postgres://") || db.starts_with("postgresql://") {
-                    return Err("--db postgres://... needs the PostgreSQL store, which this build does not have; use a SQLite file path".into());
+                let postgres = db.starts_with("postgres://") || db.starts_with("postgresql://");
+                if postgres && !cfg!(feature = "postgres") {
+                    return Err(
+                        "--db postgres://... needs a build with `--features postgres`".into(),
+                    );
                 }
                 args.db = PathBuf::from(db);
             }
@@ -112,6 +117,59 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
+/// The ledger's own tables: in the SQLite file, or in PostgreSQL.
+#[derive(Clone)]
+enum Db {
+    Sqlite(SqliteDb),
+    #[cfg(feature = "postgres")]
+    Postgres(pg::PgDb),
+}
+
+impl Db {
+    async fn account(&self, id: i64) -> Result<db::Account, LedgerError> {
+        match self {
+            Db::Sqlite(db) => db.account(id).await,
+            #[cfg(feature = "postgres")]
+            Db::Postgres(db) => db.account(id).await,
+        }
+    }
+
+    /// Runs `op` in a transaction of its own (separate mode).
+    async fn in_transaction(&self, op: Op) -> Result<serde_json::Value, LedgerError> {
+        match self {
+            Db::Sqlite(db) => db.in_transaction(move |conn| op.on_sqlite(conn)).await,
+            #[cfg(feature = "postgres")]
+            Db::Postgres(db) => db.in_transaction(op).await,
+        }
+    }
+}
+
+/// The request's idempotency transaction, if the layer opened one.
+enum Tx {
+    None,
+    Sqlite(SqliteTransaction),
+    #[cfg(feature = "postgres")]
+    Postgres(tower_idempotency::store::PostgresTransaction),
+}
+
+impl<S: Sync> axum::extract::FromRequestParts<S> for Tx {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        #[cfg(feature = "postgres")]
+        if let Some(tx) = parts
+            .extensions
+            .get::<tower_idempotency::store::PostgresTransaction>()
+        {
+            return Ok(Tx::Postgres(tx.clone()));
+        }
+        Ok(match parts.extensions.get::<SqliteTransaction>() {
+            Some(tx) => Tx::Sqlite(tx.clone()),
+            None => Tx::None,
+        })
+    }
+}
+
 #[derive(Clone)]
 struct AppState {
     db: Db,
@@ -140,7 +198,7 @@ fn caller(parts: &Parts) -> String {
     }
 }
 
-fn app(state: AppState, store: SqliteStore, lease: Option<Duration>) -> Router {
+fn app<St: TransactionalStore>(state: AppState, store: St, lease: Option<Duration>) -> Router {
     let mut idempotency = IdempotencyLayer::new(store, caller).require_key(true);
     if let Some(lease) = lease {
         idempotency = idempotency.lease(lease);
@@ -168,25 +226,24 @@ fn app(state: AppState, store: SqliteStore, lease: Option<Duration>) -> Router {
         .with_state(state)
 }
 
-/// Runs the handler's writes: inside the idempotency transaction, or in a
-/// transaction of their own. Either way `f` failing rolls its writes back.
-async fn write<T, F>(state: &AppState, tx: Option<SqliteTransaction>, f: F) -> Result<T, ApiError>
-where
-    F: FnOnce(&rusqlite::Connection) -> Result<T, LedgerError> + Send + 'static,
-    T: Send + 'static,
-{
+/// Runs one write: inside the idempotency transaction, or in a transaction of
+/// its own. Either way the op failing rolls its writes back.
+async fn write(state: &AppState, tx: Tx, op: Op) -> Result<serde_json::Value, ApiError> {
+    let store_error = |e: tower_idempotency::StoreError| LedgerError::Database(Box::new(e));
     match (state.mode, tx) {
-        (Mode::Separate, _) => Ok(state.db.in_transaction(f).await?),
-        (Mode::Transactional, Some(tx)) => {
-            // An `Err` makes the handler answer 4xx/5xx; the layer then
-            // rolls the transaction back or commits the refusal.
-            let value = tx
-                .run(move |tx| f(tx))
-                .await
-                .map_err(|e| LedgerError::Database(Box::new(e)))??;
-            Ok(value)
+        (Mode::Separate, _) => Ok(state.db.in_transaction(op).await?),
+        // An `Err` makes the handler answer 4xx/5xx; the layer then rolls the
+        // transaction back or commits the refusal with its record.
+        (Mode::Transactional, Tx::Sqlite(tx)) => Ok(tx
+            .run(move |tx| op.on_sqlite(tx))
+            .await
+            .map_err(store_error)??),
+        #[cfg(feature = "postgres")]
+        (Mode::Transactional, Tx::Postgres(tx)) => {
+            let client = tx.client().await.map_err(store_error)?;
+            Ok(op.on_postgres(&*client).await?)
         }
-        (Mode::Transactional, None) => Err(ApiError::Ledger(LedgerError::Database(
+        (Mode::Transactional, Tx::None) => Err(ApiError::Ledger(LedgerError::Database(
             "no idempotency transaction for this request".into(),
         ))),
     }
@@ -215,14 +272,15 @@ async fn main() {
 }
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    let store = SqliteStore::open(&args.db).await?;
-    let db = Db::open(&args.db).await?;
-    let state = AppState {
-        db,
-        mode: args.mode,
-        fault_injection: args.fault_injection,
-    };
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let url = args.db.to_string_lossy().into_owned();
+    let app = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        postgres_app(&url, &args).await?
+    } else {
+        let store = SqliteStore::open(&args.db).await?;
+        let db = Db::Sqlite(SqliteDb::open(&args.db).await?);
+        app(state(db, &args), store, args.lease)
+    };
     let addr = listener.local_addr()?;
     {
         use std::io::Write;
@@ -230,8 +288,28 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         writeln!(out, "listening on http://{addr}")?;
         out.flush()?;
     }
-    axum::serve(listener, app(state, store, args.lease)).await?;
+    axum::serve(listener, app).await?;
     Ok(())
+}
+
+fn state(db: Db, args: &Args) -> AppState {
+    AppState {
+        db,
+        mode: args.mode,
+        fault_injection: args.fault_injection,
+    }
+}
+
+#[cfg(feature = "postgres")]
+async fn postgres_app(url: &str, args: &Args) -> Result<Router, Box<dyn std::error::Error>> {
+    let store = tower_idempotency::PostgresStore::open(url).await?;
+    let db = Db::Postgres(pg::PgDb::open(store.pool().clone()).await?);
+    Ok(app(state(db, args), store, args.lease))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn postgres_app(_url: &str, _args: &Args) -> Result<Router, Box<dyn std::error::Error>> {
+    Err("this build has no PostgreSQL store: build with `--features postgres`".into())
 }
 
 // ------------------------------------------------------------------ handlers
@@ -337,7 +415,7 @@ fn parse_id(id: &str) -> Result<i64, ApiError> {
 
 async fn create_account(
     State(state): State<AppState>,
-    tx: Option<SqliteTransaction>,
+    tx: Tx,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let new: NewAccount = parse_json(&body)?;
@@ -346,7 +424,7 @@ async fn create_account(
             "name must be 1 to 100 characters".into(),
         ));
     }
-    let account = write(&state, tx, move |conn| db::create_account(conn, new.name)).await?;
+    let account = write(&state, tx, Op::CreateAccount { name: new.name }).await?;
     Ok(created(account))
 }
 
@@ -361,7 +439,7 @@ async fn account(
 async fn credit(
     State(state): State<AppState>,
     Path(id): Path<String>,
-    tx: Option<SqliteTransaction>,
+    tx: Tx,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -379,15 +457,12 @@ async fn credit(
             .get("x-ledger-fail")
             .is_some_and(|v| v.as_bytes() == b"after-effect");
     tokio::time::sleep(before).await;
-    let credit = write(&state, tx, move |conn| {
-        let credit = db::credit(conn, id, new.amount)?;
-        if fail_after_effect {
-            // Written, then failed before the commit: the credit rolls back.
-            return Err(LedgerError::InjectedFailure);
-        }
-        Ok(credit)
-    })
-    .await?;
+    let op = Op::Credit {
+        account_id: id,
+        amount: new.amount,
+        fail_after_effect,
+    };
+    let credit = write(&state, tx, op).await?;
     // Separate mode: the credit is committed. Transactional mode: it commits
     // with the record once this response is returned.
     tokio::time::sleep(after_effect).await;

@@ -217,9 +217,10 @@ pub trait TransactionalStore: Store {
     /// extensions (so: `Clone + Send + Sync`).
     type Transaction: Clone + Send + Sync + 'static;
 
-    /// Opens a transaction and claims the key in it (the table in the module
-    /// docs). When acquired, the in-flight record exists only inside the
-    /// uncommitted transaction; refused, the transaction is already closed.
+    /// Claims the key (the table in the module docs) and opens the
+    /// transaction the handler writes in. SQLite claims inside that
+    /// transaction; PostgreSQL commits the claim first, so that other servers
+    /// see it. Refused, no transaction stays open.
     fn claim_in_transaction(
         &self,
         request: ClaimRequest,

@@ -21,11 +21,16 @@ use crate::response::StoredResponse;
 /// * The claim runs in a transaction that first takes a transaction-level
 ///   advisory lock on the key, then `INSERT ... ON CONFLICT DO NOTHING`: the
 ///   primary key `(scope, key)` decides who is first, across every app server.
-/// * In transactional mode ([`crate::mode::Transactional`]) the handler's
-///   writes share the claiming transaction ([`PostgresTransaction`]). A
-///   concurrent duplicate does not wait on the uncommitted row: it tries the
-///   key's advisory lock without blocking (`pg_try_advisory_xact_lock`) and,
-///   when another transaction holds it, gets 409 with `Retry-After: 1`.
+/// * Transactional mode ([`crate::mode::Transactional`]) runs in two phases,
+///   as brandur's "atomic phases": the claim commits at once (so every server
+///   sees the key in flight, with its fingerprint: a duplicate gets 409 or
+///   422 without waiting on anything), then the handler's writes and the
+///   record's completion share one transaction ([`PostgresTransaction`]) that
+///   commits only while the record still carries this request's fencing
+///   token. A crash before that commit rolls the writes back and leaves the
+///   key in flight until its lease ends; the retry then runs once. A rollback
+///   (a response not stored, an error, a panic, a dropped request) also gives
+///   the key back at once.
 /// * Connections come from a deadpool pool (default 16); a connection that
 ///   cannot be had in time, or a server that cannot be reached, is
 ///   [`StoreError::Unavailable`]: the layer answers 503.
@@ -500,49 +505,35 @@ impl TransactionalStore for PostgresStore {
         &self,
         req: ClaimRequest,
     ) -> Result<TransactionClaim<PostgresTransaction>, StoreError> {
-        let client = self.client().await?;
-        client.batch_execute("BEGIN").await.map_err(unavailable)?;
-        let connection = TxConnection {
-            client,
-            scope: req.scope.clone(),
-            key: req.key.clone(),
-            token: req.token,
+        let (scope, key, token) = (req.scope.clone(), req.key.clone(), req.token);
+        // Phase one: the claim commits on its own, so that every other
+        // server sees the key in flight, with its fingerprint and lease.
+        let taken_over = match self.claim(req).await? {
+            Claim::Acquired { taken_over } => taken_over,
+            refused => return Ok(TransactionClaim::Refused(refused)),
         };
-        let lock = advisory_key(&self.sql.table, &req.scope, &req.key);
-        let claimed = async {
-            let row = connection
-                .client
-                .query_one(
-                    &format!("SELECT pg_try_advisory_xact_lock($1), {}", now_ms(2)),
-                    &[&lock, &self.offset_ms()],
-                )
-                .await
-                .map_err(unavailable)?;
-            let locked: bool = row.try_get(0).map_err(unavailable)?;
-            if !locked {
-                // Another transaction holds this key and has not committed:
-                // it is in flight, for as long as its handler runs.
-                return Ok(Claim::InFlight {
-                    lease_remaining: Duration::from_secs(1),
-                });
-            }
-            let now: i64 = row.try_get(1).map_err(unavailable)?;
-            self.claim_in(&connection.client, &req, now).await
+        // Phase two: the handler's writes and the completion, in one
+        // transaction that commits only if the record still carries our token.
+        let opened = async {
+            let client = self.client().await?;
+            client.batch_execute("BEGIN").await.map_err(unavailable)?;
+            Ok::<_, StoreError>(client)
         }
         .await;
-        match claimed {
-            Ok(Claim::Acquired { taken_over }) => Ok(TransactionClaim::Acquired {
+        match opened {
+            Ok(client) => Ok(TransactionClaim::Acquired {
                 transaction: PostgresTransaction {
-                    connection: Arc::new(tokio::sync::Mutex::new(Some(connection))),
+                    connection: Arc::new(tokio::sync::Mutex::new(Some(TxConnection {
+                        client,
+                        scope,
+                        key,
+                        token,
+                    }))),
                 },
                 taken_over,
             }),
-            Ok(refused) => {
-                roll_back(connection).await;
-                Ok(TransactionClaim::Refused(refused))
-            }
             Err(e) => {
-                roll_back(connection).await;
+                let _ = self.release(scope, key, token).await;
                 Err(e)
             }
         }
@@ -570,9 +561,11 @@ impl TransactionalStore for PostgresStore {
         match completed {
             Ok(1) => {}
             Ok(_) => {
+                // The lease ended and another request took the key over (or
+                // the record expired): this request's writes must not count.
                 roll_back(connection).await;
-                return Err(StoreError::Corrupt(
-                    "the claimed record vanished inside its transaction".into(),
+                return Err(unavailable(
+                    "the lease ended before the commit and another request took the key over; this request's writes were rolled back",
                 ));
             }
             Err(e) => {
@@ -592,16 +585,24 @@ impl TransactionalStore for PostgresStore {
     }
 
     fn rollback(&self, transaction: &PostgresTransaction) {
-        let transaction = transaction.clone();
+        let (store, transaction) = (self.clone(), transaction.clone());
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
                     if let Some(connection) = transaction.take().await {
+                        let (scope, key, token) =
+                            (connection.scope.clone(), connection.key.clone(), connection.token);
                         roll_back(connection).await;
+                        // Give the key back, so a retry runs at once.
+                        if let Err(e) = store.release(scope, key, token).await {
+                            tracing::error!(error = %e, "releasing a rolled-back key failed; it stays in flight until its lease ends");
+                        }
                     }
                 });
             }
             Err(_) => {
+                // No runtime: closing the connection rolls the transaction
+                // back; the claim waits for its lease.
                 if let Some(connection) = transaction
                     .connection
                     .try_lock()
