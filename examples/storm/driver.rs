@@ -54,7 +54,7 @@ impl Ledger {
             .args(["--lease-secs", &self.lease_secs.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(Stdio::inherit())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.binary.display()));
         let stdout = child.stdout.take().expect("piped stdout");
