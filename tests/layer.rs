@@ -13,7 +13,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use common::{Harness, Raw, eventually, send, serve};
+use common::{Harness, Raw, eventually, send, serve, until_not_in_flight};
 use tokio::sync::Barrier;
 use tower_idempotency::problem::types;
 use tower_idempotency::store::{
@@ -467,14 +467,7 @@ async fn a_request_whose_client_left_still_completes_and_is_replayed() {
     let busy = post_key(addr, "/charges", "k", b"").await;
     assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
     h.open("g");
-    let mut retry = post_key(addr, "/charges", "k", b"").await;
-    for _ in 0..1000 {
-        if retry.status != 409 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        retry = post_key(addr, "/charges", "k", b"").await;
-    }
+    let retry = until_not_in_flight(|| post_key(addr, "/charges", "k", b""), |r| r.status).await;
     assert_eq!((retry.status, retry.replayed()), (201, true));
     assert_eq!(retry.body, b"{\"charge\":1}");
     assert_eq!(h.runs(), 1);
@@ -542,14 +535,11 @@ async fn a_request_cancelled_during_its_claim_still_runs_once() {
     first.abort(); // cancelled while the claim is made but not yet answered
     assert!(first.await.unwrap_err().is_cancelled());
     store.answer.add_permits(1);
-    let mut retry = app.clone().oneshot(request()).await.unwrap();
-    for _ in 0..1000 {
-        if retry.status() != StatusCode::CONFLICT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        retry = app.clone().oneshot(request()).await.unwrap();
-    }
+    let retry = until_not_in_flight(
+        || async { app.clone().oneshot(request()).await.unwrap() },
+        |r| r.status().as_u16(),
+    )
+    .await;
     assert_eq!(retry.status(), StatusCode::CREATED);
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     assert_eq!(h.runs(), 1);

@@ -257,14 +257,8 @@ async fn transactional_dropped_request_rolls_back() {
     assert_eq!(entered.recv().await.unwrap(), "g");
     drop(conn);
     // The rollback is sent from a spawned task; the retry then runs once.
-    let mut retry = send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}").await;
-    for _ in 0..1000 {
-        if retry.status != 409 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        retry = send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}").await;
-    }
+    let post = || send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}");
+    let retry = common::until_not_in_flight(post, |r| r.status).await;
     assert_eq!((retry.status, retry.replayed()), (201, false));
     assert_eq!(
         (db.count("items").await, db.count("records").await, h.runs()),

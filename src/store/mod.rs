@@ -52,6 +52,47 @@ use std::time::Duration;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
+/// Makes a store's transaction type an axum extractor: `T` answers a request
+/// without one with a 500 problem (the handler would otherwise write outside
+/// the idempotency transaction); `Option<T>` is `None` for requests that
+/// passed through without a key.
+macro_rules! transaction_extractor {
+    ($transaction:ty) => {
+        /// Extracts the request's transaction in a handler behind a
+        /// [`crate::IdempotencyLayer::transactional`] layer; a request without
+        /// one is answered with a 500 problem.
+        #[cfg(feature = "axum")]
+        impl<S: Sync> axum_core::extract::FromRequestParts<S> for $transaction {
+            type Rejection = http::Response<axum_core::body::Body>;
+
+            async fn from_request_parts(
+                parts: &mut http::request::Parts,
+                _state: &S,
+            ) -> Result<Self, Self::Rejection> {
+                parts
+                    .extensions
+                    .get::<$transaction>()
+                    .cloned()
+                    .ok_or_else(super::missing_transaction)
+            }
+        }
+
+        /// `Option<_>`: `None` for requests that passed through without a key.
+        #[cfg(feature = "axum")]
+        impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for $transaction {
+            type Rejection = std::convert::Infallible;
+
+            async fn from_request_parts(
+                parts: &mut http::request::Parts,
+                _state: &S,
+            ) -> Result<Option<Self>, Self::Rejection> {
+                Ok(parts.extensions.get::<$transaction>().cloned())
+            }
+        }
+    };
+}
+pub(crate) use transaction_extractor;
+
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;

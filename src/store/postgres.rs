@@ -616,34 +616,4 @@ impl TransactionalStore for PostgresStore {
     }
 }
 
-/// Extracts the request's transaction in a handler behind a transactional
-/// layer; a request without one is answered with a 500 problem.
-#[cfg(feature = "axum")]
-impl<S: Sync> axum_core::extract::FromRequestParts<S> for PostgresTransaction {
-    type Rejection = http::Response<axum_core::body::Body>;
-
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        _state: &S,
-    ) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<PostgresTransaction>()
-            .cloned()
-            .ok_or_else(super::missing_transaction)
-    }
-}
-
-/// `Option<PostgresTransaction>`: `None` for requests that passed through
-/// without a key.
-#[cfg(feature = "axum")]
-impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for PostgresTransaction {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        _state: &S,
-    ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<PostgresTransaction>().cloned())
-    }
-}
+super::transaction_extractor!(PostgresTransaction);

@@ -523,40 +523,7 @@ fn serve_transaction(
     }
 }
 
-/// Extracts the request's transaction in a handler behind a
-/// [`crate::IdempotencyLayer::transactional`] layer. A request that reached
-/// the handler without one (no key on a layer that does not require one, or
-/// no transactional layer at all) is answered with a 500 problem: the
-/// handler would otherwise write outside the idempotency transaction.
-#[cfg(feature = "axum")]
-impl<S: Sync> axum_core::extract::FromRequestParts<S> for SqliteTransaction {
-    type Rejection = http::Response<axum_core::body::Body>;
-
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        _state: &S,
-    ) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<SqliteTransaction>()
-            .cloned()
-            .ok_or_else(super::missing_transaction)
-    }
-}
-
-/// `Option<SqliteTransaction>`: `None` for requests that passed through
-/// without a key.
-#[cfg(feature = "axum")]
-impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for SqliteTransaction {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        _state: &S,
-    ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<SqliteTransaction>().cloned())
-    }
-}
+super::transaction_extractor!(SqliteTransaction);
 
 impl TransactionalStore for SqliteStore {
     type Transaction = SqliteTransaction;

@@ -225,3 +225,20 @@ impl Harness {
         }
     }
 }
+
+/// Repeats a request while it is answered 409 (its first is still in
+/// flight), as a client honouring the answer would, for at most 10 s.
+pub async fn until_not_in_flight<T, F, Fut>(mut request: F, status: impl Fn(&T) -> u16) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let answer = request().await;
+        if status(&answer) != 409 || tokio::time::Instant::now() >= deadline {
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
