@@ -1,10 +1,8 @@
-//! Several ledger processes on one PostgreSQL database, as app servers behind
-//! a load balancer: the database decides who is first, and a dead server's
-//! claim is taken over once its lease ends. Needs `--features postgres` and a
-//! PostgreSQL server (`TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test`
-//! database).
-
-#![cfg(feature = "postgres")]
+//! Several ledger processes on one database, as app servers behind a load
+//! balancer: the database decides who is first, and a dead server's claim is
+//! taken over once its lease ends. On a shared SQLite file always; on
+//! PostgreSQL with `--features postgres` and a server
+//! (`TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database).
 
 #[path = "../examples/storm/driver.rs"]
 mod driver;
@@ -14,6 +12,7 @@ use std::sync::{Arc, Barrier};
 
 use driver::{Ledger, request};
 
+#[cfg(feature = "postgres")]
 fn url() -> String {
     std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
@@ -68,6 +67,7 @@ fn balance(ledger: &Ledger, account: i64) -> i64 {
 
 /// The state of the record of idempotency key `key`, read straight from the
 /// database (any scope).
+#[cfg(feature = "postgres")]
 fn record_state(key: &str) -> Option<String> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -89,8 +89,7 @@ fn record_state(key: &str) -> Option<String> {
     })
 }
 
-fn racing_servers_apply_once(mode: &str) {
-    let db = PathBuf::from(url());
+fn racing_servers_apply_once(db: PathBuf, mode: &str) {
     let one = Ledger::start(&ledger_binary(), &db, mode, 2);
     let two = Ledger::start(&ledger_binary(), &db, mode, 2);
     let account = new_account(&one);
@@ -128,18 +127,29 @@ fn racing_servers_apply_once(mode: &str) {
     assert_eq!((balance(&one, account), balance(&two, account)), (500, 500));
 }
 
+#[cfg(feature = "postgres")]
 #[test]
-fn two_servers_racing_one_key_apply_it_once_transactional() {
-    racing_servers_apply_once("transactional");
+fn two_servers_on_postgres_racing_one_key_apply_it_once_transactional() {
+    racing_servers_apply_once(PathBuf::from(url()), "transactional");
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn two_servers_on_postgres_racing_one_key_apply_it_once_separate() {
+    racing_servers_apply_once(PathBuf::from(url()), "separate");
 }
 
 #[test]
-fn two_servers_racing_one_key_apply_it_once_separate() {
-    racing_servers_apply_once("separate");
+fn two_processes_on_one_sqlite_file_racing_one_key_apply_it_once() {
+    let dir = tempfile::tempdir().unwrap();
+    for mode in ["transactional", "separate"] {
+        racing_servers_apply_once(dir.path().join(format!("{mode}.sqlite3")), mode);
+    }
 }
 
 /// Server one dies holding the claim; server two answers 409 until the lease
 /// (2 s) ends, then takes over and applies the credit once.
+#[cfg(feature = "postgres")]
 fn a_dead_servers_claim_is_taken_over(mode: &str) {
     let db = PathBuf::from(url());
     let mut one = Ledger::start(&ledger_binary(), &db, mode, 2);
@@ -205,11 +215,13 @@ fn a_dead_servers_claim_is_taken_over(mode: &str) {
     assert_eq!(balance(&two, account), 700);
 }
 
+#[cfg(feature = "postgres")]
 #[test]
 fn a_dead_servers_claim_is_taken_over_after_the_lease_transactional() {
     a_dead_servers_claim_is_taken_over("transactional");
 }
 
+#[cfg(feature = "postgres")]
 #[test]
 fn a_dead_servers_claim_is_taken_over_after_the_lease_separate() {
     a_dead_servers_claim_is_taken_over("separate");
