@@ -106,4 +106,6 @@ pub use response::{StoredBody, StoredResponse};
 pub use service::{Idempotency, ResponseFuture};
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
+#[cfg(feature = "redis")]
+pub use store::RedisStore;
 pub use store::{MemoryStore, SqliteStore, Store, StoreError};

@@ -324,10 +324,10 @@ store_suite!(sqlite_store, sqlite);
 
 /// The suite's clock as an offset from the server's clock, for the networked
 /// stores (whose expiry is judged by the server).
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "redis"))]
 struct Offset(ManualClock);
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "redis"))]
 impl tower_idempotency::store::Clock for Offset {
     fn now_ms(&self) -> i64 {
         self.0.now_ms() - START_MS
@@ -440,4 +440,282 @@ async fn the_purge_task_removes_expired_records() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     task.abort();
+}
+
+// ------------------------------------------------------------------ Redis
+
+/// The Redis suite runs against a local server (`redis://127.0.0.1:6379`).
+#[cfg(feature = "redis")]
+mod redis_support {
+    use super::*;
+    use tower_idempotency::store::RedisStore;
+
+    pub(crate) const URL: &str = "redis://127.0.0.1:6379";
+
+    pub(crate) async fn hget(
+        raw: &mut ::redis::aio::MultiplexedConnection,
+        key: &str,
+        field: &str,
+    ) -> Option<Vec<u8>> {
+        ::redis::cmd("HGET")
+            .arg(key)
+            .arg(field)
+            .query_async(raw)
+            .await
+            .unwrap()
+    }
+
+    pub(crate) async fn pttl(raw: &mut ::redis::aio::MultiplexedConnection, key: &str) -> i64 {
+        ::redis::cmd("PTTL")
+            .arg(key)
+            .query_async(raw)
+            .await
+            .unwrap()
+    }
+
+    /// A prefix no other test (or run) shares.
+    pub(crate) fn unique_prefix(what: &str) -> String {
+        format!(
+            "tower-idempotency-test:{what}:{:016x}:",
+            FencingToken::random().0
+        )
+    }
+
+    pub(crate) async fn redis(clock: ManualClock) -> (RedisStore, ()) {
+        // libtest names the thread a test runs on after the test.
+        let test = std::thread::current().name().unwrap_or("suite").to_owned();
+        let store = RedisStore::builder(URL)
+            .prefix(unique_prefix(&test))
+            .time_offset(Offset(clock))
+            .open()
+            .await
+            .unwrap();
+        (store, ())
+    }
+}
+
+#[cfg(feature = "redis")]
+use redis_support::redis;
+
+#[cfg(feature = "redis")]
+store_suite!(redis_store, redis);
+
+/// Two independent handles (as two app servers would have) racing one key:
+/// the claim script, run whole by the server, decides.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_two_handles_one_key_one_winner() {
+    use tower_idempotency::store::RedisStore;
+    let prefix = redis_support::unique_prefix("two_handles");
+    let one = RedisStore::builder(redis_support::URL)
+        .prefix(prefix.clone())
+        .open()
+        .await
+        .unwrap();
+    let two = RedisStore::builder(redis_support::URL)
+        .prefix(prefix)
+        .open()
+        .await
+        .unwrap();
+    for round in 0..10 {
+        let key = format!("k{round}");
+        let barrier = Arc::new(Barrier::new(16));
+        let tasks: Vec<_> = (0..16)
+            .map(|i| {
+                let store = if i % 2 == 0 { one.clone() } else { two.clone() };
+                let (barrier, key) = (barrier.clone(), key.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    store
+                        .claim(claim_of("s", &key, 1, FencingToken::random()))
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        let mut acquired = 0;
+        for task in tasks {
+            if let Claim::Acquired { .. } = task.await.unwrap() {
+                acquired += 1;
+            }
+        }
+        assert_eq!(acquired, 1, "round {round}");
+    }
+}
+
+/// The record is the documented hash, carries a native expiry, and a key
+/// that another program wrote under the prefix is an error, not a panic.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_record_layout_expiry_and_corruption() {
+    use redis_support::{hget, pttl};
+    use tower_idempotency::StoreError;
+    use tower_idempotency::store::RedisStore;
+    let prefix = redis_support::unique_prefix("layout");
+    let store = RedisStore::builder(redis_support::URL)
+        .prefix(prefix.clone())
+        .open()
+        .await
+        .unwrap();
+    let client = ::redis::Client::open(redis_support::URL).unwrap();
+    let mut raw = client.get_multiplexed_async_connection().await.unwrap();
+    // The scope's length in bytes, then the scope, then the key.
+    let record = format!("{prefix}5:alice:k");
+    let token = FencingToken::random();
+    store.claim(claim_of("alice", "k", 7, token)).await.unwrap();
+    assert_eq!(
+        hget(&mut raw, &record, "state").await.as_deref(),
+        Some(&b"in_flight"[..])
+    );
+    assert_eq!(
+        hget(&mut raw, &record, "fingerprint").await,
+        Some(vec![7; 32])
+    );
+    assert_eq!(
+        hget(&mut raw, &record, "token").await,
+        Some(token.0.to_string().into_bytes())
+    );
+    let ttl = pttl(&mut raw, &record).await;
+    assert!(ttl > 0 && ttl <= 3_600_000, "PTTL {ttl}");
+    store
+        .complete("alice".into(), "k".into(), token, response(b"x"))
+        .await
+        .unwrap();
+    assert_eq!(
+        hget(&mut raw, &record, "state").await.as_deref(),
+        Some(&b"completed"[..])
+    );
+    assert_eq!(
+        hget(&mut raw, &record, "response").await,
+        Some(response(b"x").encode())
+    );
+    let ttl = pttl(&mut raw, &record).await;
+    assert!(ttl > 0 && ttl <= 3_600_000, "PTTL {ttl}");
+
+    // A completed record whose response does not decode.
+    let _: () = ::redis::cmd("HSET")
+        .arg(&record)
+        .arg("response")
+        .arg(&b"\x00not a response"[..])
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let claim = store
+        .claim(claim_of("alice", "k", 7, FencingToken::random()))
+        .await;
+    assert!(matches!(claim, Err(StoreError::Corrupt(_))), "{claim:?}");
+    // A key that is not a hash at all; a hash without our fields.
+    let _: () = ::redis::cmd("SET")
+        .arg(format!("{prefix}1:s:string"))
+        .arg("hello")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let _: () = ::redis::cmd("HSET")
+        .arg(format!("{prefix}1:s:foreign"))
+        .arg("name")
+        .arg("x")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    for key in ["string", "foreign"] {
+        let claim = store
+            .claim(claim_of("s", key, 1, FencingToken::random()))
+            .await;
+        assert!(matches!(claim, Err(StoreError::Corrupt(_))), "{claim:?}");
+        assert!(!store.release("s".into(), key.into(), token).await.unwrap());
+        assert_eq!(
+            store
+                .complete("s".into(), key.into(), token, response(b"x"))
+                .await
+                .unwrap(),
+            Completion::Fenced
+        );
+    }
+    // The purge leaves what it does not recognise alone.
+    assert_eq!(store.purge_expired().await.unwrap(), 0);
+    let _: () = ::redis::cmd("DEL")
+        .arg(&record)
+        .arg(format!("{prefix}1:s:string"))
+        .arg(format!("{prefix}1:s:foreign"))
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+}
+
+/// An unreachable server is `Unavailable` when the store opens.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_bad_url_is_unavailable() {
+    use tower_idempotency::StoreError;
+    use tower_idempotency::store::RedisStore;
+    let err = RedisStore::open("http://127.0.0.1:6379").await.unwrap_err();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+}
+
+/// Leases and TTLs too long for Lua's numbers or `PEXPIRE` are clamped, not
+/// refused.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_huge_durations_are_clamped() {
+    use tower_idempotency::store::RedisStore;
+    let store = RedisStore::builder(redis_support::URL)
+        .prefix(redis_support::unique_prefix("huge"))
+        .open()
+        .await
+        .unwrap();
+    let huge = |token| ClaimRequest {
+        lease: Duration::MAX,
+        ttl: Duration::MAX,
+        ..claim_of("s", "k", 1, token)
+    };
+    let token = FencingToken::random();
+    assert_eq!(
+        store.claim(huge(token)).await.unwrap(),
+        Claim::Acquired { taken_over: false }
+    );
+    let again = store.claim(huge(FencingToken::random())).await.unwrap();
+    assert!(
+        matches!(again, Claim::InFlight { lease_remaining } if lease_remaining > Duration::from_secs(1 << 40)),
+        "{again:?}"
+    );
+    assert!(store.release("s".into(), "k".into(), token).await.unwrap());
+}
+
+/// The purge walks every `SCAN` page and leaves keys outside its prefix alone.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_purge_walks_every_scan_page() {
+    use tower_idempotency::store::RedisStore;
+    let clock = ManualClock::new(START_MS);
+    let open = |prefix: String| {
+        RedisStore::builder(redis_support::URL)
+            .prefix(prefix)
+            .time_offset(Offset(clock.clone()))
+            .open()
+    };
+    let prefix = redis_support::unique_prefix("purge_pages");
+    let store = open(prefix.clone()).await.unwrap();
+    // A glob character in a neighbour's prefix that would match ours.
+    let neighbour = open(format!("{}*", &prefix[..prefix.len() - 1]))
+        .await
+        .unwrap();
+    acquire(&neighbour, "k").await;
+    let tasks: Vec<_> = (0..1200)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let claim = claim_of("s", &format!("k{i}"), 1, FencingToken::random());
+                store.claim(claim).await.unwrap()
+            })
+        })
+        .collect();
+    for task in tasks {
+        assert_eq!(task.await.unwrap(), Claim::Acquired { taken_over: false });
+    }
+    clock.advance(TTL);
+    // Unescaped, the neighbour's pattern would match (and purge) our keys too.
+    assert_eq!(neighbour.purge_expired().await.unwrap(), 1);
+    assert_eq!(store.purge_expired().await.unwrap(), 1200);
+    assert_eq!(store.purge_expired().await.unwrap(), 0);
 }
