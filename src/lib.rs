@@ -81,6 +81,8 @@
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 mod body;
+#[cfg(feature = "client")]
+pub mod client;
 pub mod fingerprint;
 pub mod key;
 mod layer;
