@@ -45,7 +45,6 @@
 //! honouring `Retry-After`), and never any other 4xx: those are the server's
 //! considered answer.
 
-use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
