@@ -24,7 +24,7 @@ use axum::http::{HeaderMap, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
-use tower_idempotency::store::{SqliteTransaction, TransactionalStore};
+use tower_idempotency::store::{SqliteTransaction, Store, TransactionalStore};
 use tower_idempotency::{IdempotencyLayer, SqliteStore};
 
 use db::{LedgerError, Op, SqliteDb};
@@ -44,7 +44,9 @@ enum Mode {
 #[derive(Debug)]
 struct Args {
     db: PathBuf,
-    mode: Mode,
+    /// `None`: transactional wherever the store supports it.
+    mode: Option<Mode>,
+    key_store: Option<String>,
     listen: SocketAddr,
     lease: Option<Duration>,
     fault_injection: bool,
@@ -53,7 +55,8 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         db: PathBuf::from("ledger.sqlite3"),
-        mode: Mode::Transactional,
+        mode: None,
+        key_store: None,
         listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
         lease: None,
         fault_injection: false,
@@ -83,15 +86,23 @@ fn parse_args() -> Result<Args, String> {
                 args.db = PathBuf::from(db);
             }
             "--key-store" => {
-                return Err(format!(
-                    "--key-store {}: this build keeps idempotency records in the --db file only",
-                    value()?
-                ));
+                let url = value()?;
+                if !url.starts_with("redis://") {
+                    return Err(format!(
+                        "--key-store {url}: only redis:// URLs are supported"
+                    ));
+                }
+                if !cfg!(feature = "redis") {
+                    return Err(
+                        "--key-store redis://... needs a build with `--features redis`".into(),
+                    );
+                }
+                args.key_store = Some(url);
             }
             "--mode" => {
                 args.mode = match value()?.as_str() {
-                    "separate" => Mode::Separate,
-                    "transactional" => Mode::Transactional,
+                    "separate" => Some(Mode::Separate),
+                    "transactional" => Some(Mode::Transactional),
                     other => return Err(format!("unknown --mode {other:?}\n{USAGE}")),
                 }
             }
@@ -113,6 +124,9 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
+    }
+    if args.key_store.is_some() && args.mode == Some(Mode::Transactional) {
+        return Err("--mode transactional needs the records in the --db database; with --key-store only --mode separate is possible".into());
     }
     Ok(args)
 }
@@ -198,20 +212,39 @@ fn caller(parts: &Parts) -> String {
     }
 }
 
-fn app<St: TransactionalStore>(state: AppState, store: St, lease: Option<Duration>) -> Router {
-    let mut idempotency = IdempotencyLayer::new(store, caller).require_key(true);
-    if let Some(lease) = lease {
-        idempotency = idempotency.lease(lease);
+/// The idempotency layer: a key is required, keys are scoped per caller.
+fn idempotency<St: Store>(
+    store: St,
+    lease: Option<Duration>,
+) -> IdempotencyLayer<St, fn(&Parts) -> String> {
+    let layer = IdempotencyLayer::new(store, caller as fn(&Parts) -> String).require_key(true);
+    match lease {
+        Some(lease) => layer.lease(lease),
+        None => layer,
     }
-    // The layer goes on the POST routes only: a POST to a GET-only path is a
-    // plain 405, not a missing-key 400.
-    let writes = Router::new()
+}
+
+/// The POST routes, to be put behind the layer: a POST to a GET-only path is
+/// then a plain 405, not a missing-key 400.
+fn writes() -> Router<AppState> {
+    Router::new()
         .route("/accounts", post(create_account))
-        .route("/accounts/{id}/credits", post(credit));
-    let writes = match state.mode {
-        Mode::Transactional => writes.route_layer(idempotency.transactional()),
-        Mode::Separate => writes.route_layer(idempotency),
-    };
+        .route("/accounts/{id}/credits", post(credit))
+}
+
+/// The writes behind a store that offers both modes.
+fn layered<St: TransactionalStore>(
+    mode: Mode,
+    store: St,
+    lease: Option<Duration>,
+) -> Router<AppState> {
+    match mode {
+        Mode::Transactional => writes().route_layer(idempotency(store, lease).transactional()),
+        Mode::Separate => writes().route_layer(idempotency(store, lease)),
+    }
+}
+
+fn app(state: AppState, writes: Router<AppState>) -> Router {
     Router::new()
         .route("/accounts/{id}", get(account))
         .merge(writes)
@@ -274,12 +307,26 @@ async fn main() {
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let url = args.db.to_string_lossy().into_owned();
-    let app = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        postgres_app(&url, &args).await?
+    let postgres = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    let mode = args.mode.unwrap_or(if args.key_store.is_some() {
+        Mode::Separate
     } else {
-        let store = SqliteStore::open(&args.db).await?;
+        Mode::Transactional
+    });
+    let (db, writes) = if postgres {
+        postgres_app(&url, mode, &args).await?
+    } else {
         let db = Db::Sqlite(SqliteDb::open(&args.db).await?);
-        app(state(db, &args), store, args.lease)
+        let writes = match &args.key_store {
+            Some(redis) => redis_writes(redis, &args).await?,
+            None => layered(mode, SqliteStore::open(&args.db).await?, args.lease),
+        };
+        (db, writes)
+    };
+    let state = AppState {
+        db,
+        mode,
+        fault_injection: args.fault_injection,
     };
     let addr = listener.local_addr()?;
     {
@@ -288,28 +335,45 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         writeln!(out, "listening on http://{addr}")?;
         out.flush()?;
     }
-    axum::serve(listener, app).await?;
+    axum::serve(listener, app(state, writes)).await?;
     Ok(())
 }
 
-fn state(db: Db, args: &Args) -> AppState {
-    AppState {
-        db,
-        mode: args.mode,
-        fault_injection: args.fault_injection,
-    }
-}
+type Built = (Db, Router<AppState>);
 
 #[cfg(feature = "postgres")]
-async fn postgres_app(url: &str, args: &Args) -> Result<Router, Box<dyn std::error::Error>> {
+async fn postgres_app(
+    url: &str,
+    mode: Mode,
+    args: &Args,
+) -> Result<Built, Box<dyn std::error::Error>> {
     let store = tower_idempotency::PostgresStore::open(url).await?;
     let db = Db::Postgres(pg::PgDb::open(store.pool().clone()).await?);
-    Ok(app(state(db, args), store, args.lease))
+    let writes = match &args.key_store {
+        Some(redis) => redis_writes(redis, args).await?,
+        None => layered(mode, store, args.lease),
+    };
+    Ok((db, writes))
 }
 
 #[cfg(not(feature = "postgres"))]
-async fn postgres_app(_url: &str, _args: &Args) -> Result<Router, Box<dyn std::error::Error>> {
+async fn postgres_app(_: &str, _: Mode, _: &Args) -> Result<Built, Box<dyn std::error::Error>> {
     Err("this build has no PostgreSQL store: build with `--features postgres`".into())
+}
+
+/// Records in Redis, the ledger's data in --db: separate mode only.
+#[cfg(feature = "redis")]
+async fn redis_writes(
+    url: &str,
+    args: &Args,
+) -> Result<Router<AppState>, Box<dyn std::error::Error>> {
+    let store = tower_idempotency::RedisStore::open(url).await?;
+    Ok(writes().route_layer(idempotency(store, args.lease)))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn redis_writes(_: &str, _: &Args) -> Result<Router<AppState>, Box<dyn std::error::Error>> {
+    Err("this build has no Redis store: build with `--features redis`".into())
 }
 
 // ------------------------------------------------------------------ handlers
