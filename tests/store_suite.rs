@@ -444,13 +444,17 @@ async fn the_purge_task_removes_expired_records() {
 
 // ------------------------------------------------------------------ Redis
 
-/// The Redis suite runs against a local server (`redis://127.0.0.1:6379`).
+/// The Redis suite runs against `TOWER_IDEMPOTENCY_REDIS_URL`, or the local
+/// server (`redis://127.0.0.1:6379`).
 #[cfg(feature = "redis")]
 mod redis_support {
     use super::*;
     use tower_idempotency::store::RedisStore;
 
-    pub(crate) const URL: &str = "redis://127.0.0.1:6379";
+    pub(crate) fn url() -> String {
+        std::env::var("TOWER_IDEMPOTENCY_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+    }
 
     pub(crate) async fn hget(
         raw: &mut ::redis::aio::MultiplexedConnection,
@@ -484,7 +488,7 @@ mod redis_support {
     pub(crate) async fn redis(clock: ManualClock) -> (RedisStore, ()) {
         // libtest names the thread a test runs on after the test.
         let test = std::thread::current().name().unwrap_or("suite").to_owned();
-        let store = RedisStore::builder(URL)
+        let store = RedisStore::builder(&url())
             .prefix(unique_prefix(&test))
             .time_offset(Offset(clock))
             .open()
@@ -507,12 +511,12 @@ store_suite!(redis_store, redis);
 async fn redis_two_handles_one_key_one_winner() {
     use tower_idempotency::store::RedisStore;
     let prefix = redis_support::unique_prefix("two_handles");
-    let one = RedisStore::builder(redis_support::URL)
+    let one = RedisStore::builder(&redis_support::url())
         .prefix(prefix.clone())
         .open()
         .await
         .unwrap();
-    let two = RedisStore::builder(redis_support::URL)
+    let two = RedisStore::builder(&redis_support::url())
         .prefix(prefix)
         .open()
         .await
@@ -552,12 +556,12 @@ async fn redis_record_layout_expiry_and_corruption() {
     use tower_idempotency::StoreError;
     use tower_idempotency::store::RedisStore;
     let prefix = redis_support::unique_prefix("layout");
-    let store = RedisStore::builder(redis_support::URL)
+    let store = RedisStore::builder(&redis_support::url())
         .prefix(prefix.clone())
         .open()
         .await
         .unwrap();
-    let client = ::redis::Client::open(redis_support::URL).unwrap();
+    let client = ::redis::Client::open(redis_support::url()).unwrap();
     let mut raw = client.get_multiplexed_async_connection().await.unwrap();
     // The scope's length in bytes, then the scope, then the key.
     let record = format!("{prefix}5:alice:k");
@@ -659,7 +663,7 @@ async fn redis_bad_url_is_unavailable() {
 #[tokio::test]
 async fn redis_huge_durations_are_clamped() {
     use tower_idempotency::store::RedisStore;
-    let store = RedisStore::builder(redis_support::URL)
+    let store = RedisStore::builder(&redis_support::url())
         .prefix(redis_support::unique_prefix("huge"))
         .open()
         .await
@@ -689,7 +693,7 @@ async fn redis_purge_walks_every_scan_page() {
     use tower_idempotency::store::RedisStore;
     let clock = ManualClock::new(START_MS);
     let open = |prefix: String| {
-        RedisStore::builder(redis_support::URL)
+        RedisStore::builder(&redis_support::url())
             .prefix(prefix)
             .time_offset(Offset(clock.clone()))
             .open()
