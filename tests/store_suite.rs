@@ -488,7 +488,7 @@ mod redis_support {
     pub(crate) async fn redis(clock: ManualClock) -> (RedisStore, ()) {
         // libtest names the thread a test runs on after the test.
         let test = std::thread::current().name().unwrap_or("suite").to_owned();
-        let store = RedisStore::builder(&url())
+        let store = RedisStore::builder(url())
             .prefix(unique_prefix(&test))
             .time_offset(Offset(clock))
             .open()
@@ -511,12 +511,12 @@ store_suite!(redis_store, redis);
 async fn redis_two_handles_one_key_one_winner() {
     use tower_idempotency::store::RedisStore;
     let prefix = redis_support::unique_prefix("two_handles");
-    let one = RedisStore::builder(&redis_support::url())
+    let one = RedisStore::builder(redis_support::url())
         .prefix(prefix.clone())
         .open()
         .await
         .unwrap();
-    let two = RedisStore::builder(&redis_support::url())
+    let two = RedisStore::builder(redis_support::url())
         .prefix(prefix)
         .open()
         .await
@@ -556,7 +556,7 @@ async fn redis_record_layout_expiry_and_corruption() {
     use tower_idempotency::StoreError;
     use tower_idempotency::store::RedisStore;
     let prefix = redis_support::unique_prefix("layout");
-    let store = RedisStore::builder(&redis_support::url())
+    let store = RedisStore::builder(redis_support::url())
         .prefix(prefix.clone())
         .open()
         .await
@@ -663,7 +663,7 @@ async fn redis_bad_url_is_unavailable() {
 #[tokio::test]
 async fn redis_huge_durations_are_clamped() {
     use tower_idempotency::store::RedisStore;
-    let store = RedisStore::builder(&redis_support::url())
+    let store = RedisStore::builder(redis_support::url())
         .prefix(redis_support::unique_prefix("huge"))
         .open()
         .await
@@ -693,7 +693,7 @@ async fn redis_purge_walks_every_scan_page() {
     use tower_idempotency::store::RedisStore;
     let clock = ManualClock::new(START_MS);
     let open = |prefix: String| {
-        RedisStore::builder(&redis_support::url())
+        RedisStore::builder(redis_support::url())
             .prefix(prefix)
             .time_offset(Offset(clock.clone()))
             .open()
