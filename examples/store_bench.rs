@@ -3,7 +3,7 @@
 //! one run with the same concurrency.
 //!
 //! ```text
-//! cargo run --release --example store_bench --features postgres -- [--ops 2000] [--tasks 8]
+//! cargo run --release --example store_bench --all-features -- [--ops 2000] [--tasks 8]
 //! ```
 
 use std::sync::Arc;
@@ -143,5 +143,16 @@ async fn main() {
             .batch_execute(&format!("DROP TABLE {table}"))
             .await
             .expect("drop the bench table");
+    }
+    #[cfg(feature = "redis")]
+    {
+        let url = std::env::var("TOWER_IDEMPOTENCY_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let store = tower_idempotency::RedisStore::builder(url)
+            .prefix(format!("bench-{:08x}:", FencingToken::random().0 as u32))
+            .open()
+            .await
+            .expect("open Redis");
+        bench("RedisStore", store, ops, tasks).await;
     }
 }

@@ -31,7 +31,40 @@ type RejectionFn = Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
 /// Applies idempotency keys to the requests of a service: the first request
 /// with a key runs, and its response is replayed to every repeat.
 ///
-/// See the [crate docs](crate) for an example and the full behaviour.
+/// See the [crate docs](crate) for the full behaviour.
+///
+/// # Example: settings per route
+///
+/// axum's `route_layer` applies a layer to the routes added before it, so
+/// each group of routes gets its own settings:
+///
+/// ```
+/// use std::time::Duration;
+/// use axum::{Router, routing::post, http::{Request, StatusCode}, body::Body};
+/// use tower::ServiceExt;
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope::GlobalScope};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = MemoryStore::new();
+/// // Payments: a key is required, and kept for 7 days.
+/// let payments = Router::new()
+///     .route("/payments", post(|| async { (StatusCode::CREATED, "paid") }))
+///     .route_layer(
+///         IdempotencyLayer::new(store.clone(), GlobalScope)
+///             .require_key(true)
+///             .ttl(Duration::from_secs(7 * 24 * 3600)),
+///     );
+/// // Comments: a key is optional (without one, every request runs), kept 1 hour.
+/// let comments = Router::new()
+///     .route("/comments", post(|| async { (StatusCode::CREATED, "posted") }))
+///     .route_layer(IdempotencyLayer::new(store, GlobalScope).ttl(Duration::from_secs(3600)));
+/// let app = payments.merge(comments);
+///
+/// let post = |path: &str| Request::post(path).body(Body::empty()).unwrap();
+/// assert_eq!(app.clone().oneshot(post("/payments")).await.unwrap().status(), StatusCode::BAD_REQUEST);
+/// assert_eq!(app.clone().oneshot(post("/comments")).await.unwrap().status(), StatusCode::CREATED);
+/// # }
+/// ```
 ///
 /// Type parameters: `St` the [`Store`], `Sc` the [`Scope`], `F` the
 /// [`Fingerprinter`], `P` the [`StorePolicy`], `M` the [`crate::mode`]
