@@ -120,12 +120,13 @@
 //! retryable code; `DATA_LOSS` would suggest corruption, `NOT_FOUND` that the
 //! key is unknown.
 //!
-//! # Which answers are stored: [`grpc_store_policy`]
+//! # Which answers are stored: [`GrpcStorePolicy`]
 //!
 //! gRPC answers errors with HTTP 200: `DefaultStorePolicy`, which looks at the
 //! HTTP status, would store an `UNAVAILABLE` and replay it to every retry, so
-//! the retry would never run. [`grpc_store_policy`] also reads `grpc-status`
-//! from the response head and releases the key on the codes that say "nothing
+//! the retry would never run. [`GrpcStorePolicy`] also reads `grpc-status`,
+//! from the response head and then from the trailers, and releases the key on
+//! the codes that say "nothing
 //! happened, try again" (`UNAVAILABLE`, `DEADLINE_EXCEEDED`,
 //! `RESOURCE_EXHAUSTED`, `ABORTED`, `CANCELLED`, `UNKNOWN`, `INTERNAL`,
 //! `UNIMPLEMENTED`, `DATA_LOSS`: the gRPC codes whose HTTP equivalents the
@@ -135,18 +136,17 @@
 //! `FAILED_PRECONDITION`, `OUT_OF_RANGE`) are stored and replayed, as the
 //! HTTP default stores 4xx.
 //!
-//! ## Limit: a `grpc-status` sent in the trailers is not seen
+//! ## Head and trailers
 //!
-//! A `StorePolicy` is asked once, with the response's status and headers,
-//! before the body is read (`should_store(StatusCode, &HeaderMap)`). That
-//! suffices for tonic's unary handlers: tonic answers a handler's
-//! `Err(Status)` Trailers-Only, so the code is in the head. A status that
-//! comes only in the trailers, after a body, is invisible to the policy: a
-//! streaming response that fails part way, or tonic's own error when the
-//! reply cannot be encoded (over `max_encoding_message_size`). Such a
-//! response is stored and replayed whatever its code, transient or not (a
-//! body that fails instead of ending with trailers keeps the key in flight
-//! until its lease ends). `tests/grpc.rs` pins this down.
+//! A `StorePolicy` is asked first with the response's status and headers,
+//! before the body is read, then with the trailers once the body has ended
+//! (`should_store_trailers`). tonic answers a unary handler's `Err(Status)`
+//! Trailers-Only, so the code is in the head; a status that comes only in the
+//! trailers after a body (a streaming response that fails part way, or
+//! tonic's own error when the reply cannot be encoded) is seen by the second
+//! question. `tests/grpc.rs` covers both. One limit remains: a response
+//! larger than the layer's response limit is completed before its trailers
+//! arrive, so its trailer status is not seen.
 
 use std::convert::Infallible;
 use std::error::Error;
@@ -405,9 +405,8 @@ pub fn is_transient(code: Code) -> bool {
     )
 }
 
-/// The store policy for gRPC: the HTTP default, and a `grpc-status` in the
-/// head (a Trailers-Only answer) that is transient releases the key too. A
-/// status sent only in the trailers is not visible here (see the module docs).
+/// The head half of [`GrpcStorePolicy`]: the HTTP default, and a transient
+/// `grpc-status` in the head (a Trailers-Only answer) releases the key too.
 pub fn grpc_store_policy(status: StatusCode, headers: &HeaderMap) -> bool {
     if !DefaultStorePolicy.should_store(status, headers) {
         return false;
@@ -422,8 +421,25 @@ pub fn grpc_store_policy(status: StatusCode, headers: &HeaderMap) -> bool {
 
 /// [`caller`] as a nameable type.
 pub type CallerFn = fn(&Parts) -> String;
-/// [`grpc_store_policy`] as a nameable type.
-pub type PolicyFn = fn(StatusCode, &HeaderMap) -> bool;
+/// The store policy for gRPC: [`grpc_store_policy`] on the head, and a
+/// transient `grpc-status` in the trailers releases the key too.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GrpcStorePolicy;
+
+impl StorePolicy for GrpcStorePolicy {
+    fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool {
+        grpc_store_policy(status, headers)
+    }
+
+    fn should_store_trailers(&self, trailers: &HeaderMap) -> bool {
+        trailers
+            .get("grpc-status")
+            .is_none_or(|code| !is_transient(Code::from_bytes(code.as_bytes())))
+    }
+}
+
+/// The policy's type in the layer.
+pub type PolicyFn = GrpcStorePolicy;
 /// The layer as configured for the payments service.
 pub type PaymentsLayer<St> = IdempotencyLayer<St, CallerFn, DefaultFingerprinter, PolicyFn>;
 /// The payments service behind the layer, under its gRPC name.
@@ -433,12 +449,12 @@ pub type IdempotentPayments<St> = Named<
 >;
 
 /// The layer for gRPC: a required key, scoped by [`caller`], rejections as
-/// gRPC statuses, and [`grpc_store_policy`].
+/// gRPC statuses, and [`GrpcStorePolicy`].
 pub fn payments_layer<St: Store>(store: St) -> PaymentsLayer<St> {
     IdempotencyLayer::new(store, caller as CallerFn)
         .require_key(true)
         .on_rejection(grpc_rejection)
-        .store_when(grpc_store_policy as PolicyFn)
+        .store_when(GrpcStorePolicy)
 }
 
 /// `payments` behind `layer`, ready for `Server::add_service`.

@@ -24,11 +24,26 @@
 
 use http::{HeaderMap, StatusCode};
 
-/// Decides, from the inner service's response head, whether the response is
-/// stored (the record completes) or the record is released.
+/// Decides whether the inner service's response is stored (the record
+/// completes) or the record is released.
+///
+/// It is asked twice: [`StorePolicy::should_store`] with the response head,
+/// before the body is read; then, if the response ends with trailers,
+/// [`StorePolicy::should_store_trailers`] with them, before the record is
+/// completed. gRPC needs the second: its status may come only in the trailers
+/// (`grpc-status`). A response larger than the layer's response limit is
+/// completed before its trailers arrive, so only the first question applies
+/// to it.
 pub trait StorePolicy: Send + Sync + 'static {
     /// `true` to store and replay this response; `false` to release the key.
     fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool;
+
+    /// `true` (the default) to store a response that ended with these
+    /// trailers; `false` to release the key instead.
+    fn should_store_trailers(&self, trailers: &HeaderMap) -> bool {
+        let _ = trailers;
+        true
+    }
 }
 
 impl<F> StorePolicy for F

@@ -393,7 +393,7 @@ where
         return Ok(Response::from_parts(parts, ResponseBody::inner(body)));
     }
     hold.answered();
-    Ok(store_response(hold, settings, response).await)
+    Ok(store_response(hold, settings, &config.policy, response).await)
 }
 
 /// Buffers the request body up to `limit` bytes.
@@ -436,9 +436,10 @@ fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<Res
 /// the record. The first caller gets the response whole, unless the record
 /// and the effect commit together and that commit failed: then nothing
 /// happened, and the answer is 503.
-async fn store_response<H: Hold, B: Body>(
+async fn store_response<H: Hold, P: StorePolicy, B: Body>(
     hold: H,
     settings: &Settings,
+    policy: &P,
     response: Response<B>,
 ) -> Response<ResponseBody<B>> {
     let (mut parts, body) = response.into_parts();
@@ -468,6 +469,14 @@ async fn store_response<H: Hold, B: Body>(
         }
     };
     let trailers = frames.iter().find_map(|f| f.trailers_ref()).cloned();
+    if trailers
+        .as_ref()
+        .is_some_and(|t| !policy.should_store_trailers(t))
+    {
+        // E.g. a transient `grpc-status` in the trailers: a retry runs again.
+        hold.release().await;
+        return Response::from_parts(parts, ResponseBody::frames(frames));
+    }
     let omitted = stored_body == StoredBody::Omitted;
     let stored = StoredResponse::capture_with_marker(
         parts.status,
