@@ -105,9 +105,16 @@ pub use layer::{
     IdempotencyLayer,
 };
 pub use response::{StoredBody, StoredResponse};
+/// The rusqlite this crate is built with, for the SQL a handler runs through
+/// [`store::SqliteTransaction::run`] (its types must be this version's).
+pub use rusqlite;
 pub use service::{Idempotency, ResponseFuture};
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
 #[cfg(feature = "redis")]
 pub use store::RedisStore;
 pub use store::{MemoryStore, SqliteStore, Store, StoreError};
+/// The tokio-postgres this crate is built with, for the statements a handler
+/// runs through [`store::PostgresTransaction::client`].
+#[cfg(feature = "postgres")]
+pub use tokio_postgres;

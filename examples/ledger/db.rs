@@ -43,7 +43,7 @@ pub enum Op {
 
 impl Op {
     /// Runs inside the caller's SQLite transaction.
-    pub fn on_sqlite(self, conn: &rusqlite::Connection) -> Result<serde_json::Value, LedgerError> {
+    pub fn on_sqlite(self, conn: &rusqlite::Connection) -> Result<Json, LedgerError> {
         match self {
             Op::CreateAccount { name } => json(create_account(conn, name)?),
             Op::Credit {
@@ -61,9 +61,15 @@ impl Op {
     }
 }
 
-pub fn json<T: Serialize>(value: T) -> Result<serde_json::Value, LedgerError> {
-    serde_json::to_value(value).map_err(|e| LedgerError::Database(Box::new(e)))
+/// The JSON text of `value`, members in the struct's field order.
+pub fn json<T: Serialize>(value: T) -> Result<Json, LedgerError> {
+    serde_json::to_string(&value)
+        .map(Json)
+        .map_err(|e| LedgerError::Database(Box::new(e)))
 }
+
+/// A JSON document, serialized.
+pub struct Json(pub String);
 
 #[derive(Debug, Serialize)]
 pub struct Account {

@@ -149,7 +149,7 @@ impl Db {
     }
 
     /// Runs `op` in a transaction of its own (separate mode).
-    async fn in_transaction(&self, op: Op) -> Result<serde_json::Value, LedgerError> {
+    async fn in_transaction(&self, op: Op) -> Result<db::Json, LedgerError> {
         match self {
             Db::Sqlite(db) => db.in_transaction(move |conn| op.on_sqlite(conn)).await,
             #[cfg(feature = "postgres")]
@@ -261,7 +261,7 @@ fn app(state: AppState, writes: Router<AppState>) -> Router {
 
 /// Runs one write: inside the idempotency transaction, or in a transaction of
 /// its own. Either way the op failing rolls its writes back.
-async fn write(state: &AppState, tx: Tx, op: Op) -> Result<serde_json::Value, ApiError> {
+async fn write(state: &AppState, tx: Tx, op: Op) -> Result<db::Json, ApiError> {
     let store_error = |e: tower_idempotency::StoreError| LedgerError::Database(Box::new(e));
     match (state.mode, tx) {
         (Mode::Separate, _) => Ok(state.db.in_transaction(op).await?),
@@ -425,8 +425,13 @@ impl IntoResponse for ApiError {
     }
 }
 
-fn created<T: serde::Serialize>(body: T) -> Response {
-    (StatusCode::CREATED, axum::Json(body)).into_response()
+fn created(body: db::Json) -> Response {
+    (
+        StatusCode::CREATED,
+        [("content-type", "application/json")],
+        body.0,
+    )
+        .into_response()
 }
 
 impl IntoResponse for LedgerError {

@@ -4,7 +4,7 @@
 use deadpool_postgres::Pool;
 use tokio_postgres::GenericClient;
 
-use crate::db::{Account, Credit, LedgerError, Op, json};
+use crate::db::{Account, Credit, Json, LedgerError, Op, json};
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS accounts (
@@ -65,7 +65,7 @@ impl PgDb {
     }
 
     /// Runs `op` in a transaction of its own (the `separate` mode's writes).
-    pub async fn in_transaction(&self, op: Op) -> Result<serde_json::Value, LedgerError> {
+    pub async fn in_transaction(&self, op: Op) -> Result<Json, LedgerError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         let value = op.on_postgres(&*tx).await?;
@@ -76,10 +76,7 @@ impl PgDb {
 
 impl Op {
     /// Runs inside the caller's PostgreSQL transaction.
-    pub async fn on_postgres<C: GenericClient>(
-        self,
-        client: &C,
-    ) -> Result<serde_json::Value, LedgerError> {
+    pub async fn on_postgres<C: GenericClient>(self, client: &C) -> Result<Json, LedgerError> {
         match self {
             Op::CreateAccount { name } => {
                 let row = client

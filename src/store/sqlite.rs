@@ -436,7 +436,7 @@ impl Store for SqliteStore {
 ///         })
 ///         .await
 ///         .map_err(|e| e.to_string())?
-///         .map_err(|e: rusqlite::Error| e.to_string())?;
+///         .map_err(|e: tower_idempotency::rusqlite::Error| e.to_string())?;
 ///     Ok(format!("balance {balance}"))
 /// }
 /// ```
