@@ -266,3 +266,113 @@ async fn transactional_dropped_request_rolls_back() {
     );
     db.drop_tables().await;
 }
+
+/// A commit cancelled while its statement waits (the client went away) must
+/// not hand the pool a connection still inside the transaction: the next
+/// request to borrow it would commit the orphaned writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_commit_never_leaks_its_transaction() {
+    use tower::ServiceExt;
+    let db = Db::new().await;
+    let h = Harness::default();
+    let app = Router::new()
+        .route("/items", post(item))
+        .route_layer(IdempotencyLayer::new(db.store.clone(), GlobalScope).transactional())
+        .with_state((h.clone(), db.table.clone()));
+    let request = |key: &str| {
+        http::Request::post("/items")
+            .header("idempotency-key", key)
+            .header("x-gate", key)
+            .body(axum::body::Body::from("{}"))
+            .unwrap()
+    };
+    let mut entered = h.watch();
+    let first = tokio::spawn(app.clone().oneshot(request("k")));
+    assert_eq!(entered.recv().await.unwrap(), "k");
+    // Lock the claimed record, so that the layer's completion UPDATE waits.
+    let (mut locker, connection) = tokio_postgres::connect(&url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let lock = locker.transaction().await.unwrap();
+    let locked = lock
+        .execute(
+            &format!("SELECT 1 FROM {} WHERE key = 'k' FOR UPDATE", db.table),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(locked, 1);
+    h.open("k");
+    // Wait until the completion is blocked on the lock, then cancel.
+    let watcher = db.store.pool().get().await.unwrap();
+    let blocked = format!("UPDATE {} SET state = 'completed'%", db.table);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let row = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+                &[&blocked],
+            )
+            .await
+            .unwrap();
+        if row.get::<_, i64>(0) > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the completion never blocked"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    first.abort();
+    assert!(first.await.unwrap_err().is_cancelled());
+    lock.rollback().await.unwrap();
+    // Every later request gets a clean connection: 20 requests, 20 items.
+    for n in 0..20 {
+        let key = format!("n{n}");
+        h.open(&key);
+        let r = app.clone().oneshot(request(&key)).await.unwrap();
+        assert_eq!(r.status(), StatusCode::CREATED);
+    }
+    assert_eq!(
+        db.count("items").await,
+        20,
+        "the cancelled request's item was committed"
+    );
+    db.drop_tables().await;
+}
+
+/// A handler whose statement failed (PostgreSQL aborted the transaction)
+/// answers 503, and the key is given back: the retry runs at once.
+#[tokio::test]
+async fn a_failed_commit_gives_the_key_back() {
+    let db = Db::new().await;
+    let table = db.table.clone();
+    let h = Harness::default();
+    let app = Router::new()
+        .route(
+            "/fails",
+            post(|tx: PostgresTransaction| async move {
+                let client = tx.client().await.unwrap();
+                client
+                    .execute(
+                        &format!("INSERT INTO {table}_items (note) VALUES ('x')"),
+                        &[],
+                    )
+                    .await
+                    .unwrap();
+                assert!(client.execute("SELECT 1/0", &[]).await.is_err());
+                (StatusCode::CREATED, "swallowed the error")
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(db.store.clone(), GlobalScope).transactional())
+        .with_state((h, db.table.clone()));
+    let addr = serve(app).await;
+    for _ in 0..2 {
+        let r = send(addr, "POST", "/fails", &[("idempotency-key", b"k")], b"{}").await;
+        assert_eq!(r.assert_problem(503), types::STORE_UNAVAILABLE);
+    }
+    assert_eq!((db.count("items").await, db.count("records").await), (0, 0));
+    db.drop_tables().await;
+}

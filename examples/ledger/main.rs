@@ -203,13 +203,18 @@ fn caller(parts: &Parts) -> String {
     let bytes = value.as_bytes();
     match bytes.get(..7) {
         Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => {
-            format!("bearer:{}", String::from_utf8_lossy(&bytes[7..]).trim())
+            match std::str::from_utf8(&bytes[7..]) {
+                Ok(token) => format!("bearer:{}", token.trim()),
+                // Not UTF-8: keep every byte, so no two tokens share a scope.
+                Err(_) => format!("bearer-bytes:{}", hex(&bytes[7..])),
+            }
         }
-        _ => format!(
-            "authorization:{}",
-            bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
-        ),
+        _ => format!("authorization:{}", hex(bytes)),
     }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The idempotency layer: a key is required, keys are scoped per caller.
@@ -488,9 +493,9 @@ async fn create_account(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let new: NewAccount = parse_json(&body)?;
-    if !(1..=100).contains(&new.name.chars().count()) {
+    if !(1..=100).contains(&new.name.chars().count()) || new.name.contains('\0') {
         return Err(ApiError::BadRequest(
-            "name must be 1 to 100 characters".into(),
+            "name must be 1 to 100 characters, without NUL".into(),
         ));
     }
     let account = write(&state, tx, Op::CreateAccount { name: new.name }).await?;

@@ -282,28 +282,37 @@ impl PostgresStore {
         let expires_at = now.saturating_add(duration_ms(req.ttl));
         let fingerprint = &req.fingerprint.0[..];
         let sql = &self.sql;
-        let inserted = client
-            .execute(
-                &sql.insert,
-                &[
-                    &req.scope,
-                    &req.key,
-                    &fingerprint,
-                    &req.token.0,
-                    &lease_until,
-                    &expires_at,
-                ],
-            )
-            .await
-            .map_err(unavailable)?;
-        if inserted == 1 {
-            return Ok(Claim::Acquired { taken_over: false });
+        // A release or a purge may delete the conflicting row between the
+        // insert and the select (they do not take the key's lock): then the
+        // insert is tried again, and wins.
+        let mut found = None;
+        for _ in 0..3 {
+            let inserted = client
+                .execute(
+                    &sql.insert,
+                    &[
+                        &req.scope,
+                        &req.key,
+                        &fingerprint,
+                        &req.token.0,
+                        &lease_until,
+                        &expires_at,
+                    ],
+                )
+                .await
+                .map_err(unavailable)?;
+            if inserted == 1 {
+                return Ok(Claim::Acquired { taken_over: false });
+            }
+            found = client
+                .query_opt(&sql.select, &[&req.scope, &req.key])
+                .await
+                .map_err(unavailable)?;
+            if found.is_some() {
+                break;
+            }
         }
-        let row = client
-            .query_opt(&sql.select, &[&req.scope, &req.key])
-            .await
-            .map_err(unavailable)?
-            .ok_or_else(|| unavailable("the conflicting record vanished under the key's lock"))?;
+        let row = found.ok_or_else(|| unavailable("the conflicting record kept vanishing"))?;
         let old_fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
         let state: String = row.try_get(1).map_err(unavailable)?;
         let old_lease: i64 = row.try_get(2).map_err(unavailable)?;
@@ -434,11 +443,35 @@ pub struct PostgresTransaction {
     connection: Arc<tokio::sync::Mutex<Option<TxConnection>>>,
 }
 
+/// A pooled connection inside an open transaction. Dropped before its
+/// transaction ended cleanly (a cancelled commit, a failed `BEGIN`), it is
+/// taken out of the pool and closed, so the server rolls the transaction back
+/// and no later request can ever commit it.
 struct TxConnection {
-    client: Object,
+    client: Option<Object>,
     scope: String,
     key: String,
     token: FencingToken,
+}
+
+impl TxConnection {
+    fn client(&self) -> Result<&Object, StoreError> {
+        self.client.as_ref().ok_or_else(transaction_over)
+    }
+
+    /// The transaction ended (`COMMIT` or `ROLLBACK` answered): the
+    /// connection may go back to the pool.
+    fn ended(mut self) {
+        drop(self.client.take());
+    }
+}
+
+impl Drop for TxConnection {
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            drop(Object::take(client));
+        }
+    }
 }
 
 impl std::fmt::Debug for PostgresTransaction {
@@ -452,14 +485,14 @@ impl std::fmt::Debug for PostgresTransaction {
 /// [`tokio_postgres::Client`]. Statements run inside the transaction; do not
 /// `COMMIT` or `ROLLBACK` (the layer does).
 pub struct TransactionClient<'a> {
-    guard: tokio::sync::MappedMutexGuard<'a, TxConnection>,
+    guard: tokio::sync::MappedMutexGuard<'a, Object>,
 }
 
 impl std::ops::Deref for TransactionClient<'_> {
     type Target = tokio_postgres::Client;
 
     fn deref(&self) -> &tokio_postgres::Client {
-        &self.guard.client
+        &self.guard
     }
 }
 
@@ -476,9 +509,11 @@ impl PostgresTransaction {
     /// [`StoreError::Unavailable`] when the transaction has already ended.
     pub async fn client(&self) -> Result<TransactionClient<'_>, StoreError> {
         let guard = self.connection.lock().await;
-        tokio::sync::MutexGuard::try_map(guard, Option::as_mut)
-            .map(|guard| TransactionClient { guard })
-            .map_err(|_| transaction_over())
+        tokio::sync::MutexGuard::try_map(guard, |connection| {
+            connection.as_mut().and_then(|c| c.client.as_mut())
+        })
+        .map(|guard| TransactionClient { guard })
+        .map_err(|_| transaction_over())
     }
 
     async fn take(&self) -> Option<TxConnection> {
@@ -486,15 +521,14 @@ impl PostgresTransaction {
     }
 }
 
-/// Ends a transaction by closing its connection (the server rolls back), for
-/// when no `ROLLBACK` can be sent.
-fn discard(connection: TxConnection) {
-    drop(Object::take(connection.client));
-}
-
+/// Rolls back; if `ROLLBACK` fails, dropping the connection closes it.
 async fn roll_back(connection: TxConnection) {
-    if connection.client.batch_execute("ROLLBACK").await.is_err() {
-        discard(connection);
+    let rolled_back = match connection.client() {
+        Ok(client) => client.batch_execute("ROLLBACK").await.is_ok(),
+        Err(_) => false,
+    };
+    if rolled_back {
+        connection.ended();
     }
 }
 
@@ -512,31 +546,29 @@ impl TransactionalStore for PostgresStore {
             Claim::Acquired { taken_over } => taken_over,
             refused => return Ok(TransactionClaim::Refused(refused)),
         };
+        // Until the transaction is handed over, a cancelled or failed open
+        // gives the key back.
+        let claim = ReleaseOnDrop::new(self.clone(), scope.clone(), key.clone(), token);
         // Phase two: the handler's writes and the completion, in one
         // transaction that commits only if the record still carries our token.
-        let opened = async {
-            let client = self.client().await?;
-            client.batch_execute("BEGIN").await.map_err(unavailable)?;
-            Ok::<_, StoreError>(client)
-        }
-        .await;
-        match opened {
-            Ok(client) => Ok(TransactionClaim::Acquired {
-                transaction: PostgresTransaction {
-                    connection: Arc::new(tokio::sync::Mutex::new(Some(TxConnection {
-                        client,
-                        scope,
-                        key,
-                        token,
-                    }))),
-                },
-                taken_over,
-            }),
-            Err(e) => {
-                let _ = self.release(scope, key, token).await;
-                Err(e)
-            }
-        }
+        let connection = TxConnection {
+            client: Some(self.client().await?),
+            scope,
+            key,
+            token,
+        };
+        connection
+            .client()?
+            .batch_execute("BEGIN")
+            .await
+            .map_err(unavailable)?;
+        claim.disarm();
+        Ok(TransactionClaim::Acquired {
+            transaction: PostgresTransaction {
+                connection: Arc::new(tokio::sync::Mutex::new(Some(connection))),
+            },
+            taken_over,
+        })
     }
 
     async fn commit(
@@ -545,42 +577,46 @@ impl TransactionalStore for PostgresStore {
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
         let connection = transaction.take().await.ok_or_else(transaction_over)?;
+        // Cancelled from here on, the connection closes (its `Drop`): the
+        // server rolls back, and the key waits for its lease.
         let blob = response.encode();
+        let (scope, key, token) = (
+            connection.scope.clone(),
+            connection.key.clone(),
+            connection.token,
+        );
         let completed = connection
-            .client
-            .execute(
-                &self.sql.complete,
-                &[
-                    &connection.scope,
-                    &connection.key,
-                    &connection.token.0,
-                    &blob,
-                ],
-            )
+            .client()?
+            .execute(&self.sql.complete, &[&scope, &key, &token.0, &blob])
             .await;
-        match completed {
-            Ok(1) => {}
-            Ok(_) => {
-                // The lease ended and another request took the key over (or
-                // the record expired): this request's writes must not count.
-                roll_back(connection).await;
-                return Err(unavailable(
-                    "the lease ended before the commit and another request took the key over; this request's writes were rolled back",
-                ));
+        let failure = match completed {
+            Ok(1) => None,
+            // The lease ended and another request took the key over (or the
+            // record expired): this request's writes must not count.
+            Ok(_) => Some(unavailable(
+                "the lease ended before the commit and another request took the key over; this request's writes were rolled back",
+            )),
+            // E.g. the handler's own statement failed and PostgreSQL aborted
+            // the transaction.
+            Err(e) => Some(unavailable(e)),
+        };
+        if let Some(e) = failure {
+            roll_back(connection).await;
+            // Nothing was committed: give the key back (token-checked, so a
+            // request that took it over keeps it).
+            if let Err(release) = self.release(scope, key, token).await {
+                tracing::error!(error = %release, "releasing a rolled-back key failed; it stays in flight until its lease ends");
             }
-            Err(e) => {
-                roll_back(connection).await;
-                return Err(unavailable(e));
-            }
+            return Err(e);
         }
-        match connection.client.batch_execute("COMMIT").await {
-            Ok(()) => Ok(Completion::Stored),
-            Err(e) => {
-                // The outcome of a failed COMMIT is unknown to us; closing the
-                // connection makes sure it is not reused mid-transaction.
-                discard(connection);
-                Err(unavailable(e))
+        match connection.client()?.batch_execute("COMMIT").await {
+            Ok(()) => {
+                connection.ended();
+                Ok(Completion::Stored)
             }
+            // The outcome of a failed COMMIT is unknown: the connection is
+            // closed (dropped) and the key waits for its lease.
+            Err(e) => Err(unavailable(e)),
         }
     }
 
@@ -601,17 +637,63 @@ impl TransactionalStore for PostgresStore {
                 });
             }
             Err(_) => {
-                // No runtime: closing the connection rolls the transaction
-                // back; the claim waits for its lease.
-                if let Some(connection) = transaction
-                    .connection
-                    .try_lock()
-                    .ok()
-                    .and_then(|mut guard| guard.take())
-                {
-                    discard(connection);
-                }
+                // No runtime: dropping the connection closes it, which rolls
+                // the transaction back; the claim waits for its lease.
+                drop(
+                    transaction
+                        .connection
+                        .try_lock()
+                        .ok()
+                        .and_then(|mut guard| guard.take()),
+                );
             }
+        }
+    }
+}
+
+/// Releases a phase-one claim when dropped armed (a cancelled or failed
+/// transaction open), from a spawned task.
+struct ReleaseOnDrop {
+    store: PostgresStore,
+    scope: String,
+    key: String,
+    token: FencingToken,
+    armed: bool,
+}
+
+impl ReleaseOnDrop {
+    fn new(store: PostgresStore, scope: String, key: String, token: FencingToken) -> Self {
+        ReleaseOnDrop {
+            store,
+            scope,
+            key,
+            token,
+            armed: true,
+        }
+    }
+
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let store = self.store.clone();
+        let (scope, key, token) = (
+            std::mem::take(&mut self.scope),
+            std::mem::take(&mut self.key),
+            self.token,
+        );
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(e) = store.release(scope, key, token).await {
+                    tracing::error!(error = %e, "releasing an abandoned key failed; it stays in flight until its lease ends");
+                }
+            });
         }
     }
 }
