@@ -120,9 +120,17 @@ impl From<r2d2::Error> for LedgerError {
 
 impl SqliteDb {
     pub async fn open(path: &Path) -> Result<SqliteDb, LedgerError> {
+        // WAL belongs to the file: set it once, not per pooled connection.
+        let path_owned = path.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let conn = rusqlite::Connection::open(path_owned)?;
+            conn.busy_timeout(Duration::from_secs(5))?;
+            conn.pragma_update(None, "journal_mode", "WAL")
+        })
+        .await
+        .map_err(|e| LedgerError::Database(Box::new(e)))??;
         let manager = SqliteConnectionManager::file(path).with_init(|c| {
             c.busy_timeout(Duration::from_secs(5))?;
-            c.pragma_update(None, "journal_mode", "WAL")?;
             c.pragma_update(None, "synchronous", "FULL")?;
             c.pragma_update(None, "foreign_keys", "ON")
         });

@@ -142,7 +142,6 @@ impl SqliteStoreBuilder {
         };
         let manager = SqliteConnectionManager::file(&self.path).with_init(move |c| {
             c.busy_timeout(Duration::from_millis(busy_ms as u64))?;
-            c.pragma_update(None, "journal_mode", "WAL")?;
             c.pragma_update(None, "synchronous", synchronous)?;
             // For the handler's own tables in transactional mode.
             c.pragma_update(None, "foreign_keys", "ON")?;
@@ -151,7 +150,17 @@ impl SqliteStoreBuilder {
         let path = self.path.clone();
         let pool_size = self.pool_size;
         let busy_timeout = self.busy_timeout;
+        let wal_path = self.path.clone();
         let pool = blocking(move || {
+            // WAL is a property of the file: set once here, not on every
+            // pooled connection (each change takes a lock that contends with
+            // other processes' writers).
+            let conn = rusqlite::Connection::open(&wal_path).map_err(StoreError::unavailable)?;
+            conn.busy_timeout(busy_timeout)
+                .map_err(StoreError::unavailable)?;
+            conn.pragma_update(None, "journal_mode", "WAL")
+                .map_err(StoreError::unavailable)?;
+            drop(conn);
             let pool = r2d2::Pool::builder()
                 .max_size(pool_size)
                 .min_idle(Some(1))
