@@ -542,7 +542,24 @@ impl TransactionalStore for PostgresStore {
         let (scope, key, token) = (req.scope.clone(), req.key.clone(), req.token);
         // Phase one: the claim commits on its own, so that every other
         // server sees the key in flight, with its fingerprint and lease.
-        let taken_over = match self.claim(req).await? {
+        // It runs in a task of its own: if this request is cancelled while
+        // the claim is under way, the task gives a committed claim back
+        // instead of leaving the key in flight for the whole lease.
+        let (answer, claimed) = tokio::sync::oneshot::channel();
+        let store = self.clone();
+        tokio::spawn(async move {
+            let (scope, key, token) = (req.scope.clone(), req.key.clone(), req.token);
+            let unanswered = answer.send(store.claim(req).await);
+            if let Err(Ok(Claim::Acquired { .. })) = unanswered
+                && let Err(e) = store.release(scope, key, token).await
+            {
+                tracing::error!(error = %e, "releasing an abandoned key failed; it stays in flight until its lease ends");
+            }
+        });
+        let claimed = claimed
+            .await
+            .map_err(|_| unavailable("the claim task ended without an answer"))?;
+        let taken_over = match claimed? {
             Claim::Acquired { taken_over } => taken_over,
             refused => return Ok(TransactionClaim::Refused(refused)),
         };
