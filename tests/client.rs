@@ -6,7 +6,6 @@
 #[path = "../examples/storm/driver.rs"]
 mod driver;
 
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -21,23 +20,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tower::retry::RetryLayer;
 use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_idempotency::client::{IdempotencyKeyLayer, RetryPolicy};
-
-fn ledger_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("own path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>");
-    let binary = dir
-        .join("examples")
-        .join(format!("ledger{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        binary.exists(),
-        "no ledger at {}: run the whole `cargo test`",
-        binary.display()
-    );
-    binary
-}
 
 /// Forwards connections to `upstream`. The first `drops` connections are cut
 /// as soon as the upstream starts answering: the request was processed, the
@@ -87,7 +69,7 @@ async fn flaky_proxy(
 async fn retries_through_dropped_connections_credit_once() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = driver::Ledger::start(
-        &ledger_binary(),
+        &driver::ledger_beside_tests(),
         &dir.path().join("l.sqlite3"),
         "transactional",
         2,

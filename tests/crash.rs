@@ -5,27 +5,6 @@
 #[path = "../examples/storm/driver.rs"]
 mod driver;
 
-use std::path::PathBuf;
-
-/// The ledger example that `cargo test` builds beside the test binaries
-/// (`target/<profile>/examples/ledger`).
-fn ledger_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("own path");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>");
-    let binary = profile_dir
-        .join("examples")
-        .join(format!("ledger{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        binary.exists(),
-        "no ledger at {}: run the whole `cargo test` (it builds the examples) or `cargo build --example ledger`",
-        binary.display()
-    );
-    binary
-}
-
 #[test]
 fn transactional_mode_credits_every_key_exactly_once_across_kills() {
     let dir = tempfile::tempdir().unwrap();
@@ -35,7 +14,7 @@ fn transactional_mode_credits_every_key_exactly_once_across_kills() {
         .as_nanos() as u64;
     println!("seed {seed}");
     let report = driver::storm(&driver::StormConfig {
-        binary: ledger_binary(),
+        binary: driver::ledger_beside_tests(),
         db: dir.path().join("ledger.sqlite3"),
         mode: "transactional".into(),
         bursts: 4,

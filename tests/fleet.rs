@@ -7,7 +7,7 @@
 #[path = "../examples/storm/driver.rs"]
 mod driver;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Barrier};
 
 use driver::{Ledger, request};
@@ -16,23 +16,6 @@ use driver::{Ledger, request};
 fn url() -> String {
     std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn ledger_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("own path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>");
-    let binary = dir
-        .join("examples")
-        .join(format!("ledger{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        binary.exists(),
-        "no ledger at {}: run `cargo test --features postgres`",
-        binary.display()
-    );
-    binary
 }
 
 fn key() -> String {
@@ -90,8 +73,8 @@ fn record_state(key: &str) -> Option<String> {
 }
 
 fn racing_servers_apply_once(db: PathBuf, mode: &str) {
-    let one = Ledger::start(&ledger_binary(), &db, mode, 2);
-    let two = Ledger::start(&ledger_binary(), &db, mode, 2);
+    let one = Ledger::start(&driver::ledger_beside_tests(), &db, mode, 2);
+    let two = Ledger::start(&driver::ledger_beside_tests(), &db, mode, 2);
     let account = new_account(&one);
     let k = key();
     let barrier = Arc::new(Barrier::new(12));
@@ -152,8 +135,8 @@ fn two_processes_on_one_sqlite_file_racing_one_key_apply_it_once() {
 #[cfg(feature = "postgres")]
 fn a_dead_servers_claim_is_taken_over(mode: &str) {
     let db = PathBuf::from(url());
-    let mut one = Ledger::start(&ledger_binary(), &db, mode, 2);
-    let two = Ledger::start(&ledger_binary(), &db, mode, 2);
+    let mut one = Ledger::start(&driver::ledger_beside_tests(), &db, mode, 2);
+    let two = Ledger::start(&driver::ledger_beside_tests(), &db, mode, 2);
     let account = new_account(&two);
     let k = key();
     let (addr, path) = (one.addr, format!("/accounts/{account}/credits"));

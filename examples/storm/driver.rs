@@ -15,6 +15,26 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+/// The ledger example that `cargo test` builds beside a test binary
+/// (`target/<profile>/deps/<test>` -> `target/<profile>/examples/ledger`).
+/// Panics, naming the command to run, when it is not there.
+pub fn ledger_beside_tests() -> PathBuf {
+    let exe = std::env::current_exe().expect("own path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>");
+    let binary = profile_dir
+        .join("examples")
+        .join(format!("ledger{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        binary.exists(),
+        "no ledger at {}: run the whole `cargo test` (with the same features), which builds the examples",
+        binary.display()
+    );
+    binary
+}
+
 /// One ledger process.
 pub struct Ledger {
     binary: PathBuf,
