@@ -2,11 +2,10 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use super::{
-    Claim, ClaimRequest, Clock, Completion, FencingToken, Store, StoreError, SystemClock,
-    duration_ms,
+    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, Store, StoreError,
+    SystemClock, decide, duration_ms,
 };
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
@@ -89,27 +88,29 @@ impl Store for MemoryStore {
             response: None,
         };
         let mut records = self.lock();
-        let record = match records.get_mut(&(req.scope.clone(), req.key.clone())) {
-            Some(record) if record.expires_at > now => record,
-            _ => {
-                records.insert((req.scope, req.key), fresh);
-                return Ok(Claim::Acquired { taken_over: false });
-            }
+        let Some(record) = records.get_mut(&(req.scope.clone(), req.key.clone())) else {
+            records.insert((req.scope, req.key), fresh);
+            return Ok(Claim::Acquired { taken_over: false });
         };
-        if record.fingerprint != req.fingerprint {
-            return Ok(Claim::Mismatch);
+        let existing = Existing {
+            fingerprint: &record.fingerprint.0,
+            completed: record.response.is_some(),
+            lease_until: record.lease_until,
+            expires_at: record.expires_at,
+        };
+        match decide(&existing, &req.fingerprint, now) {
+            Decision::Replace { taken_over } => {
+                *record = fresh;
+                Ok(Claim::Acquired { taken_over })
+            }
+            Decision::Mismatch => Ok(Claim::Mismatch),
+            Decision::Replay => record
+                .response
+                .clone()
+                .map(Claim::Completed)
+                .ok_or_else(|| StoreError::Corrupt("completed without a response".into())),
+            Decision::InFlight(lease_remaining) => Ok(Claim::InFlight { lease_remaining }),
         }
-        if let Some(response) = &record.response {
-            return Ok(Claim::Completed(response.clone()));
-        }
-        if record.lease_until > now {
-            let remaining = Duration::from_millis((record.lease_until - now) as u64);
-            return Ok(Claim::InFlight {
-                lease_remaining: remaining,
-            });
-        }
-        *record = fresh;
-        Ok(Claim::Acquired { taken_over: true })
     }
 
     async fn complete(

@@ -331,6 +331,46 @@ pub fn spawn_purge_task<S: Store>(store: S, period: Duration) -> tokio::task::Jo
     })
 }
 
+/// The record a claim found, as read under the store's lock.
+pub(crate) struct Existing<'a> {
+    pub(crate) fingerprint: &'a [u8],
+    pub(crate) completed: bool,
+    /// Unix ms.
+    pub(crate) lease_until: i64,
+    /// Unix ms.
+    pub(crate) expires_at: i64,
+}
+
+/// What a claim does with a record it found: the rows of the table in the
+/// module docs after "nothing", in order. The stores written in Rust all
+/// decide here; `RedisStore`'s Lua script mirrors it.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Decision {
+    /// Overwrite the record with the new claim (`taken_over`: its lease had
+    /// ended; otherwise it was past its TTL and counts as absent).
+    Replace { taken_over: bool },
+    /// Another fingerprint: 422.
+    Mismatch,
+    /// Completed: replay its stored response.
+    Replay,
+    /// In flight, with this much lease left: 409.
+    InFlight(Duration),
+}
+
+pub(crate) fn decide(existing: &Existing<'_>, fingerprint: &Fingerprint, now: i64) -> Decision {
+    if existing.expires_at <= now {
+        Decision::Replace { taken_over: false }
+    } else if existing.fingerprint != fingerprint.0 {
+        Decision::Mismatch
+    } else if existing.completed {
+        Decision::Replay
+    } else if existing.lease_until > now {
+        Decision::InFlight(Duration::from_millis((existing.lease_until - now) as u64))
+    } else {
+        Decision::Replace { taken_over: true }
+    }
+}
+
 /// Milliseconds since the Unix epoch, the time unit every store keeps.
 pub(crate) fn duration_ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)

@@ -9,8 +9,8 @@ use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Object, Pool, Rec
 use tokio_postgres::NoTls;
 
 use super::{
-    Claim, ClaimRequest, Clock, Completion, FencingToken, Store, StoreError, TransactionClaim,
-    TransactionalStore, duration_ms,
+    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, Store, StoreError,
+    TransactionClaim, TransactionalStore, decide, duration_ms,
 };
 use crate::fingerprint::Hasher;
 use crate::response::StoredResponse;
@@ -317,20 +317,23 @@ impl PostgresStore {
         let state: String = row.try_get(1).map_err(unavailable)?;
         let old_lease: i64 = row.try_get(2).map_err(unavailable)?;
         let old_expiry: i64 = row.try_get(3).map_err(unavailable)?;
-        let expired = old_expiry <= now;
-        if !expired && old_fingerprint != fingerprint {
-            return Ok(Claim::Mismatch);
-        }
-        if !expired && state == "completed" {
-            let blob: Option<Vec<u8>> = row.try_get(4).map_err(unavailable)?;
-            return StoredResponse::decode(&blob.unwrap_or_default())
-                .map(Claim::Completed)
-                .map_err(|e| StoreError::Corrupt(e.to_string()));
-        }
-        if !expired && old_lease > now {
-            let lease_remaining = Duration::from_millis((old_lease - now) as u64);
-            return Ok(Claim::InFlight { lease_remaining });
-        }
+        let existing = Existing {
+            fingerprint: &old_fingerprint,
+            completed: state == "completed",
+            lease_until: old_lease,
+            expires_at: old_expiry,
+        };
+        let taken_over = match decide(&existing, &req.fingerprint, now) {
+            Decision::Replace { taken_over } => taken_over,
+            Decision::Mismatch => return Ok(Claim::Mismatch),
+            Decision::Replay => {
+                let blob: Option<Vec<u8>> = row.try_get(4).map_err(unavailable)?;
+                return StoredResponse::decode(&blob.unwrap_or_default())
+                    .map(Claim::Completed)
+                    .map_err(|e| StoreError::Corrupt(e.to_string()));
+            }
+            Decision::InFlight(lease_remaining) => return Ok(Claim::InFlight { lease_remaining }),
+        };
         client
             .execute(
                 &sql.take_over,
@@ -345,9 +348,7 @@ impl PostgresStore {
             )
             .await
             .map_err(unavailable)?;
-        Ok(Claim::Acquired {
-            taken_over: !expired,
-        })
+        Ok(Claim::Acquired { taken_over })
     }
 }
 

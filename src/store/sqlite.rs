@@ -9,8 +9,8 @@ use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::{TransactionBehavior, params};
 
 use super::{
-    Claim, ClaimRequest, Clock, Completion, FencingToken, Store, StoreError, SystemClock,
-    TransactionClaim, TransactionalStore, duration_ms,
+    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, Store, StoreError,
+    SystemClock, TransactionClaim, TransactionalStore, decide, duration_ms,
 };
 use crate::response::StoredResponse;
 
@@ -311,17 +311,20 @@ fn claim_in(
             ))
         },
     )?;
-    let expired = old_expiry <= now;
-    if !expired && old_fingerprint != fingerprint {
-        return Ok(Found::Claim(Claim::Mismatch));
-    }
-    if !expired && state == "completed" {
-        return Ok(Found::Completed(response.unwrap_or_default()));
-    }
-    if !expired && old_lease > now {
-        let lease_remaining = Duration::from_millis((old_lease - now) as u64);
-        return Ok(Found::Claim(Claim::InFlight { lease_remaining }));
-    }
+    let existing = Existing {
+        fingerprint: &old_fingerprint,
+        completed: state == "completed",
+        lease_until: old_lease,
+        expires_at: old_expiry,
+    };
+    let taken_over = match decide(&existing, &req.fingerprint, now) {
+        Decision::Replace { taken_over } => taken_over,
+        Decision::Mismatch => return Ok(Found::Claim(Claim::Mismatch)),
+        Decision::Replay => return Ok(Found::Completed(response.unwrap_or_default())),
+        Decision::InFlight(lease_remaining) => {
+            return Ok(Found::Claim(Claim::InFlight { lease_remaining }));
+        }
+    };
     tx.execute(
         "UPDATE idempotency_records
          SET fingerprint = ?3, token = ?4, state = 'in_flight',
@@ -336,9 +339,7 @@ fn claim_in(
             expires_at
         ],
     )?;
-    Ok(Found::Claim(Claim::Acquired {
-        taken_over: !expired,
-    }))
+    Ok(Found::Claim(Claim::Acquired { taken_over }))
 }
 
 /// Completes the record if it still carries `token`.
