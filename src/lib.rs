@@ -52,6 +52,7 @@
 //! * [`mode`]: separate or transactional, i.e. when the record is written.
 //! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
 //!   [`problem`]: one rule each.
+//! * [`telemetry`]: the tracing span and the metrics (feature `metrics`).
 //!
 //! # Guarantees and their limits
 //!
@@ -93,6 +94,7 @@ pub mod response;
 pub mod scope;
 mod service;
 pub mod store;
+pub mod telemetry;
 
 pub use body::{RequestBody, ResponseBody};
 

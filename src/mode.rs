@@ -44,7 +44,6 @@ use std::future::Future;
 use http::Extensions;
 
 use crate::response::StoredResponse;
-use crate::service::outcome;
 use crate::store::{
     Claim, ClaimRequest, Completion, FencingToken, Store, StoreError, TransactionClaim,
     TransactionalStore,
@@ -104,8 +103,9 @@ pub trait Hold: Send + 'static {
         response: StoredResponse,
     ) -> impl Future<Output = Result<Completion, StoreError>> + Send;
 
-    /// Gives the key back, so a retry runs at once.
-    fn release(self) -> impl Future<Output = ()> + Send;
+    /// Gives the key back, so a retry runs at once. On an error the key
+    /// stays in flight until its lease ends.
+    fn release(self) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 impl<St: Store> Mode<St> for Separate {
@@ -159,19 +159,13 @@ impl<St: Store> SeparateHold<St> {
 
     /// Releases the record now (token-checked). If this future is dropped
     /// midway, the hold is still armed and releases from `Drop`.
-    async fn release(mut self) {
+    async fn release(mut self) -> Result<(), StoreError> {
         let released = self
             .store
             .release(self.scope.clone(), self.key.clone(), self.token)
             .await;
         self.armed = false;
-        match released {
-            Ok(_) => outcome("released"),
-            Err(e) => {
-                outcome("store_error");
-                tracing::error!(error = %e, "releasing the key failed; it stays in flight until its lease ends");
-            }
-        }
+        released.map(drop)
     }
 
     async fn complete(mut self, response: StoredResponse) -> Result<Completion, StoreError> {
@@ -227,7 +221,7 @@ impl<St: Store> Hold for SeparateHold<St> {
         SeparateHold::complete(self, response)
     }
 
-    fn release(self) -> impl Future<Output = ()> + Send {
+    fn release(self) -> impl Future<Output = Result<(), StoreError>> + Send {
         SeparateHold::release(self)
     }
 }
@@ -284,10 +278,11 @@ impl<St: TransactionalStore> Hold for TransactionHold<St> {
         }
     }
 
-    async fn release(mut self) {
+    async fn release(mut self) -> Result<(), StoreError> {
         if let Some(transaction) = self.transaction.take() {
             self.store.rollback(&transaction);
         }
+        Ok(())
     }
 }
 

@@ -36,6 +36,7 @@ use crate::problem::Rejection;
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
 use crate::store::{Claim, ClaimRequest, Completion, FencingToken, Store, retry_after_secs};
+use crate::telemetry::{self, Operation, Outcome, timed};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -123,8 +124,14 @@ where
             Ok(None) if !settings.require_key => {
                 return ResponseFuture::pass_through(self.inner.call(req.map(RequestBody::inner)));
             }
-            Ok(None) => return ResponseFuture::rejected(settings, &Rejection::MissingKey),
-            Err(e) => return ResponseFuture::rejected(settings, &Rejection::InvalidKey(e)),
+            Ok(None) => {
+                telemetry::outcome(Outcome::Rejected);
+                return ResponseFuture::rejected(settings, &Rejection::MissingKey);
+            }
+            Err(e) => {
+                telemetry::outcome(Outcome::Rejected);
+                return ResponseFuture::rejected(settings, &Rejection::InvalidKey(e));
+            }
         };
         // The service that was driven to readiness goes with this request;
         // its clone stays for the next (tower's usual swap).
@@ -217,17 +224,6 @@ fn rejection_response<B: Body>(
         .map(|body| ResponseBody::full(body, None))
 }
 
-/// A short, non-reversible tag of the key for logs: the first 8 bytes of its
-/// SHA-256, in hex. The raw key never appears in a span.
-fn key_tag(scope: &str, key: &str) -> String {
-    let mut hasher = crate::fingerprint::Hasher::new("tower-idempotency/log/v1");
-    hasher.part(scope.as_bytes()).part(key.as_bytes());
-    hasher.finish().0[..8]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
 /// One intercepted request, from its buffered body to its stored response.
 async fn intercept<M, S, St, Sc, F, P, ReqBody, ResBody>(
     inner: S,
@@ -252,23 +248,18 @@ where
 {
     let (parts, body) = req.into_parts();
     let scope = config.scope.scope(&parts);
-    let span = tracing::info_span!(
-        "idempotency",
-        scope = %scope,
-        key = %key_tag(&scope, &key),
-        outcome = tracing::field::Empty,
-    );
+    let span = telemetry::request_span(&scope, &key);
     async move {
         let settings = &config.settings;
         let (body, trailers) = match buffer_request(body, settings.max_request_body).await {
             Ok(buffered) => buffered,
-            Err(rejection) => return Ok(reject(settings, "rejected", rejection)),
+            Err(rejection) => return Ok(reject(settings, Outcome::Rejected, rejection)),
         };
         let fingerprint = match config.fingerprinter.fingerprint(&parts, &body) {
             Ok(fingerprint) => fingerprint,
             Err(e) => {
                 let rejection = Rejection::UnreadableBody(e.to_string());
-                return Ok(reject(settings, "rejected", rejection));
+                return Ok(reject(settings, Outcome::Rejected, rejection));
             }
         };
         let claim = ClaimRequest {
@@ -293,11 +284,14 @@ where
         match tokio::spawn(run.in_current_span()).await {
             Ok(result) => result,
             Err(e) => match e.try_into_panic() {
-                Ok(panic) => std::panic::resume_unwind(panic),
+                Ok(panic) => {
+                    telemetry::outcome(Outcome::Panicked);
+                    std::panic::resume_unwind(panic)
+                }
                 Err(_) => {
                     let retry_after_secs = STORE_RETRY_AFTER_SECS;
                     let rejection = Rejection::StoreUnavailable { retry_after_secs };
-                    Ok(reject(&config.settings, "cancelled", rejection))
+                    Ok(reject(&config.settings, Outcome::Cancelled, rejection))
                 }
             },
         }
@@ -306,18 +300,13 @@ where
     .await
 }
 
-/// Records the outcome on the request's span.
-pub(crate) fn outcome(name: &'static str) {
-    tracing::Span::current().record("outcome", name);
-}
-
 /// Records the outcome and answers with the rejection.
 fn reject<B: Body>(
     settings: &Settings,
-    name: &'static str,
+    outcome: Outcome,
     rejection: Rejection,
 ) -> Response<ResponseBody<B>> {
-    outcome(name);
+    telemetry::outcome(outcome);
     rejection_response(settings, &rejection)
 }
 
@@ -338,39 +327,39 @@ where
     ResBody: Body,
 {
     let settings = &config.settings;
-    let mut hold = match M::claim(&store, claim).await {
+    let mut hold = match timed(Operation::Claim, M::claim(&store, claim)).await {
         Ok(Ok((hold, taken_over))) => {
-            outcome(if taken_over { "taken_over" } else { "claimed" });
+            telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
             hold
         }
-        Ok(Err(Claim::Mismatch)) => return Ok(reject(settings, "mismatch", Rejection::Mismatch)),
-        Ok(Err(Claim::InFlight { lease_remaining })) => {
-            let retry_after_secs = retry_after_secs(lease_remaining);
-            return Ok(reject(
-                settings,
-                "in_flight",
-                Rejection::InFlight { retry_after_secs },
-            ));
+        Ok(Err(Claim::Mismatch)) => {
+            telemetry::claim("mismatch");
+            return Ok(reject(settings, Outcome::Mismatch, Rejection::Mismatch));
         }
-        Ok(Err(Claim::Completed(stored))) => return Ok(replay(settings, &stored)),
+        Ok(Err(Claim::InFlight { lease_remaining })) => {
+            telemetry::claim("in_flight");
+            let retry_after_secs = retry_after_secs(lease_remaining);
+            let rejection = Rejection::InFlight { retry_after_secs };
+            return Ok(reject(settings, Outcome::InFlight, rejection));
+        }
+        Ok(Err(Claim::Completed(stored))) => {
+            telemetry::claim("replayed");
+            return Ok(replay(settings, &stored));
+        }
         Ok(Err(Claim::Acquired { .. })) => {
             // A store bug: it refused the claim yet says it was acquired.
+            telemetry::claim("store_error");
             tracing::error!("the idempotency store contradicted itself; answering 503");
             let retry_after_secs = STORE_RETRY_AFTER_SECS;
-            return Ok(reject(
-                settings,
-                "store_error",
-                Rejection::StoreUnavailable { retry_after_secs },
-            ));
+            let rejection = Rejection::StoreUnavailable { retry_after_secs };
+            return Ok(reject(settings, Outcome::StoreError, rejection));
         }
         Err(e) => {
+            telemetry::claim("store_error");
             tracing::error!(error = %e, "idempotency store failed to claim; answering 503");
             let retry_after_secs = STORE_RETRY_AFTER_SECS;
-            return Ok(reject(
-                settings,
-                "store_error",
-                Rejection::StoreUnavailable { retry_after_secs },
-            ));
+            let rejection = Rejection::StoreUnavailable { retry_after_secs };
+            return Ok(reject(settings, Outcome::StoreError, rejection));
         }
     };
 
@@ -379,7 +368,7 @@ where
     let response = match inner.call(request).await {
         Ok(response) => response,
         Err(e) => {
-            hold.release().await;
+            release(hold).await;
             return Err(e);
         }
     };
@@ -387,13 +376,24 @@ where
         .policy
         .should_store(response.status(), response.headers())
     {
-        hold.release().await;
+        release(hold).await;
         let (mut parts, body) = response.into_parts();
         parts.headers.remove(&settings.marker);
         return Ok(Response::from_parts(parts, ResponseBody::inner(body)));
     }
     hold.answered();
     Ok(store_response(hold, settings, &config.policy, response).await)
+}
+
+/// Gives the key back (a retry runs again) and records it.
+async fn release<H: Hold>(hold: H) {
+    match timed(Operation::Release, hold.release()).await {
+        Ok(()) => telemetry::outcome(Outcome::Released),
+        Err(e) => {
+            telemetry::outcome(Outcome::StoreError);
+            tracing::error!(error = %e, "releasing the key failed; it stays in flight until its lease ends");
+        }
+    }
 }
 
 /// Buffers the request body up to `limit` bytes.
@@ -422,10 +422,9 @@ where
 /// The answer to a repeat of a completed request.
 fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<ResponseBody<B>> {
     if stored.body == StoredBody::Omitted {
-        outcome("not_stored");
-        return rejection_response(settings, &Rejection::ResponseNotStored);
+        return reject(settings, Outcome::NotStored, Rejection::ResponseNotStored);
     }
-    outcome("replayed");
+    telemetry::outcome(Outcome::Replayed);
     let trailers = stored.trailer_map();
     stored
         .replay(&settings.marker)
@@ -463,6 +462,7 @@ async fn store_response<H: Hold, P: StorePolicy, B: Body>(
                 // flight (the effect may exist; the lease decides);
                 // transactional mode rolls the effect back.
                 tracing::warn!("the response body failed before it was stored");
+                telemetry::outcome(Outcome::ResponseFailed);
                 drop(hold);
                 return Response::from_parts(parts, ResponseBody::then_error(frames, e));
             }
@@ -474,7 +474,7 @@ async fn store_response<H: Hold, P: StorePolicy, B: Body>(
         .is_some_and(|t| !policy.should_store_trailers(t))
     {
         // E.g. a transient `grpc-status` in the trailers: a retry runs again.
-        hold.release().await;
+        release(hold).await;
         return Response::from_parts(parts, ResponseBody::frames(frames));
     }
     let omitted = stored_body == StoredBody::Omitted;
@@ -485,28 +485,28 @@ async fn store_response<H: Hold, P: StorePolicy, B: Body>(
         trailers.as_ref(),
         Some(&settings.marker),
     );
-    match hold.complete(stored).await {
+    match timed(Operation::Complete, hold.complete(stored)).await {
         Ok(Completion::Stored) => {
-            outcome(if omitted {
-                "completed_without_body"
+            telemetry::outcome(if omitted {
+                Outcome::CompletedWithoutBody
             } else {
-                "completed"
+                Outcome::Completed
             });
         }
         Ok(Completion::Fenced) => {
-            outcome("fenced");
+            telemetry::outcome(Outcome::Fenced);
             tracing::warn!(
                 "the lease ended and another request took the key over; this response was not stored"
             );
         }
         Err(e) if H::ATOMIC => {
-            outcome("store_error");
+            telemetry::outcome(Outcome::StoreError);
             tracing::error!(error = %e, "committing the request failed; nothing happened; answering 503");
             let retry_after_secs = STORE_RETRY_AFTER_SECS;
             return rejection_response(settings, &Rejection::StoreUnavailable { retry_after_secs });
         }
         Err(e) => {
-            outcome("store_error");
+            telemetry::outcome(Outcome::StoreError);
             tracing::error!(error = %e, "storing the response failed; the key stays in flight until its lease ends");
         }
     }

@@ -1,0 +1,188 @@
+//! What the layer tells operators: one tracing span per intercepted request
+//! and, with the `metrics` feature, counters and a histogram through the
+//! [`metrics`](https://docs.rs/metrics) facade.
+//!
+//! # Example
+//!
+//! ```
+//! use axum::{Router, routing::post, http::Request, body::Body};
+//! use tower::ServiceExt;
+//! use tower_idempotency::{IdempotencyLayer, MemoryStore};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! // Any `tracing` subscriber sees the `idempotency` span of each request;
+//! // this one prints it when the span closes.
+//! let _guard = tracing::subscriber::set_default(
+//!     tracing_subscriber::fmt()
+//!         .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+//!         .finish(),
+//! );
+//! let app = Router::new()
+//!     .route("/orders", post(|| async { "created" }))
+//!     .route_layer(IdempotencyLayer::new(MemoryStore::new(), |_: &http::request::Parts| "alice".to_owned()));
+//! let request = Request::post("/orders")
+//!     .header("idempotency-key", "\"order-1\"")
+//!     .body(Body::empty())
+//!     .unwrap();
+//! // Logs: idempotency{scope=alice key=<hash tag> claim="acquired" outcome="completed" claim_us=.. complete_us=..}
+//! app.oneshot(request).await.unwrap();
+//! # }
+//! ```
+//!
+//! # The span
+//!
+//! Each request that carries a well-formed key is handled inside an `INFO`
+//! span named `idempotency` with these fields (a request rejected before
+//! that, for a missing or malformed key, is only counted, as `rejected`):
+//!
+//! | field | value |
+//! |---|---|
+//! | `scope` | the request's scope ([`crate::scope`]) |
+//! | `key` | a tag of the key: the first 8 bytes of SHA-256 over scope and key, in hex. The raw key never appears in a span or an event, so logs that also carry bodies cannot be joined to a replayable key |
+//! | `claim` | what the atomic claim found: `acquired`, `taken_over` (an in-flight record whose lease had ended), `replayed`, `in_flight`, `mismatch` or `store_error` |
+//! | `outcome` | how the request ended (the [`Outcome`] names below) |
+//! | `claim_us`, `complete_us`, `release_us` | the store's latency for that call, in microseconds |
+//!
+//! # Metrics (feature `metrics`)
+//!
+//! Recorded through whatever recorder the application installed (Prometheus,
+//! StatsD, ...); without one they cost a load and a branch.
+//!
+//! | name | kind | labels | meaning |
+//! |---|---|---|---|
+//! | `tower_idempotency_requests_total` | counter | `outcome` | requests the layer answered or ran, by [`Outcome`] |
+//! | `tower_idempotency_takeovers_total` | counter | | in-flight records taken over after their lease ended (a holder crashed or was too slow) |
+//! | `tower_idempotency_store_duration_seconds` | histogram | `operation` = `claim`, `complete` or `release` | the store's latency per call, in seconds |
+
+use std::future::Future;
+use std::time::Instant;
+
+/// How an intercepted request ended: the `outcome` span field and the
+/// `outcome` label of `tower_idempotency_requests_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The handler ran and its response is stored for replays.
+    Completed,
+    /// The handler ran; its response was larger than the response limit, so
+    /// repeats get 410 (the record is kept, without the body).
+    CompletedWithoutBody,
+    /// A stored response was replayed.
+    Replayed,
+    /// A repeat of a record completed without its body: 410.
+    NotStored,
+    /// A repeat while the first request holds its lease: 409.
+    InFlight,
+    /// The key was used with another request: 422.
+    Mismatch,
+    /// The handler's answer is not stored (a 5xx, 408, 425, 429, an error,
+    /// a transient trailer status) and the key was given back: a retry runs again.
+    Released,
+    /// The handler ran, but its lease had been taken over meanwhile: its
+    /// response was not stored.
+    Fenced,
+    /// The store could not answer: 503, nothing replayed.
+    StoreError,
+    /// The response body failed before it could be stored.
+    ResponseFailed,
+    /// Bad input: a missing or malformed key (400), a body over the limit
+    /// (413) or an unreadable body (400).
+    Rejected,
+    /// The request's task was cancelled (the runtime shut down): 503.
+    Cancelled,
+    /// The handler panicked; the key was given back.
+    Panicked,
+}
+
+impl Outcome {
+    /// The name used in spans and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Completed => "completed",
+            Outcome::CompletedWithoutBody => "completed_without_body",
+            Outcome::Replayed => "replayed",
+            Outcome::NotStored => "not_stored",
+            Outcome::InFlight => "in_flight",
+            Outcome::Mismatch => "mismatch",
+            Outcome::Released => "released",
+            Outcome::Fenced => "fenced",
+            Outcome::StoreError => "store_error",
+            Outcome::ResponseFailed => "response_failed",
+            Outcome::Rejected => "rejected",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Panicked => "panicked",
+        }
+    }
+}
+
+/// The span of one intercepted request.
+pub(crate) fn request_span(scope: &str, key: &str) -> tracing::Span {
+    tracing::info_span!(
+        "idempotency",
+        scope = %scope,
+        key = %key_tag(scope, key),
+        claim = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+        claim_us = tracing::field::Empty,
+        complete_us = tracing::field::Empty,
+        release_us = tracing::field::Empty,
+    )
+}
+
+/// A short, non-reversible tag of the key for logs: the first 8 bytes of its
+/// SHA-256 (with the scope), in hex.
+pub(crate) fn key_tag(scope: &str, key: &str) -> String {
+    let mut hasher = crate::fingerprint::Hasher::new("tower-idempotency/log/v1");
+    hasher.part(scope.as_bytes()).part(key.as_bytes());
+    hasher.finish().0[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Records what the claim found on the current span.
+pub(crate) fn claim(found: &'static str) {
+    tracing::Span::current().record("claim", found);
+    #[cfg(feature = "metrics")]
+    if found == "taken_over" {
+        metrics::counter!("tower_idempotency_takeovers_total").increment(1);
+    }
+}
+
+/// Records how the request ended, on the current span and as a metric.
+pub(crate) fn outcome(outcome: Outcome) {
+    tracing::Span::current().record("outcome", outcome.as_str());
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tower_idempotency_requests_total", "outcome" => outcome.as_str())
+        .increment(1);
+}
+
+/// The store operations whose latency is recorded.
+#[derive(Clone, Copy)]
+pub(crate) enum Operation {
+    Claim,
+    Complete,
+    Release,
+}
+
+/// Awaits one store call and records its latency.
+pub(crate) async fn timed<T>(operation: Operation, call: impl Future<Output = T>) -> T {
+    let start = Instant::now();
+    let result = call.await;
+    let elapsed = start.elapsed();
+    let (field, label) = match operation {
+        Operation::Claim => ("claim_us", "claim"),
+        Operation::Complete => ("complete_us", "complete"),
+        Operation::Release => ("release_us", "release"),
+    };
+    tracing::Span::current().record(
+        field,
+        u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
+    );
+    #[cfg(feature = "metrics")]
+    metrics::histogram!("tower_idempotency_store_duration_seconds", "operation" => label)
+        .record(elapsed.as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = label;
+    result
+}
