@@ -12,10 +12,10 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use common::{Harness, send, serve};
+use common::{Harness, eventually, send, serve};
 use tokio::sync::Barrier;
 use tower_idempotency::problem::types;
-use tower_idempotency::store::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::{GroupCommitStats, SqliteStore, SqliteTransaction};
 use tower_idempotency::{IdempotencyLayer, scope::GlobalScope};
 
 const SCHEMA: &str = "
@@ -69,6 +69,7 @@ struct Fixture {
     dir: tempfile::TempDir,
     addr: std::net::SocketAddr,
     h: Harness,
+    store: SqliteStore,
 }
 
 impl Fixture {
@@ -85,7 +86,7 @@ impl Fixture {
             .execute_batch(SCHEMA)
             .unwrap();
         let h = Harness::default();
-        let layer = IdempotencyLayer::new(store, |p: &Parts| user(p)).transactional();
+        let layer = IdempotencyLayer::new(store.clone(), |p: &Parts| user(p)).transactional();
         let app = Router::new()
             .route("/items", post(item))
             .route_layer(layer)
@@ -95,6 +96,7 @@ impl Fixture {
             addr: serve(app).await,
             dir,
             h,
+            store,
         }
     }
 
@@ -369,4 +371,124 @@ async fn the_extractor_refuses_a_request_without_a_transaction() {
             .body,
         b"in"
     );
+}
+
+/// Sends `POST /items` with `key` and `extra` headers from a task of its own.
+fn spawn_post(
+    f: &Fixture,
+    key: &'static [u8],
+    extra: &'static [(&'static str, &'static [u8])],
+) -> tokio::task::JoinHandle<common::Raw> {
+    let addr = f.addr;
+    tokio::spawn(async move {
+        let mut headers = vec![("idempotency-key", key)];
+        headers.extend_from_slice(extra);
+        send(addr, "POST", "/items", &headers, b"{}").await
+    })
+}
+
+/// Group commit: requests that wait for the writer while another request
+/// holds it join that request's transaction, and one commit makes all of
+/// them durable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiting_requests_share_one_commit() {
+    let f = Fixture::start(Duration::from_secs(10)).await;
+    let mut entered = f.h.watch();
+    let first = spawn_post(&f, b"a", &[("x-gate", b"a")]);
+    assert_eq!(entered.recv().await.unwrap(), "a");
+    let others = [b"b" as &[u8], b"c", b"d"].map(|key| spawn_post(&f, key, &[]));
+    let store = f.store.clone();
+    eventually(Duration::from_secs(10), || {
+        store.transactions_waiting() == 3
+    })
+    .await;
+    assert_eq!((f.items(), f.records()), (0, 0), "nothing is committed yet");
+    f.h.open("a");
+    for client in std::iter::once(first).chain(others) {
+        let answer = client.await.unwrap();
+        assert_eq!((answer.status, answer.replayed()), (201, false));
+    }
+    assert_eq!(
+        f.store.group_commit_stats(),
+        GroupCommitStats {
+            commits: 1,
+            requests: 4
+        }
+    );
+    assert_eq!((f.items(), f.records(), f.h.runs()), (4, 4, 4));
+}
+
+/// A request's answer waits for the commit of its batch: while a later
+/// request of the same batch still runs, the first one's effect is not
+/// durable, so its client must not have its answer yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_answer_before_its_batch_is_durable() {
+    let f = Fixture::start(Duration::from_secs(10)).await;
+    let mut entered = f.h.watch();
+    let (addr, path) = (f.addr, f.dir.path().join("app.sqlite3"));
+    let first = tokio::spawn(async move {
+        let answer = send(
+            addr,
+            "POST",
+            "/items",
+            &[("idempotency-key", b"a"), ("x-gate", b"a")],
+            b"{}",
+        )
+        .await;
+        // What another connection sees the moment the answer arrives.
+        let conn = rusqlite::Connection::open(path).unwrap();
+        let seen: i64 = conn
+            .query_row("SELECT count(*) FROM items", [], |r| r.get(0))
+            .unwrap();
+        (answer, seen)
+    });
+    assert_eq!(entered.recv().await.unwrap(), "a");
+    let second = spawn_post(&f, b"b", &[("x-gate", b"b")]);
+    let store = f.store.clone();
+    eventually(Duration::from_secs(10), || {
+        store.transactions_waiting() == 1
+    })
+    .await;
+    f.h.open("a");
+    // The second request runs inside the first one's batch...
+    assert_eq!(entered.recv().await.unwrap(), "b");
+    assert_eq!(
+        f.items(),
+        0,
+        "the first request's effect is not committed yet"
+    );
+    f.h.open("b");
+    let (answer, seen) = first.await.unwrap();
+    assert_eq!(answer.status, 201);
+    assert_eq!(
+        seen, 2,
+        "the first answer arrived only after the batch committed"
+    );
+    assert_eq!(second.await.unwrap().status, 201);
+}
+
+/// A batch whose commit fails answers 503 to every request in it, and none
+/// of them happened: their retries run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_batch_commit_fails_every_member_and_keeps_nothing() {
+    let f = Fixture::start(Duration::from_secs(10)).await;
+    let mut entered = f.h.watch();
+    let first = spawn_post(&f, b"a", &[("x-gate", b"a")]);
+    assert_eq!(entered.recv().await.unwrap(), "a");
+    // Its deferred foreign key fails when the batch commits.
+    let violating = spawn_post(&f, b"b", &[("x-fk-violation", b"1")]);
+    let store = f.store.clone();
+    eventually(Duration::from_secs(10), || {
+        store.transactions_waiting() == 1
+    })
+    .await;
+    f.h.open("a");
+    for client in [first, violating] {
+        let answer = client.await.unwrap();
+        assert_eq!(answer.assert_problem(503), types::STORE_UNAVAILABLE);
+    }
+    assert_eq!((f.items(), f.records()), (0, 0));
+    let retry = f.post(b"a", &[]).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!((f.items(), f.records(), f.h.runs()), (1, 1, 3));
 }

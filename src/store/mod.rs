@@ -105,7 +105,9 @@ pub use self::redis::{RedisStore, RedisStoreBuilder};
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use postgres::{PostgresStore, PostgresStoreBuilder, PostgresTransaction, TransactionClient};
-pub use sqlite::{SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous};
+pub use sqlite::{
+    GroupCommitStats, SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous,
+};
 
 /// An in-flight record's owner mark. Complete and release succeed only with
 /// the token that the record still carries.

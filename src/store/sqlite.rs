@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use r2d2_sqlite::SqliteConnectionManager;
-use rusqlite::{TransactionBehavior, params};
+use rusqlite::{OptionalExtension, TransactionBehavior, params};
 
 use super::{
     Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, Store, StoreError,
@@ -80,6 +80,9 @@ pub struct SqliteStore {
     pool: r2d2::Pool<SqliteConnectionManager>,
     clock: Arc<dyn Clock>,
     path: Arc<PathBuf>,
+    busy_timeout: Duration,
+    group_commit: usize,
+    writer: Arc<std::sync::OnceLock<Writer>>,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -98,6 +101,7 @@ pub struct SqliteStoreBuilder {
     synchronous: Synchronous,
     pool_size: u32,
     clock: Arc<dyn Clock>,
+    group_commit: usize,
 }
 
 impl SqliteStoreBuilder {
@@ -125,6 +129,15 @@ impl SqliteStoreBuilder {
     /// Every process sharing a file should use the same clock.
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
+        self
+    }
+
+    /// At most this many transactional requests share one commit (default
+    /// 32; 1 commits each request on its own). See [`SqliteTransaction`],
+    /// "Group commit". A batch never waits to fill: it commits as soon as no
+    /// request is waiting for the writer.
+    pub fn group_commit(mut self, requests: usize) -> Self {
+        self.group_commit = requests.max(1);
         self
     }
 
@@ -175,6 +188,9 @@ impl SqliteStoreBuilder {
             pool,
             clock: self.clock,
             path: Arc::new(path),
+            busy_timeout,
+            group_commit: self.group_commit,
+            writer: Arc::new(std::sync::OnceLock::new()),
         })
     }
 }
@@ -218,7 +234,7 @@ impl SqliteStore {
         Self::builder(path).open().await
     }
 
-    /// Options: busy timeout, `synchronous`, pool size, clock.
+    /// Options: busy timeout, `synchronous`, pool size, clock, group commit.
     pub fn builder(path: impl AsRef<Path>) -> SqliteStoreBuilder {
         SqliteStoreBuilder {
             path: path.as_ref().to_owned(),
@@ -226,6 +242,7 @@ impl SqliteStore {
             synchronous: Synchronous::default(),
             pool_size: 8,
             clock: Arc::new(SystemClock),
+            group_commit: 32,
         }
     }
 
@@ -422,11 +439,29 @@ impl Store for SqliteStore {
 /// the layer commits (with the stored response) or rolls back after the
 /// handler answers.
 ///
-/// The transaction lives on one of Tokio's blocking threads, which holds the
-/// connection and SQLite's write lock until the commit or rollback: async
-/// worker threads never block on it. While it is open, every other writer to
-/// the file waits (up to its busy timeout): SQLite has one writer at a time,
-/// so transactional requests on one file run one after another.
+/// # Group commit
+///
+/// Transactional requests on one store go through one writer thread, which
+/// owns a connection and SQLite's write lock. Each request runs in a
+/// savepoint of the writer's open transaction: its claim, its handler's SQL
+/// and its stored response, one request at a time (SQLite has one writer
+/// anyway). When a request's handler answers, its savepoint is released into
+/// the transaction; when no request waits for the writer, or
+/// [`SqliteStoreBuilder::group_commit`] requests have joined, the writer
+/// commits them all at once: one fsync for the batch instead of one per
+/// request.
+///
+/// Nothing is answered before it is durable: a request's response, and a
+/// replay or 422 that depends on a record written in the batch, are sent
+/// only after the batch has committed. If the commit fails, every request in
+/// the batch gets 503 and nothing of the batch happened, so each retry runs
+/// again. A request whose own SQL fails the commit (a deferred foreign key)
+/// therefore fails its batch mates too: they get 503 and their retries run.
+/// A request that rolls back (a response that is not stored, an error, a
+/// panic, a dropped request) rolls back only its savepoint.
+///
+/// Async worker threads never block on the transaction. A request waits for
+/// the writer at most the store's busy timeout, then gets 503.
 ///
 /// It reaches the handler as a request extension
 /// (`req.extensions().get::<SqliteTransaction>()`) and, with the `axum`
@@ -477,9 +512,9 @@ fn transaction_over() -> StoreError {
 }
 
 impl SqliteTransaction {
-    /// Runs `f` on the transaction's thread and returns its result. `f` must
-    /// not commit, roll back or end the transaction itself (the layer does);
-    /// savepoints are fine.
+    /// Runs `f` on the writer's thread and returns its result. `f` must not
+    /// commit, roll back or end the transaction itself (the layer does);
+    /// savepoints of its own are fine.
     ///
     /// # Errors
     ///
@@ -501,39 +536,324 @@ impl SqliteTransaction {
     }
 }
 
-/// The transaction's thread: runs the handler's jobs until the layer commits
-/// or rolls back. When every handle is gone without either, the transaction
-/// rolls back.
-fn serve_transaction(
-    tx: rusqlite::Transaction<'_>,
-    commands: std::sync::mpsc::Receiver<Command>,
-    req: &ClaimRequest,
+super::transaction_extractor!(SqliteTransaction);
+
+/// How many transactional requests the writer has committed, and in how many
+/// commits: `requests / commits` is the mean batch size.
+/// Made by [`SqliteStore::group_commit_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupCommitStats {
+    /// Commits of the writer's transaction that succeeded.
+    pub commits: u64,
+    /// Requests whose writes and record those commits made durable.
+    pub requests: u64,
+}
+
+type ClaimReply =
+    tokio::sync::oneshot::Sender<Result<TransactionClaim<SqliteTransaction>, StoreError>>;
+
+/// A request asking the writer for its claim.
+struct Begin {
+    req: ClaimRequest,
+    reply: ClaimReply,
+}
+
+/// The writer's side of a store: its queue, and what it reports.
+pub(super) struct Writer {
+    queue: std::sync::mpsc::Sender<Begin>,
+    counters: Arc<WriterCounters>,
+}
+
+#[derive(Default)]
+struct WriterCounters {
+    waiting: std::sync::atomic::AtomicUsize,
+    commits: std::sync::atomic::AtomicU64,
+    requests: std::sync::atomic::AtomicU64,
+}
+
+impl Writer {
+    fn start(
+        pool: r2d2::Pool<SqliteConnectionManager>,
+        clock: Arc<dyn Clock>,
+        batch: usize,
+    ) -> Result<Writer, StoreError> {
+        let (queue, inbox) = std::sync::mpsc::channel();
+        let counters = Arc::new(WriterCounters::default());
+        let report = counters.clone();
+        std::thread::Builder::new()
+            .name("tower-idempotency-sqlite-writer".into())
+            .spawn(move || write_batches(&pool, &*clock, &inbox, batch, &report))
+            .map_err(StoreError::unavailable)?;
+        Ok(Writer { queue, counters })
+    }
+}
+
+/// An answer held back until the batch it depends on has committed.
+enum Deferred {
+    /// The request's writes and record; answered `Stored`.
+    Commit(tokio::sync::oneshot::Sender<Result<Completion, StoreError>>),
+    /// A refusal (replay, 422) read from a record written in this batch.
+    Refusal(ClaimReply, Found),
+}
+
+/// The writer thread: one transaction per batch, one savepoint per request.
+/// Ends when every handle of the store is gone.
+fn write_batches(
+    pool: &r2d2::Pool<SqliteConnectionManager>,
+    clock: &dyn Clock,
+    inbox: &std::sync::mpsc::Receiver<Begin>,
+    batch: usize,
+    counters: &WriterCounters,
 ) {
-    while let Ok(command) = commands.recv() {
-        match command {
-            Command::Run(job) => job(&tx),
-            Command::Commit { response, reply } => {
-                let committed = match complete_in(&tx, &req.scope, &req.key, req.token, &response) {
-                    Ok(Completion::Stored) => tx.commit().map(|()| Completion::Stored),
-                    // Only the handler's own SQL could have removed the
-                    // record inside this transaction: commit nothing.
-                    Ok(Completion::Fenced) => {
-                        let _ = reply.send(Err(StoreError::Corrupt(
-                            "the claimed record vanished inside its transaction".into(),
-                        )));
-                        return;
-                    }
-                    Err(e) => Err(e),
-                };
-                let _ = reply.send(committed.map_err(StoreError::unavailable));
-                return;
+    use std::sync::atomic::Ordering::Relaxed;
+    // The next request whose caller still waits.
+    let next = |wait: bool| loop {
+        let begin = if wait {
+            inbox.recv().ok()?
+        } else {
+            inbox.try_recv().ok()?
+        };
+        counters.waiting.fetch_sub(1, Relaxed);
+        if !begin.reply.is_closed() {
+            return Some(begin);
+        }
+    };
+    while let Some(first) = next(true) {
+        let mut conn = match pool.get() {
+            Ok(conn) => conn,
+            Err(e) => {
+                let _ = first.reply.send(Err(StoreError::unavailable(e)));
+                continue;
             }
-            Command::Rollback => return,
+        };
+        let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+            Ok(tx) => tx,
+            Err(e) => {
+                let _ = first.reply.send(Err(StoreError::unavailable(e)));
+                continue;
+            }
+        };
+        let mut deferred = Vec::new();
+        let mut begin = Some(first);
+        let mut members = 0;
+        while let Some(request) = begin.take() {
+            serve_request(&tx, clock, request, &mut deferred);
+            members += 1;
+            // SQLite itself rolls the whole transaction back on some errors
+            // (a full disk, an I/O error): the batch is over.
+            if tx.is_autocommit() || members >= batch {
+                break;
+            }
+            begin = next(false);
+        }
+        let committed = if deferred.is_empty() {
+            tx.rollback()
+        } else {
+            tx.commit()
+        };
+        let stored = deferred
+            .iter()
+            .filter(|d| matches!(d, Deferred::Commit(_)))
+            .count() as u64;
+        if committed.is_ok() && !deferred.is_empty() {
+            counters.commits.fetch_add(1, Relaxed);
+            counters.requests.fetch_add(stored, Relaxed);
+        }
+        let failed = committed.err().map(|e| e.to_string());
+        for answer in deferred {
+            let error = || {
+                StoreError::unavailable(format!(
+                    "the batch this request was committed in failed, so nothing of it happened: {}",
+                    failed.as_deref().unwrap_or_default()
+                ))
+            };
+            match answer {
+                Deferred::Commit(reply) => {
+                    let _ = reply.send(match failed {
+                        None => Ok(Completion::Stored),
+                        Some(_) => Err(error()),
+                    });
+                }
+                Deferred::Refusal(reply, found) => {
+                    let _ = reply.send(match failed {
+                        None => found.decode().map(TransactionClaim::Refused),
+                        Some(_) => Err(error()),
+                    });
+                }
+            }
         }
     }
 }
 
-super::transaction_extractor!(SqliteTransaction);
+/// The savepoint each request's claim, SQL and record live in.
+const SAVEPOINT: &str = "SAVEPOINT tower_idempotency_request";
+const RELEASE: &str = "RELEASE tower_idempotency_request";
+const ROLLBACK: &str = "ROLLBACK TO tower_idempotency_request; RELEASE tower_idempotency_request";
+
+/// Undoes the request's savepoint. Errors are ignored: they mean SQLite has
+/// already rolled the whole transaction back, which the batch then sees.
+fn roll_back_request(tx: &rusqlite::Transaction<'_>) {
+    let _ = tx.execute_batch(ROLLBACK);
+}
+
+/// One request inside the writer's transaction: its claim, then its
+/// handler's jobs until the layer commits or rolls back.
+fn serve_request(
+    tx: &rusqlite::Transaction<'_>,
+    clock: &dyn Clock,
+    Begin { req, reply }: Begin,
+    deferred: &mut Vec<Deferred>,
+) {
+    if let Err(e) = tx.execute_batch(SAVEPOINT) {
+        let _ = reply.send(Err(StoreError::unavailable(e)));
+        return;
+    }
+    let found = match claim_in(tx, &req, clock.now_ms()) {
+        Ok(found) => found,
+        Err(e) => {
+            roll_back_request(tx);
+            let _ = reply.send(Err(StoreError::unavailable(e)));
+            return;
+        }
+    };
+    let taken_over = match found {
+        Found::Claim(Claim::Acquired { taken_over }) => taken_over,
+        refused => {
+            // Nothing was written. The record it read may be one this batch
+            // wrote: answer only once the batch is durable.
+            let _ = tx.execute_batch(RELEASE);
+            if deferred.iter().any(|d| matches!(d, Deferred::Commit(_))) {
+                deferred.push(Deferred::Refusal(reply, refused));
+            } else {
+                let _ = reply.send(refused.decode().map(TransactionClaim::Refused));
+            }
+            return;
+        }
+    };
+    let (commands, inbox) = std::sync::mpsc::channel();
+    let transaction = SqliteTransaction { commands };
+    let acquired = TransactionClaim::Acquired {
+        transaction,
+        taken_over,
+    };
+    if reply.send(Ok(acquired)).is_err() {
+        // The caller gave up waiting: the claim never happened.
+        roll_back_request(tx);
+        return;
+    }
+    // Every handle gone without a commit: roll back.
+    while let Ok(command) = inbox.recv() {
+        match command {
+            Command::Run(job) => job(tx),
+            Command::Commit { response, reply } => {
+                let completed = complete_in(tx, &req.scope, &req.key, req.token, &response)
+                    .and_then(|completion| {
+                        if completion == Completion::Stored {
+                            tx.execute_batch(RELEASE)?;
+                        }
+                        Ok(completion)
+                    });
+                match completed {
+                    Ok(Completion::Stored) => deferred.push(Deferred::Commit(reply)),
+                    // Only the handler's own SQL could have removed the
+                    // record inside this transaction: keep nothing of it.
+                    Ok(Completion::Fenced) => {
+                        roll_back_request(tx);
+                        let _ = reply.send(Err(StoreError::Corrupt(
+                            "the claimed record vanished inside its transaction".into(),
+                        )));
+                    }
+                    Err(e) => {
+                        roll_back_request(tx);
+                        let _ = reply.send(Err(StoreError::unavailable(e)));
+                    }
+                }
+                return;
+            }
+            Command::Rollback => break,
+        }
+    }
+    roll_back_request(tx);
+}
+
+impl SqliteStore {
+    /// The writer of transactional requests, started on first use.
+    fn writer(&self) -> Result<&Writer, StoreError> {
+        if let Some(writer) = self.writer.get() {
+            return Ok(writer);
+        }
+        let writer = Writer::start(self.pool.clone(), self.clock.clone(), self.group_commit)?;
+        // Another thread may have won the race; its writer is used and this
+        // one's thread ends when its queue is dropped here.
+        Ok(self.writer.get_or_init(|| writer))
+    }
+
+    /// Transactional requests waiting for the writer right now: a gauge of
+    /// how far behind the single writer is.
+    pub fn transactions_waiting(&self) -> usize {
+        self.writer.get().map_or(0, |w| {
+            w.counters
+                .waiting
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+    }
+
+    /// Commits made by the writer of transactional requests so far, and how
+    /// many requests they carried (see [`SqliteTransaction`], "Group commit").
+    pub fn group_commit_stats(&self) -> GroupCommitStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.writer
+            .get()
+            .map_or_else(GroupCommitStats::default, |w| GroupCommitStats {
+                commits: w.counters.commits.load(Relaxed),
+                requests: w.counters.requests.load(Relaxed),
+            })
+    }
+
+    /// What the committed record says, read without the write lock: a
+    /// replay, a 422 or a 409 that needs no writer. `None`: the writer decides.
+    async fn committed_refusal(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
+        let (scope, key, fingerprint) = (req.scope.clone(), req.key.clone(), req.fingerprint);
+        let found = self
+            .with_conn(move |conn, clock| {
+                let row = conn
+                    .query_row(
+                        "SELECT fingerprint, state, lease_until, expires_at, response
+                         FROM idempotency_records WHERE scope = ?1 AND key = ?2",
+                        params![scope, key],
+                        |r| {
+                            Ok((
+                                r.get::<_, Vec<u8>>(0)?,
+                                r.get::<_, String>(1)?,
+                                r.get::<_, i64>(2)?,
+                                r.get::<_, i64>(3)?,
+                                r.get::<_, Option<Vec<u8>>>(4)?,
+                            ))
+                        },
+                    )
+                    .optional()?;
+                let Some((old_fingerprint, state, lease_until, expires_at, response)) = row else {
+                    return Ok(None);
+                };
+                let existing = Existing {
+                    fingerprint: &old_fingerprint,
+                    completed: state == "completed",
+                    lease_until,
+                    expires_at,
+                };
+                Ok(match decide(&existing, &fingerprint, clock.now_ms()) {
+                    Decision::Replace { .. } => None,
+                    Decision::Mismatch => Some(Found::Claim(Claim::Mismatch)),
+                    Decision::Replay => Some(Found::Completed(response.unwrap_or_default())),
+                    Decision::InFlight(lease_remaining) => {
+                        Some(Found::Claim(Claim::InFlight { lease_remaining }))
+                    }
+                })
+            })
+            .await?;
+        found.map(Found::decode).transpose()
+    }
+}
 
 impl TransactionalStore for SqliteStore {
     type Transaction = SqliteTransaction;
@@ -542,38 +862,34 @@ impl TransactionalStore for SqliteStore {
         &self,
         req: ClaimRequest,
     ) -> Result<TransactionClaim<SqliteTransaction>, StoreError> {
-        let (pool, clock) = (self.pool.clone(), self.clock.clone());
+        // A repeat of a committed request is answered from the committed
+        // record, without waiting for the writer.
+        if let Some(refused) = self.committed_refusal(&req).await? {
+            return Ok(TransactionClaim::Refused(refused));
+        }
+        let writer = self.writer()?;
         let (reply, answer) = tokio::sync::oneshot::channel();
-        // Not awaited: the thread lives until the transaction ends.
-        tokio::task::spawn_blocking(move || {
-            let mut conn = match pool.get() {
-                Ok(conn) => conn,
-                Err(e) => return drop(reply.send(Err(StoreError::unavailable(e)))),
-            };
-            let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
-                Ok(tx) => tx,
-                Err(e) => return drop(reply.send(Err(StoreError::unavailable(e)))),
-            };
-            match claim_in(&tx, &req, clock.now_ms()) {
-                Ok(Found::Claim(Claim::Acquired { taken_over })) => {
-                    let (commands, inbox) = std::sync::mpsc::channel();
-                    let transaction = SqliteTransaction { commands };
-                    if reply
-                        .send(Ok(TransactionClaim::Acquired {
-                            transaction,
-                            taken_over,
-                        }))
-                        .is_ok()
-                    {
-                        serve_transaction(tx, inbox, &req);
-                    }
-                }
-                // Refused: nothing was written; the transaction ends here.
-                Ok(found) => drop(reply.send(found.decode().map(TransactionClaim::Refused))),
-                Err(e) => drop(reply.send(Err(StoreError::unavailable(e)))),
-            }
-        });
-        answer.await.map_err(|_| transaction_over())?
+        writer
+            .counters
+            .waiting
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let sent = writer.queue.send(Begin { req, reply });
+        if sent.is_err() {
+            writer
+                .counters
+                .waiting
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(StoreError::unavailable(
+                "the SQLite writer thread has stopped",
+            ));
+        }
+        match tokio::time::timeout(self.busy_timeout, answer).await {
+            Ok(answer) => answer.map_err(|_| transaction_over())?,
+            Err(_) => Err(StoreError::unavailable(format!(
+                "the SQLite writer was busy for longer than the busy timeout ({} ms)",
+                self.busy_timeout.as_millis()
+            ))),
+        }
     }
 
     async fn commit(
