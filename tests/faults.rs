@@ -1,0 +1,383 @@
+//! A sick store fails closed and recovers. Each fault is injected while the
+//! layer serves real HTTP, with a handler that counts its runs:
+//!
+//! * every request the sick store cannot decide is answered with the 503
+//!   `store-unavailable` problem and `Retry-After: 1`, and runs nothing;
+//! * nothing is ever replayed while the store is sick;
+//! * once the fault is gone, the SAME key runs exactly once and its repeat
+//!   is replayed byte for byte, without restarting the app.
+//!
+//! SQLite faults need nothing else. The PostgreSQL and Redis faults run
+//! behind the `postgres` and `redis` features, on the shared servers
+//! (`TOWER_IDEMPOTENCY_POSTGRES_URL`, `TOWER_IDEMPOTENCY_REDIS_URL`) and, for
+//! restarts, on private servers the tests start and stop themselves
+//! (`initdb`/`pg_ctl` under `/usr/lib/postgresql/*/bin`, run as the
+//! `postgres` user; `redis-server` on the `PATH`). A missing service fails.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, request::Parts};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use common::{Harness, Raw, send, serve};
+use tower_idempotency::IdempotencyLayer;
+use tower_idempotency::problem::types;
+use tower_idempotency::store::{ManualClock, SqliteStore, SqliteTransaction};
+
+/// The scope of every request: the `x-user` header.
+fn user(parts: &Parts) -> String {
+    parts
+        .headers
+        .get("x-user")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("anonymous")
+        .to_owned()
+}
+
+/// The answer of a handler's `n`th run: 201, `x-charge: n`, and `charge n`,
+/// or `x-size` bytes of `x` when the request asks for a large body.
+fn answer(n: usize, headers: &HeaderMap) -> Response {
+    let size: usize = headers
+        .get("x-size")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .unwrap_or(0);
+    let body = if size > 0 {
+        vec![b'x'; size]
+    } else {
+        format!("charge {n}").into_bytes()
+    };
+    (StatusCode::CREATED, [("x-charge", n.to_string())], body).into_response()
+}
+
+/// Counts the run, waits at its gate if asked, answers.
+async fn charge(State(h): State<Harness>, headers: HeaderMap) -> Response {
+    let n = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    h.wait_at_gate(&headers).await;
+    answer(n, &headers)
+}
+
+/// Writes its effect through the request's transaction first, then as [`charge`].
+async fn charge_in_transaction(
+    State(h): State<Harness>,
+    tx: SqliteTransaction,
+    headers: HeaderMap,
+) -> Response {
+    tx.run(|t| t.execute("INSERT INTO effects (note) VALUES ('charged')", []))
+        .await
+        .unwrap()
+        .unwrap();
+    charge(State(h), headers).await
+}
+
+/// POST /charge with `key` as alice; `extra` header fields on top.
+async fn request(addr: SocketAddr, key: &str, extra: &[(&str, &[u8])]) -> Raw {
+    let key = format!("\"{key}\"");
+    let mut headers: Vec<(&str, &[u8])> =
+        vec![("idempotency-key", key.as_bytes()), ("x-user", b"alice")];
+    headers.extend_from_slice(extra);
+    send(addr, "POST", "/charge", &headers, b"amount=5").await
+}
+
+/// The 503 `store-unavailable` problem with `Retry-After: 1`, not a replay.
+#[track_caller]
+fn assert_unavailable(r: &Raw) {
+    assert_eq!(r.assert_problem(503), types::STORE_UNAVAILABLE, "{r:?}");
+    assert_eq!(r.header_str("retry-after"), Some("1"), "{r:?}");
+    assert_eq!(r.header("idempotent-replayed"), None, "{r:?}");
+}
+
+/// A first response of the handler's `n`th run (not a replay).
+#[track_caller]
+fn assert_ran(r: &Raw, n: usize) {
+    assert_eq!(r.status, 201, "{r:?}");
+    assert_eq!(r.header("idempotent-replayed"), None, "{r:?}");
+    assert_eq!(r.header_str("x-charge"), Some(n.to_string().as_str()));
+    assert_eq!(r.body, format!("charge {n}").into_bytes());
+}
+
+/// `again` replays `first` byte for byte: status, fields in order, body.
+#[track_caller]
+fn assert_replay_of(again: &Raw, first: &Raw) {
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.status, first.status);
+    assert_eq!(again.stable_headers(), first.stable_headers());
+    assert_eq!(again.body, first.body);
+}
+
+/// The 409 `in-flight` problem, with `Retry-After` in seconds.
+#[track_caller]
+fn assert_in_flight(r: &Raw, retry_after: &str) {
+    assert_eq!(r.assert_problem(409), types::IN_FLIGHT, "{r:?}");
+    assert_eq!(r.header_str("retry-after"), Some(retry_after), "{r:?}");
+    assert_eq!(r.header("idempotent-replayed"), None, "{r:?}");
+}
+
+// ------------------------------------------------------------------ SQLite
+
+/// The clock every SQLite store of these tests reads (Unix ms).
+const START_MS: i64 = 1_700_000_000_000;
+/// A lock held longer than this fails the store call.
+const BUSY: Duration = Duration::from_millis(100);
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Separate,
+    Transactional,
+}
+
+/// One SQLite file, its clock, and the handler's run count, shared by every
+/// app (and store) the test starts on that file.
+struct Sqlite {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+    clock: ManualClock,
+    h: Harness,
+}
+
+impl Sqlite {
+    fn new() -> Sqlite {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("app.sqlite3");
+        Sqlite {
+            _dir: dir,
+            path,
+            clock: ManualClock::new(START_MS),
+            h: Harness::default(),
+        }
+    }
+
+    /// Serves `/charge` behind a layer over a new store on the file; with
+    /// `max_pages`, every pooled connection caps the file at that many pages.
+    async fn app(&self, mode: Mode, max_pages: Option<i64>) -> SocketAddr {
+        let mut builder = SqliteStore::builder(&self.path)
+            .busy_timeout(BUSY)
+            .clock(self.clock.clone());
+        if let Some(pages) = max_pages {
+            builder = builder.on_connect(move |c| {
+                c.pragma_update(None, "max_page_count", pages)?;
+                Ok(())
+            });
+        }
+        let store = builder.open().await.unwrap();
+        self.raw()
+            .execute_batch(
+                "CREATE TABLE IF NOT EXISTS effects (id INTEGER PRIMARY KEY, note TEXT NOT NULL)",
+            )
+            .unwrap();
+        let layer = IdempotencyLayer::new(store, |p: &Parts| user(p));
+        let app = match mode {
+            Mode::Separate => Router::new()
+                .route("/charge", post(charge))
+                .route_layer(layer),
+            Mode::Transactional => Router::new()
+                .route("/charge", post(charge_in_transaction))
+                .route_layer(layer.transactional()),
+        };
+        serve(app.with_state(self.h.clone())).await
+    }
+
+    /// A connection of the test's own (busy timeout 0).
+    fn raw(&self) -> rusqlite::Connection {
+        rusqlite::Connection::open(&self.path).unwrap()
+    }
+
+    fn count(&self, sql: &str) -> i64 {
+        self.raw().query_row(sql, [], |r| r.get(0)).unwrap()
+    }
+
+    fn effects(&self) -> i64 {
+        self.count("SELECT count(*) FROM effects")
+    }
+
+    fn state(&self, key: &str) -> String {
+        self.raw()
+            .query_row(
+                "SELECT state FROM idempotency_records WHERE scope = 'alice' AND key = ?1",
+                [key],
+                |r| r.get(0),
+            )
+            .unwrap()
+    }
+}
+
+/// Another connection holds SQLite's write lock past the store's busy
+/// timeout: every claim fails with 503 and runs nothing; once the lock is
+/// released the same key runs once and replays.
+async fn lock_past_busy_timeout(mode: Mode) {
+    let db = Sqlite::new();
+    let addr = db.app(mode, None).await;
+    let blocker = db.raw();
+    blocker.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    for _ in 0..3 {
+        assert_unavailable(&request(addr, "k", &[]).await);
+    }
+    assert_eq!(db.h.runs(), 0);
+    // WAL readers are not blocked: the key was never claimed.
+    assert_eq!(db.count("SELECT count(*) FROM idempotency_records"), 0);
+    blocker.execute_batch("ROLLBACK").unwrap();
+
+    let first = request(addr, "k", &[]).await;
+    assert_ran(&first, 1);
+    let again = request(addr, "k", &[]).await;
+    assert_replay_of(&again, &first);
+    assert_eq!(db.h.runs(), 1);
+    let effects = if mode == Mode::Transactional { 1 } else { 0 };
+    assert_eq!(db.effects(), effects);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_locked_separate() {
+    lock_past_busy_timeout(Mode::Separate).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_locked_transactional() {
+    lock_past_busy_timeout(Mode::Transactional).await;
+}
+
+/// The lock appears while the handler runs (separate mode): the claim
+/// committed, the completion fails. The caller still gets the handler's
+/// answer; the record stays in flight (DESIGN §3: never deleted, the effect
+/// happened), so a retry gets 409 until the lease ends, then runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_lock_between_claim_and_completion() {
+    let db = Sqlite::new();
+    let addr = db.app(Mode::Separate, None).await;
+    let mut entered = db.h.watch();
+    let held = tokio::spawn(async move { request(addr, "k", &[("x-gate", b"g")]).await });
+    assert_eq!(entered.recv().await.as_deref(), Some("g"));
+    let blocker = db.raw();
+    blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+    db.h.open("g");
+    let first = held.await.unwrap();
+    assert_ran(&first, 1);
+    blocker.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(db.state("k"), "in_flight");
+
+    // The whole default lease (60 s) is left: the clock has not moved.
+    assert_in_flight(&request(addr, "k", &[]).await, "60");
+    db.clock.advance(Duration::from_secs(59));
+    assert_in_flight(&request(addr, "k", &[]).await, "1");
+    assert_eq!(db.h.runs(), 1);
+    // The lease is over: the retry takes the key over and runs (separate
+    // mode's documented second execution), then replays.
+    db.clock.advance(Duration::from_secs(1));
+    let second = request(addr, "k", &[]).await;
+    assert_ran(&second, 2);
+    assert_replay_of(&request(addr, "k", &[]).await, &second);
+    assert_eq!(db.h.runs(), 2);
+}
+
+/// Makes files immutable (`chattr +i`) for as long as it lives: not even
+/// root can write them, through new or already open descriptors.
+struct Immutable(Vec<PathBuf>);
+
+impl Immutable {
+    fn new(paths: &[PathBuf]) -> Immutable {
+        for path in paths {
+            assert!(path.exists(), "{path:?}");
+        }
+        chattr("+i", paths);
+        Immutable(paths.to_vec())
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        chattr("-i", &self.0);
+    }
+}
+
+fn chattr(flag: &str, paths: &[PathBuf]) {
+    let status = std::process::Command::new("chattr")
+        .arg(flag)
+        .args(paths)
+        .status()
+        .expect("chattr (e2fsprogs) is required");
+    assert!(
+        status.success(),
+        "chattr {flag} failed: a filesystem with the immutable attribute and CAP_LINUX_IMMUTABLE are required"
+    );
+}
+
+fn wal(path: &Path) -> PathBuf {
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    PathBuf::from(wal)
+}
+
+/// `n` requests at once, keys `{prefix}-0..n`; their answers in key order.
+async fn concurrently(addr: SocketAddr, prefix: &str, n: usize) -> Vec<Raw> {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let key = format!("{prefix}-{i}");
+            tokio::spawn(async move { request(addr, &key, &[]).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.unwrap());
+    }
+    answers
+}
+
+/// The database file and its WAL cannot be written, even by root (`chattr
+/// +i`). While the file is frozen, and also locked by another connection so
+/// that concurrent requests make the pool open new connections: 503, nothing
+/// runs. Frozen but unlocked, separate mode's claim fails at its commit (503,
+/// nothing runs); transactional mode's claim and the handler's writes live in
+/// the open transaction until its commit, which fails: the handler ran, its
+/// effect was rolled back, 503. Writable again: the same key runs once and
+/// replays, and so do concurrent requests that use every pooled connection
+/// (none opened during the fault stays read-only).
+async fn read_only_file(mode: Mode) {
+    let db = Sqlite::new();
+    let addr = db.app(mode, None).await;
+    // A first request fills the WAL and the pool.
+    assert_ran(&request(addr, "before", &[]).await, 1);
+    let blocker = db.raw();
+    // SQLite opens the file on first use: before it is frozen.
+    blocker
+        .query_row("SELECT count(*) FROM effects", [], |_| Ok(()))
+        .unwrap();
+    let ran_in_fault = {
+        let _frozen = Immutable::new(&[db.path.clone(), wal(&db.path)]);
+        blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+        for answer in concurrently(addr, "locked", 6).await {
+            assert_unavailable(&answer);
+        }
+        blocker.execute_batch("ROLLBACK").unwrap();
+        assert_eq!(db.h.runs(), 1);
+        assert_unavailable(&request(addr, "k", &[]).await);
+        db.h.runs() - 1
+    };
+    let expected = if mode == Mode::Transactional { 1 } else { 0 };
+    assert_eq!(ran_in_fault, expected);
+    assert_eq!(db.effects(), expected as i64);
+
+    let first = request(addr, "k", &[]).await;
+    assert_ran(&first, 2 + ran_in_fault);
+    assert_replay_of(&request(addr, "k", &[]).await, &first);
+    for answer in concurrently(addr, "after", 8).await {
+        assert_eq!(answer.status, 201, "{answer:?}");
+        assert!(!answer.replayed());
+    }
+    assert_eq!(db.h.runs(), 10 + ran_in_fault);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_read_only_file_separate() {
+    read_only_file(Mode::Separate).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_read_only_file_transactional() {
+    read_only_file(Mode::Transactional).await;
+}
