@@ -381,3 +381,183 @@ async fn sqlite_read_only_file_separate() {
 async fn sqlite_read_only_file_transactional() {
     read_only_file(Mode::Transactional).await;
 }
+
+/// The file's current size in pages.
+fn page_count(db: &Sqlite) -> i64 {
+    db.raw()
+        .pragma_query_value(None, "page_count", |r| r.get(0))
+        .unwrap()
+}
+
+/// Fills the records table, under the cap of `max_pages`, with in-flight
+/// records of other keys of alice that sort before every key these tests
+/// use, each no larger than a real claim's, until SQLite answers
+/// `SQLITE_FULL`: the last page of both the table and its index is then too
+/// full for another record, and a claim of a later key needs a page the cap
+/// refuses.
+fn fill(db: &Sqlite, max_pages: i64) {
+    let conn = db.raw();
+    conn.pragma_update(None, "max_page_count", max_pages)
+        .unwrap();
+    for i in 0.. {
+        let inserted = conn.execute(
+            "INSERT INTO idempotency_records
+                 (scope, key, fingerprint, token, state, lease_until, expires_at)
+             VALUES ('alice', ?1, zeroblob(32), 1, 'in_flight', 0, 1)",
+            [format!("a{i:07}")],
+        );
+        match inserted {
+            Ok(1) => {}
+            Err(rusqlite::Error::SqliteFailure(e, _))
+                if e.code == rusqlite::ErrorCode::DiskFull =>
+            {
+                return;
+            }
+            other => panic!("filling the file: {other:?}"),
+        }
+    }
+}
+
+/// The file is full (`PRAGMA max_page_count` on every pooled connection,
+/// through `on_connect`): a claim needs a page it cannot have, so 503 and
+/// nothing runs. The cap raised (a new store on the same file), the same key
+/// runs once and replays.
+async fn disk_full_at_claim(mode: Mode) {
+    let db = Sqlite::new();
+    db.app(mode, None).await;
+    let cap = page_count(&db) + 4;
+    fill(&db, cap);
+    assert_eq!(page_count(&db), cap);
+    let addr = db.app(mode, Some(cap)).await;
+    for _ in 0..3 {
+        assert_unavailable(&request(addr, "k", &[]).await);
+    }
+    assert_eq!(db.h.runs(), 0);
+    assert_eq!(db.effects(), 0);
+
+    let addr = db.app(mode, None).await;
+    let first = request(addr, "k", &[]).await;
+    assert_ran(&first, 1);
+    assert_replay_of(&request(addr, "k", &[]).await, &first);
+    assert_eq!(db.h.runs(), 1);
+    let effects = if mode == Mode::Transactional { 1 } else { 0 };
+    assert_eq!(db.effects(), effects);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_disk_full_at_claim_separate() {
+    disk_full_at_claim(Mode::Separate).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_disk_full_at_claim_transactional() {
+    disk_full_at_claim(Mode::Transactional).await;
+}
+
+/// A 64 KiB response body (kept: the layer's limit is 1 MiB).
+const LARGE: &[(&str, &[u8])] = &[("x-size", b"65536")];
+
+/// The file is capped at its current size: a claim fits in a page that
+/// exists, the 64 KiB response does not (separate mode). The caller gets the
+/// handler's whole answer; the record stays in flight, so a retry gets 409
+/// until the lease ends, also after the cap is raised, then runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_disk_full_at_completion_separate() {
+    let db = Sqlite::new();
+    db.app(Mode::Separate, None).await;
+    let addr = db.app(Mode::Separate, Some(page_count(&db))).await;
+    let first = request(addr, "k", LARGE).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert_eq!(first.header("idempotent-replayed"), None);
+    assert_eq!(first.body, vec![b'x'; 65536]);
+    assert_eq!(db.state("k"), "in_flight");
+    assert_in_flight(&request(addr, "k", LARGE).await, "60");
+
+    let addr = db.app(Mode::Separate, None).await;
+    assert_in_flight(&request(addr, "k", LARGE).await, "60");
+    assert_eq!(db.h.runs(), 1);
+    db.clock.advance(Duration::from_secs(60));
+    let second = request(addr, "k", LARGE).await;
+    assert_eq!((second.status, second.replayed()), (201, false));
+    assert_eq!(second.header_str("x-charge"), Some("2"));
+    assert_replay_of(&request(addr, "k", LARGE).await, &second);
+    assert_eq!(db.h.runs(), 2);
+}
+
+/// Transactional mode, the same cap: the claim and the handler's write fit,
+/// the commit with the 64 KiB response does not. Nothing happened, so the
+/// caller gets 503 and the key is free at once (its claim was in the
+/// rolled-back transaction): every retry runs the handler and is rolled back
+/// until the cap is raised; then it commits once and replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_disk_full_at_commit_transactional() {
+    let db = Sqlite::new();
+    db.app(Mode::Transactional, None).await;
+    let addr = db.app(Mode::Transactional, Some(page_count(&db))).await;
+    for runs in 1..=2 {
+        assert_unavailable(&request(addr, "k", LARGE).await);
+        assert_eq!(db.h.runs(), runs);
+        assert_eq!(db.effects(), 0);
+        assert_eq!(db.count("SELECT count(*) FROM idempotency_records"), 0);
+    }
+    let addr = db.app(Mode::Transactional, None).await;
+    let first = request(addr, "k", LARGE).await;
+    assert_eq!((first.status, first.replayed()), (201, false));
+    assert_eq!(first.header_str("x-charge"), Some("3"));
+    assert_eq!(first.body, vec![b'x'; 65536]);
+    assert_replay_of(&request(addr, "k", LARGE).await, &first);
+    assert_eq!(db.h.runs(), 3);
+    assert_eq!(db.effects(), 1);
+}
+
+/// A completed record whose response blob is garbage: the repeat is neither
+/// replayed nor run again (the effect happened), it gets 503. A record whose
+/// fingerprint is garbage no longer matches any request: 422. Each repaired,
+/// the key replays the first answer byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_corrupt_record() {
+    let db = Sqlite::new();
+    let addr = db.app(Mode::Separate, None).await;
+    let first = request(addr, "k", &[]).await;
+    assert_ran(&first, 1);
+    let column = |name: &str| -> Vec<u8> {
+        db.raw()
+            .query_row(
+                &format!("SELECT {name} FROM idempotency_records WHERE key = 'k'"),
+                [],
+                |r| r.get(0),
+            )
+            .unwrap()
+    };
+    let set = |name: &str, value: &[u8]| {
+        let updated = db
+            .raw()
+            .execute(
+                &format!("UPDATE idempotency_records SET {name} = ?1 WHERE key = 'k'"),
+                [value],
+            )
+            .unwrap();
+        assert_eq!(updated, 1);
+    };
+    for (name, garbage, status, problem) in [
+        (
+            "response",
+            &b"\x00garbage"[..],
+            503,
+            types::STORE_UNAVAILABLE,
+        ),
+        ("fingerprint", &b"\x01"[..], 422, types::MISMATCH),
+    ] {
+        let good = column(name);
+        set(name, garbage);
+        for _ in 0..2 {
+            let r = request(addr, "k", &[]).await;
+            assert_eq!(r.assert_problem(status), problem, "{name}: {r:?}");
+            assert_eq!(r.header("idempotent-replayed"), None);
+        }
+        assert_eq!(db.h.runs(), 1);
+        set(name, &good);
+        assert_replay_of(&request(addr, "k", &[]).await, &first);
+    }
+    assert_eq!(db.h.runs(), 1);
+}
