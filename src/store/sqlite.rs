@@ -102,7 +102,11 @@ pub struct SqliteStoreBuilder {
     pool_size: u32,
     clock: Arc<dyn Clock>,
     group_commit: usize,
+    on_connect: Option<ConnectHook>,
 }
+
+/// A function run on every connection a [`SqliteStore`] opens.
+type ConnectHook = Arc<dyn Fn(&rusqlite::Connection) -> rusqlite::Result<()> + Send + Sync>;
 
 impl SqliteStoreBuilder {
     /// How long a call waits for another connection's lock before it fails
@@ -141,6 +145,26 @@ impl SqliteStoreBuilder {
         self
     }
 
+    /// Runs `f` on every pooled connection the store opens, after the
+    /// store's own settings (busy timeout, `synchronous`, `foreign_keys`) and
+    /// before the connection is first used, including for the schema
+    /// migration. For per-connection settings SQLite does not keep in the
+    /// file, e.g. `PRAGMA max_page_count` (a cap on the file's size, in
+    /// pages: writes past it fail with `SQLITE_FULL`, which the layer
+    /// answers with 503) or `PRAGMA cache_size`. An error from `f` fails
+    /// that connection: [`SqliteStoreBuilder::open`], or the call that
+    /// needed it, fails with [`StoreError::Unavailable`].
+    ///
+    /// Do not change `journal_mode` or `busy_timeout` here: the store sets
+    /// them itself.
+    pub fn on_connect<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&rusqlite::Connection) -> rusqlite::Result<()> + Send + Sync + 'static,
+    {
+        self.on_connect = Some(Arc::new(f));
+        self
+    }
+
     /// Opens (creating if missing) the file and creates or migrates the schema.
     ///
     /// # Errors
@@ -153,11 +177,25 @@ impl SqliteStoreBuilder {
             Synchronous::Normal => "NORMAL",
             Synchronous::Full => "FULL",
         };
+        let on_connect = self.on_connect.clone();
         let manager = SqliteConnectionManager::file(&self.path).with_init(move |c| {
+            // SQLite opens a file it may not write read-only, and such a
+            // connection stays read-only after the file is writable again:
+            // kept in the pool, it would fail every write it is handed.
+            // Refused here, the pool opens it again on a later call.
+            if c.is_readonly(rusqlite::MAIN_DB)? {
+                return Err(rusqlite::Error::SqliteFailure(
+                    rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_READONLY),
+                    Some("the database file cannot be opened for writing".into()),
+                ));
+            }
             c.busy_timeout(Duration::from_millis(busy_ms as u64))?;
             c.pragma_update(None, "synchronous", synchronous)?;
             // For the handler's own tables in transactional mode.
             c.pragma_update(None, "foreign_keys", "ON")?;
+            if let Some(hook) = &on_connect {
+                hook(c)?;
+            }
             Ok(())
         });
         let path = self.path.clone();
@@ -234,7 +272,8 @@ impl SqliteStore {
         Self::builder(path).open().await
     }
 
-    /// Options: busy timeout, `synchronous`, pool size, clock, group commit.
+    /// Options: busy timeout, `synchronous`, pool size, clock, group commit,
+    /// a hook run on each new connection.
     pub fn builder(path: impl AsRef<Path>) -> SqliteStoreBuilder {
         SqliteStoreBuilder {
             path: path.as_ref().to_owned(),
@@ -243,6 +282,7 @@ impl SqliteStore {
             pool_size: 8,
             clock: Arc::new(SystemClock),
             group_commit: 32,
+            on_connect: None,
         }
     }
 
