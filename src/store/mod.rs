@@ -43,7 +43,16 @@
 //! carries the caller's token, so a holder whose lease was taken over cannot
 //! overwrite or delete the new holder's record.
 //!
-//! Expiry is judged by the store's clock, never by a caller's.
+//! Expiry is judged by the store's clock, never by a caller's. A completion
+//! that arrives after the record's TTL may answer [`Completion::Stored`]
+//! (memory, SQLite, PostgreSQL: the response is written into a record no
+//! claim will replay, and purging removes it) or [`Completion::Fenced`]
+//! (Redis: the record is already gone); either way no request replays it.
+//!
+//! `tests/model.rs` checks every store against a reference model of this
+//! table with random sequences of claims, completions, releases, crashed
+//! holders, clock moves and purges, and with concurrent claims from every
+//! starting state.
 
 use std::fmt;
 use std::future::Future;
