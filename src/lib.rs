@@ -52,6 +52,8 @@
 //! * [`mode`]: separate or transactional, i.e. when the record is written.
 //! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
 //!   [`problem`]: one rule each.
+//! * `admin` (feature `admin`): an axum router for operators over a store's
+//!   [`store::Inspect`]: stuck records, counts, purge.
 //!
 //! # Guarantees and their limits
 //!
@@ -80,6 +82,8 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
+#[cfg(feature = "admin")]
+pub mod admin;
 mod body;
 #[cfg(feature = "client")]
 pub mod client;
