@@ -628,8 +628,10 @@ fn decimal(v: Option<&Value>) -> Option<i64> {
 
 /// The inspect script's reply; record names are parsed with `prefix`.
 fn parse_inspect(prefix: &str, reply: Value) -> Result<Inspected, StoreError> {
+    // Not the reply itself: it names records (scopes and keys).
+    let bad = || StoreError::unavailable("unexpected reply from the inspect script");
     let Value::Array(items) = &reply else {
-        return Err(unexpected("inspect", &reply));
+        return Err(bad());
     };
     match text(items.first()) {
         Some(b"ok") => {}
@@ -640,9 +642,8 @@ fn parse_inspect(prefix: &str, reply: Value) -> Result<Inspected, StoreError> {
                     .unwrap_or_default(),
             ));
         }
-        _ => return Err(unexpected("inspect", &reply)),
+        _ => return Err(bad()),
     }
-    let bad = || unexpected("inspect", &reply);
     let now = decimal(items.get(1)).ok_or_else(bad)?;
     let count = |i: usize| {
         int(items.get(i))
@@ -665,15 +666,14 @@ fn parse_inspect(prefix: &str, reply: Value) -> Result<Inspected, StoreError> {
                 return Err(bad());
             };
             let name = text(fields.first()).ok_or_else(bad)?;
-            let corrupt = |why: &str| {
-                StoreError::Corrupt(format!("{why}: {:?}", String::from_utf8_lossy(name)))
-            };
+            // Not the name: it holds a scope and a key, which logs never show.
+            let corrupt = |why: &str| StoreError::Corrupt(why.to_owned());
             let (scope, key) = parse_record_key(prefix, name).ok_or_else(|| {
-                corrupt("a record name that is not prefix, scope length, scope, key")
+                corrupt("a stuck record's name is not prefix, scope length, ':', scope, ':', key")
             })?;
             let fingerprint = text(fields.get(1))
                 .and_then(|f| <[u8; 32]>::try_from(f).ok())
-                .ok_or_else(|| corrupt("a fingerprint that is not 32 bytes"))?;
+                .ok_or_else(|| corrupt("a stuck record's fingerprint is not 32 bytes"))?;
             Ok(StuckEntry {
                 scope,
                 key,
@@ -841,6 +841,49 @@ mod tests {
             "p:5",
         ] {
             assert_eq!(parse_record_key("p:", name.as_bytes()), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn odd_inspect_replies_are_errors_that_name_no_record() {
+        let bulk = |b: &[u8]| Value::BulkString(b.to_vec());
+        let reply = |stuck: Vec<Value>| {
+            Value::Array(vec![
+                bulk(b"ok"),
+                bulk(b"1800000000000"),
+                Value::Int(0),
+                Value::Int(1),
+                Value::Int(0),
+                Value::Int(0),
+                Value::Array(stuck),
+            ])
+        };
+        let entry = |name: &[u8], fingerprint: &[u8]| {
+            Value::Array(vec![
+                bulk(name),
+                bulk(fingerprint),
+                bulk(b"1799999999000"),
+                bulk(b"1800000003600"),
+            ])
+        };
+        let ok = parse_inspect("p:", reply(vec![entry(b"p:5:alice:k-1", &[9; 32])])).unwrap();
+        assert_eq!(ok.now, 1_800_000_000_000);
+        assert_eq!(ok.counts.stuck, 1);
+        assert_eq!(
+            (ok.stuck[0].scope.as_str(), ok.stuck[0].key.as_str()),
+            ("alice", "k-1")
+        );
+        for odd in [
+            Value::Nil,
+            Value::Array(vec![bulk(b"p:5:alice:secret-key")]),
+            reply(vec![entry(b"p:5:alice", &[9; 32])]),
+            reply(vec![entry(b"p:5:alice:secret-key", &[9; 31])]),
+            reply(vec![Value::Array(vec![bulk(b"p:5:alice:secret-key")])]),
+        ] {
+            let Err(e) = parse_inspect("p:", odd) else {
+                panic!("accepted an odd reply");
+            };
+            assert!(!e.to_string().contains("alice"), "{e}");
         }
     }
 
