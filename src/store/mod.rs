@@ -255,7 +255,8 @@ pub trait Store: Clone + Send + Sync + 'static {
 }
 
 /// What an operator sees of a store: records stuck in flight, and how many
-/// records of each kind it holds (see [`crate::admin`] for an HTTP view).
+/// records of each kind it holds (`admin::router`, feature `admin`, serves
+/// them over HTTP).
 ///
 /// Every answer is judged by the store's clock, as [`Store::claim`] judges
 /// leases and TTLs: the [`Clock`] of [`MemoryStore`] and [`SqliteStore`], the
