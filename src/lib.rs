@@ -53,6 +53,8 @@
 //! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
 //!   [`problem`]: one rule each.
 //! * [`telemetry`]: the tracing span and the metrics (feature `metrics`).
+//! * `admin` (feature `admin`): an axum router for operators over a store's
+//!   [`store::Inspect`]: stuck records, counts, purge.
 //!
 //! # Guarantees and their limits
 //!
@@ -81,6 +83,8 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
+#[cfg(feature = "admin")]
+pub mod admin;
 mod body;
 #[cfg(feature = "client")]
 pub mod client;

@@ -9,7 +9,8 @@ use http::{HeaderMap, StatusCode};
 use tokio::sync::Barrier;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, ManualClock, MemoryStore, SqliteStore, Store,
+    Claim, ClaimRequest, Completion, FencingToken, Inspect, ManualClock, MemoryStore, RecordCounts,
+    RecordSummary, SqliteStore, Store,
 };
 use tower_idempotency::{StoredBody, StoredResponse};
 
@@ -272,6 +273,135 @@ async fn omitted_body_round_trips<S: Store>(store: S, _clock: ManualClock) {
     assert_eq!(replay, Claim::Completed(stored));
 }
 
+// ------------------------------------------------------------- inspection
+
+/// A claim with its own fingerprint and TTL (the lease is `LEASE`).
+async fn claim_ttl<S: Store>(store: &S, scope: &str, key: &str, fp: u8, ttl: Duration) {
+    let claim = ClaimRequest {
+        ttl,
+        ..claim_of(scope, key, fp, FencingToken::random())
+    };
+    assert_eq!(
+        store.claim(claim).await.unwrap(),
+        Claim::Acquired { taken_over: false }
+    );
+}
+
+fn counts(in_flight: u64, stuck: u64, completed: u64, expired: u64) -> RecordCounts {
+    RecordCounts {
+        in_flight,
+        stuck,
+        completed,
+        expired,
+    }
+}
+
+/// Asserts one stuck record. Its lease ended `ago` before the suite's clock
+/// reading; a store on a server's clock also saw the real time pass since
+/// the test began (`started`), so it may read up to that much later. Either
+/// way the two figures add up to exactly TTL minus lease.
+fn assert_summary(
+    got: &RecordSummary,
+    (scope, key, fp): (&str, &str, u8),
+    ago: Duration,
+    ttl: Duration,
+    started: std::time::Instant,
+) {
+    let drift = started.elapsed().as_millis() as u64 + 1;
+    assert_eq!(
+        (got.scope.as_str(), got.key.as_str()),
+        (scope, key),
+        "{got:?}"
+    );
+    assert_eq!(got.fingerprint, Fingerprint([fp; 32]), "{got:?}");
+    assert_eq!(got.fingerprint_hex(), format!("{fp:02x}").repeat(32));
+    let ago = ago.as_millis() as u64;
+    assert!(
+        (ago..=ago + drift).contains(&got.lease_ended_ms_ago),
+        "lease ended {} ms ago, expected {ago} (+ up to {drift})",
+        got.lease_ended_ms_ago
+    );
+    assert_eq!(
+        got.lease_ended_ms_ago + got.ttl_remaining_ms,
+        (ttl - LEASE).as_millis() as u64,
+        "{got:?}"
+    );
+}
+
+async fn counts_sort_every_record_into_one_kind<S: Inspect>(store: S, clock: ManualClock) {
+    assert_eq!(store.counts().await.unwrap(), counts(0, 0, 0, 0));
+    // t0: one to expire in flight, one whose holder crashes, one completed.
+    claim_ttl(&store, "s", "short", 1, Duration::from_secs(30)).await;
+    claim_ttl(&store, "s", "crashed", 1, TTL).await;
+    let token = acquire(&store, "done").await;
+    complete(&store, "done", token, b"ok").await;
+    assert_eq!(store.counts().await.unwrap(), counts(2, 0, 1, 0));
+    // t0 + 61 s: the leases of t0 are over; "short" is past its TTL too.
+    clock.advance(LEASE + Duration::from_secs(1));
+    claim_ttl(&store, "s", "alive", 1, TTL).await;
+    assert_eq!(store.counts().await.unwrap(), counts(1, 1, 1, 1));
+    assert_eq!(store.purge_expired().await.unwrap(), 1);
+    assert_eq!(store.counts().await.unwrap(), counts(1, 1, 1, 0));
+    // t0 + 1 h + 1 s: only "alive" (claimed at t0 + 61 s) is within its TTL,
+    // and its lease is long over.
+    clock.advance(TTL - LEASE);
+    assert_eq!(store.counts().await.unwrap(), counts(0, 1, 0, 2));
+    assert_eq!(store.purge_expired().await.unwrap(), 2);
+    assert_eq!(store.counts().await.unwrap(), counts(0, 1, 0, 0));
+}
+
+async fn stuck_lists_ended_leases_oldest_first<S: Inspect>(store: S, clock: ManualClock) {
+    let started = std::time::Instant::now();
+    claim_ttl(&store, "s", "old", 1, TTL).await;
+    claim_ttl(&store, "s", "gone", 3, Duration::from_secs(70)).await;
+    clock.advance(Duration::from_secs(10));
+    claim_ttl(&store, "t", "new", 2, TTL).await;
+    let token = acquire(&store, "done").await;
+    complete(&store, "done", token, b"ok").await;
+    assert_eq!(store.stuck(10).await.unwrap(), vec![]);
+    // t0 + 75 s: "old" ended 15 s ago, "new" 5 s ago; "gone" is past its
+    // TTL and "done" is completed, so neither is stuck.
+    clock.advance(Duration::from_secs(65));
+    claim_ttl(&store, "s", "alive", 4, TTL).await;
+    let stuck = store.stuck(10).await.unwrap();
+    assert_eq!(stuck.len(), 2, "{stuck:?}");
+    assert_summary(
+        &stuck[0],
+        ("s", "old", 1),
+        Duration::from_secs(15),
+        TTL,
+        started,
+    );
+    assert_summary(
+        &stuck[1],
+        ("t", "new", 2),
+        Duration::from_secs(5),
+        TTL,
+        started,
+    );
+    let first = store.stuck(1).await.unwrap();
+    assert_eq!(first.len(), 1);
+    assert_eq!(first[0].key, "old");
+    assert_eq!(store.stuck(0).await.unwrap(), vec![]);
+    // The retry takes "old" over: a fresh lease, no longer stuck.
+    assert_eq!(
+        store
+            .claim(claim_of("s", "old", 1, FencingToken::random()))
+            .await
+            .unwrap(),
+        Claim::Acquired { taken_over: true }
+    );
+    let stuck = store.stuck(10).await.unwrap();
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    assert_summary(
+        &stuck[0],
+        ("t", "new", 2),
+        Duration::from_secs(5),
+        TTL,
+        started,
+    );
+}
+
 macro_rules! store_suite {
     ($store:ident, $make:expr) => {
         mod $store {
@@ -290,6 +420,8 @@ macro_rules! store_suite {
                 scopes_never_meet,
                 concurrent_claims_have_one_winner,
                 omitted_body_round_trips,
+                counts_sort_every_record_into_one_kind,
+                stuck_lists_ended_leases_oldest_first,
             );
         }
     };
@@ -389,6 +521,63 @@ async fn postgres(clock: ManualClock) -> (tower_idempotency::PostgresStore, Drop
 
 #[cfg(feature = "postgres")]
 store_suite!(postgres_store, postgres);
+
+/// On a manual clock the figures are exact, ties in the lease end go by
+/// scope then key, and the boundaries are those of the claim: a lease ending
+/// now is over, a TTL ending now is over.
+async fn inspect_is_exact_on_a_manual_clock<S: Inspect>(store: S, clock: ManualClock) {
+    for (scope, key) in [("b", "k"), ("a", "z"), ("a", "k")] {
+        claim_ttl(&store, scope, key, 5, TTL).await;
+    }
+    clock.advance(LEASE - Duration::from_millis(1));
+    assert_eq!(store.counts().await.unwrap(), counts(3, 0, 0, 0));
+    clock.advance(Duration::from_millis(1));
+    assert_eq!(store.counts().await.unwrap(), counts(0, 3, 0, 0));
+    let summary = |scope: &str, key: &str, ago: u64| RecordSummary {
+        scope: scope.into(),
+        key: key.into(),
+        fingerprint: Fingerprint([5; 32]),
+        lease_ended_ms_ago: ago,
+        ttl_remaining_ms: (TTL - LEASE).as_millis() as u64 - ago,
+    };
+    assert_eq!(
+        store.stuck(10).await.unwrap(),
+        vec![
+            summary("a", "k", 0),
+            summary("a", "z", 0),
+            summary("b", "k", 0)
+        ]
+    );
+    clock.advance(Duration::from_millis(1234));
+    assert_eq!(
+        store.stuck(2).await.unwrap(),
+        vec![summary("a", "k", 1234), summary("a", "z", 1234)]
+    );
+    clock.advance(TTL - LEASE - Duration::from_millis(1235));
+    assert_eq!(
+        store.stuck(1).await.unwrap(),
+        vec![RecordSummary {
+            ttl_remaining_ms: 1,
+            ..summary("a", "k", 3_539_999)
+        }]
+    );
+    clock.advance(Duration::from_millis(1));
+    assert_eq!(store.counts().await.unwrap(), counts(0, 0, 0, 3));
+    assert_eq!(store.stuck(10).await.unwrap(), vec![]);
+}
+
+#[tokio::test]
+async fn memory_inspect_is_exact() {
+    let clock = ManualClock::new(START_MS);
+    inspect_is_exact_on_a_manual_clock(MemoryStore::with_clock(clock.clone()), clock).await;
+}
+
+#[tokio::test]
+async fn sqlite_inspect_is_exact() {
+    let clock = ManualClock::new(START_MS);
+    let (store, _dir) = sqlite(clock.clone()).await;
+    inspect_is_exact_on_a_manual_clock(store, clock).await;
+}
 
 /// Two independent handles on one file (as two processes would have): the
 /// primary key decides, not anything in either handle.
@@ -722,4 +911,57 @@ async fn redis_purge_walks_every_scan_page() {
     assert_eq!(neighbour.purge_expired().await.unwrap(), 1);
     assert_eq!(store.purge_expired().await.unwrap(), 1200);
     assert_eq!(store.purge_expired().await.unwrap(), 0);
+}
+
+/// Inspection walks every `SCAN` page, keeps the oldest stuck records across
+/// pages, and leaves keys it does not recognise (another program's) out.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_inspect_walks_every_scan_page() {
+    use tower_idempotency::store::RedisStore;
+    let clock = ManualClock::new(START_MS);
+    let prefix = redis_support::unique_prefix("inspect_pages");
+    let store = RedisStore::builder(redis_support::url())
+        .prefix(prefix.clone())
+        .time_offset(Offset(clock.clone()))
+        .open()
+        .await
+        .unwrap();
+    let client = ::redis::Client::open(redis_support::url()).unwrap();
+    let mut raw = client.get_multiplexed_async_connection().await.unwrap();
+    for (name, kind) in [("1:s:string", "SET"), ("1:s:foreign", "HSET")] {
+        let mut cmd = ::redis::cmd(kind);
+        cmd.arg(format!("{prefix}{name}"));
+        if kind == "HSET" {
+            cmd.arg("name");
+        }
+        let _: () = cmd.arg("x").query_async(&mut raw).await.unwrap();
+    }
+    // Keys k0..k1199, claimed in order, 1 ms apart on the suite's clock.
+    for i in 0..1200 {
+        claim_ttl(&store, "s", &format!("k{i}"), 1, TTL).await;
+        clock.advance(Duration::from_millis(1));
+    }
+    assert_eq!(store.counts().await.unwrap(), counts(1200, 0, 0, 0));
+    clock.advance(LEASE);
+    assert_eq!(store.counts().await.unwrap(), counts(0, 1200, 0, 0));
+    let stuck = store.stuck(3).await.unwrap();
+    let keys: Vec<_> = stuck.iter().map(|s| s.key.as_str()).collect();
+    assert_eq!(keys, ["k0", "k1", "k2"]);
+    let all = store.stuck(5000).await.unwrap();
+    assert_eq!(all.len(), 1200);
+    assert!(
+        all.windows(2)
+            .all(|w| w[0].lease_ended_ms_ago >= w[1].lease_ended_ms_ago)
+    );
+    clock.advance(TTL);
+    assert_eq!(store.counts().await.unwrap(), counts(0, 0, 0, 1200));
+    assert_eq!(store.purge_expired().await.unwrap(), 1200);
+    assert_eq!(store.counts().await.unwrap(), counts(0, 0, 0, 0));
+    let _: () = ::redis::cmd("DEL")
+        .arg(format!("{prefix}1:s:string"))
+        .arg(format!("{prefix}1:s:foreign"))
+        .query_async(&mut raw)
+        .await
+        .unwrap();
 }

@@ -3,8 +3,13 @@
 //!
 //! ```text
 //! cargo run --example ledger -- [--db PATH] [--mode transactional|separate] [--listen ADDR]
-//!     [--lease-secs N] [--fault-injection]
+//!     [--lease-secs N] [--fault-injection] [--admin-listen ADDR]
 //! ```
+//!
+//! `--admin-listen ADDR` (a build with `--features admin`) also serves
+//! `tower_idempotency::admin::router` over the idempotency store on a second
+//! listener: stuck records, counts, purge. It has no authentication: give it
+//! a loopback address, never the public one.
 //!
 //! The contract it keeps is `shared/conformance/LEDGER.md`; `check_ledger.py`
 //! drives it over real HTTP.
@@ -24,13 +29,13 @@ use axum::http::{HeaderMap, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
-use tower_idempotency::store::{SqliteTransaction, Store, TransactionalStore};
+use tower_idempotency::store::{Inspect, SqliteTransaction, Store, TransactionalStore};
 use tower_idempotency::{IdempotencyLayer, SqliteStore};
 
 use db::{LedgerError, Op, SqliteDb};
 
 const USAGE: &str = "usage: ledger [--db PATH] [--mode transactional|separate] \
-[--listen ADDR] [--lease-secs N] [--fault-injection]";
+[--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR]";
 
 /// When the idempotency record is written (see `tower_idempotency::mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +55,8 @@ struct Args {
     listen: SocketAddr,
     lease: Option<Duration>,
     fault_injection: bool,
+    /// Where the operators' admin router listens; `None`: not served.
+    admin_listen: Option<SocketAddr>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -60,6 +67,7 @@ fn parse_args() -> Result<Args, String> {
         listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
         lease: None,
         fault_injection: false,
+        admin_listen: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -121,6 +129,16 @@ fn parse_args() -> Result<Args, String> {
                 args.lease = Some(Duration::from_secs(secs));
             }
             "--fault-injection" => args.fault_injection = true,
+            "--admin-listen" => {
+                let addr = value()?;
+                if !cfg!(feature = "admin") {
+                    return Err("--admin-listen needs a build with `--features admin`".into());
+                }
+                args.admin_listen = Some(
+                    addr.parse()
+                        .map_err(|e| format!("--admin-listen: {e}\n{USAGE}"))?,
+                );
+            }
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -311,6 +329,10 @@ async fn main() {
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let admin_listener = match args.admin_listen {
+        Some(addr) => Some(tokio::net::TcpListener::bind(addr).await?),
+        None => None,
+    };
     let url = args.db.to_string_lossy().into_owned();
     let postgres = url.starts_with("postgres://") || url.starts_with("postgresql://");
     let mode = args.mode.unwrap_or(if args.key_store.is_some() {
@@ -318,13 +340,17 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         Mode::Transactional
     });
-    let (db, writes) = if postgres {
+    let (db, (writes, admin)) = if postgres {
         postgres_app(&url, mode, &args).await?
     } else {
         let db = Db::Sqlite(SqliteDb::open(&args.db).await?);
         let writes = match &args.key_store {
             Some(redis) => redis_writes(redis, &args).await?,
-            None => layered(mode, SqliteStore::open(&args.db).await?, args.lease),
+            None => {
+                let store = SqliteStore::open(&args.db).await?;
+                let admin = admin_router(&store, &args);
+                (layered(mode, store, args.lease), admin)
+            }
         };
         (db, writes)
     };
@@ -338,13 +364,41 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
         writeln!(out, "listening on http://{addr}")?;
+        if let Some(admin) = &admin_listener {
+            // Printed after the line above, which clients wait for.
+            writeln!(out, "admin router on http://{}", admin.local_addr()?)?;
+        }
         out.flush()?;
     }
-    axum::serve(listener, app(state, writes)).await?;
+    let public = axum::serve(listener, app(state, writes));
+    match (admin_listener, admin) {
+        (Some(admin_listener), Some(admin)) => {
+            // Either server failing ends the process.
+            tokio::try_join!(async { public.await }, async {
+                axum::serve(admin_listener, admin).await
+            },)?;
+        }
+        _ => public.await?,
+    }
     Ok(())
 }
 
-type Built = (Db, Router<AppState>);
+/// The routes behind the layer, and the admin router if one was asked for.
+type Writes = (Router<AppState>, Option<Router>);
+type Built = (Db, Writes);
+
+/// The operators' router over `store`, when `--admin-listen` asked for one
+/// (only a build with `--features admin` accepts the flag).
+#[cfg(feature = "admin")]
+fn admin_router<St: Inspect>(store: &St, args: &Args) -> Option<Router> {
+    args.admin_listen
+        .map(|_| tower_idempotency::admin::router(store.clone()))
+}
+
+#[cfg(not(feature = "admin"))]
+fn admin_router<St: Inspect>(_: &St, _: &Args) -> Option<Router> {
+    None
+}
 
 #[cfg(feature = "postgres")]
 async fn postgres_app(
@@ -356,7 +410,10 @@ async fn postgres_app(
     let db = Db::Postgres(pg::PgDb::open(store.pool().clone()).await?);
     let writes = match &args.key_store {
         Some(redis) => redis_writes(redis, args).await?,
-        None => layered(mode, store, args.lease),
+        None => {
+            let admin = admin_router(&store, args);
+            (layered(mode, store, args.lease), admin)
+        }
     };
     Ok((db, writes))
 }
@@ -368,16 +425,14 @@ async fn postgres_app(_: &str, _: Mode, _: &Args) -> Result<Built, Box<dyn std::
 
 /// Records in Redis, the ledger's data in --db: separate mode only.
 #[cfg(feature = "redis")]
-async fn redis_writes(
-    url: &str,
-    args: &Args,
-) -> Result<Router<AppState>, Box<dyn std::error::Error>> {
+async fn redis_writes(url: &str, args: &Args) -> Result<Writes, Box<dyn std::error::Error>> {
     let store = tower_idempotency::RedisStore::open(url).await?;
-    Ok(writes().route_layer(idempotency(store, args.lease)))
+    let admin = admin_router(&store, args);
+    Ok((writes().route_layer(idempotency(store, args.lease)), admin))
 }
 
 #[cfg(not(feature = "redis"))]
-async fn redis_writes(_: &str, _: &Args) -> Result<Router<AppState>, Box<dyn std::error::Error>> {
+async fn redis_writes(_: &str, _: &Args) -> Result<Writes, Box<dyn std::error::Error>> {
     Err("this build has no Redis store: build with `--features redis`".into())
 }
 

@@ -4,8 +4,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use super::{
-    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, Store, StoreError,
-    SystemClock, decide, duration_ms,
+    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, Inspect, Kind,
+    RecordCounts, RecordSummary, Store, StoreError, SystemClock, decide, duration_ms,
 };
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
@@ -153,5 +153,47 @@ impl Store for MemoryStore {
         let before = records.len();
         records.retain(|_, r| r.expires_at > now);
         Ok((before - records.len()) as u64)
+    }
+}
+
+impl Inspect for MemoryStore {
+    async fn stuck(&self, limit: usize) -> Result<Vec<RecordSummary>, StoreError> {
+        let now = self.clock.now_ms();
+        let records = self.lock();
+        let mut stuck: Vec<_> = records
+            .iter()
+            .filter(|(_, r)| {
+                Kind::of(r.response.is_some(), r.lease_until, r.expires_at, now) == Kind::Stuck
+            })
+            .collect();
+        stuck.sort_by(|(a_id, a), (b_id, b)| (a.lease_until, a_id).cmp(&(b.lease_until, b_id)));
+        Ok(stuck
+            .into_iter()
+            .take(limit)
+            .map(|((scope, key), r)| {
+                RecordSummary::new(
+                    scope.clone(),
+                    key.clone(),
+                    r.fingerprint,
+                    r.lease_until,
+                    r.expires_at,
+                    now,
+                )
+            })
+            .collect())
+    }
+
+    async fn counts(&self) -> Result<RecordCounts, StoreError> {
+        let now = self.clock.now_ms();
+        let mut counts = RecordCounts::default();
+        for r in self.lock().values() {
+            counts.add(Kind::of(
+                r.response.is_some(),
+                r.lease_until,
+                r.expires_at,
+                now,
+            ));
+        }
+        Ok(counts)
     }
 }

@@ -265,6 +265,158 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 }
 
+/// What an operator sees of a store: records stuck in flight, and how many
+/// records of each kind it holds (`admin::router`, feature `admin`, serves
+/// them over HTTP).
+///
+/// Every answer is judged by the store's clock, as [`Store::claim`] judges
+/// leases and TTLs: the [`Clock`] of [`MemoryStore`] and [`SqliteStore`], the
+/// database server's clock for `PostgresStore`, the Redis server's `TIME` for
+/// `RedisStore`. A record is in exactly one of the four kinds of
+/// [`RecordCounts`] at a given instant; [`RecordCounts::expired`] is what
+/// [`Store::purge_expired`] would delete at that instant.
+///
+/// Both calls read every record (no store keeps an index on the lease): they
+/// are for an operator's occasional look, not for each request.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::fingerprint::Fingerprint;
+/// use tower_idempotency::store::{ClaimRequest, FencingToken, Inspect, ManualClock, MemoryStore, RecordCounts, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let clock = ManualClock::new(1_000_000);
+/// let store = MemoryStore::with_clock(clock.clone());
+/// store.claim(ClaimRequest {
+///     scope: "alice".into(),
+///     key: "k-1".into(),
+///     fingerprint: Fingerprint([7; 32]),
+///     token: FencingToken::random(),
+///     lease: Duration::from_secs(60),
+///     ttl: Duration::from_secs(86_400),
+/// }).await.unwrap();
+/// // The holder crashed: 90 s later its lease has been over for 30 s.
+/// clock.advance(Duration::from_secs(90));
+/// let stuck = store.stuck(10).await.unwrap();
+/// assert_eq!(stuck[0].key, "k-1");
+/// assert_eq!(stuck[0].lease_ended_ms_ago, 30_000);
+/// assert_eq!(stuck[0].ttl_remaining_ms, 86_310_000);
+/// assert_eq!(store.counts().await.unwrap(), RecordCounts { in_flight: 0, stuck: 1, completed: 0, expired: 0 });
+/// # }
+/// ```
+pub trait Inspect: Store {
+    /// Up to `limit` in-flight records whose lease has ended and whose TTL
+    /// has not: their holder is gone or overran its lease, and the next
+    /// retry with the same key and request takes them over. Oldest lease
+    /// end first (ties by scope, then key).
+    fn stuck(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<RecordSummary>, StoreError>> + Send;
+
+    /// How many records of each kind the store holds now.
+    fn counts(&self) -> impl Future<Output = Result<RecordCounts, StoreError>> + Send;
+}
+
+/// One in-flight record whose lease has ended, from [`Inspect::stuck`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordSummary {
+    /// Who the key belongs to (see [`crate::scope`]).
+    pub scope: String,
+    /// The idempotency key.
+    pub key: String,
+    /// The fingerprint of the request that claimed it.
+    pub fingerprint: Fingerprint,
+    /// Milliseconds since the lease ended, by the store's clock (0: it ended
+    /// this millisecond).
+    pub lease_ended_ms_ago: u64,
+    /// Milliseconds until the record's TTL ends and it counts as absent, by
+    /// the store's clock (at least 1).
+    pub ttl_remaining_ms: u64,
+}
+
+impl RecordSummary {
+    /// The fingerprint as 64 lowercase hexadecimal digits.
+    pub fn fingerprint_hex(&self) -> String {
+        self.fingerprint
+            .0
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// A summary from a record's deadlines (Unix ms) and the store's `now`.
+    pub(crate) fn new(
+        scope: String,
+        key: String,
+        fingerprint: Fingerprint,
+        lease_until: i64,
+        expires_at: i64,
+        now: i64,
+    ) -> Self {
+        let non_negative = |ms: i64| u64::try_from(ms).unwrap_or(0);
+        RecordSummary {
+            scope,
+            key,
+            fingerprint,
+            lease_ended_ms_ago: non_negative(now.saturating_sub(lease_until)),
+            ttl_remaining_ms: non_negative(expires_at.saturating_sub(now)),
+        }
+    }
+}
+
+/// How many records of each kind a store holds, from [`Inspect::counts`].
+/// Each record is in exactly one kind, judged by the store's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RecordCounts {
+    /// In flight, lease alive: a request is (or should be) running.
+    pub in_flight: u64,
+    /// In flight, lease over, TTL not: the records [`Inspect::stuck`] lists.
+    pub stuck: u64,
+    /// Completed, TTL not over: repeats are replayed.
+    pub completed: u64,
+    /// Past the TTL (either state): ignored by every lookup, deleted by the
+    /// next [`Store::purge_expired`].
+    pub expired: u64,
+}
+
+/// The kind of a record at `now` (Unix ms), for the stores that count in Rust.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    InFlight,
+    Stuck,
+    Completed,
+    Expired,
+}
+
+impl Kind {
+    pub(crate) fn of(completed: bool, lease_until: i64, expires_at: i64, now: i64) -> Kind {
+        // The order of `decide`: past the TTL first, then the state, then the lease.
+        if expires_at <= now {
+            Kind::Expired
+        } else if completed {
+            Kind::Completed
+        } else if lease_until > now {
+            Kind::InFlight
+        } else {
+            Kind::Stuck
+        }
+    }
+}
+
+impl RecordCounts {
+    pub(crate) fn add(&mut self, kind: Kind) {
+        match kind {
+            Kind::InFlight => self.in_flight += 1,
+            Kind::Stuck => self.stuck += 1,
+            Kind::Completed => self.completed += 1,
+            Kind::Expired => self.expired += 1,
+        }
+    }
+}
+
 /// A store that can claim a key inside a transaction the handler writes
 /// through, and commit the handler's writes, the record and the response
 /// together ([`crate::mode::Transactional`]).

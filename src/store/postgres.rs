@@ -9,10 +9,11 @@ use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Object, Pool, Rec
 use tokio_postgres::NoTls;
 
 use super::{
-    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, Store, StoreError,
-    TransactionClaim, TransactionalStore, decide, duration_ms,
+    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, Inspect,
+    RecordCounts, RecordSummary, Store, StoreError, TransactionClaim, TransactionalStore, decide,
+    duration_ms,
 };
-use crate::fingerprint::Hasher;
+use crate::fingerprint::{Fingerprint, Hasher};
 use crate::response::StoredResponse;
 
 /// Records in a PostgreSQL table; leases and TTLs judged by the database
@@ -81,6 +82,8 @@ struct Sql {
     complete: String,
     release: String,
     purge: String,
+    stuck: String,
+    counts: String,
 }
 
 /// The server's clock in unix milliseconds, shifted by parameter `$n` (ms).
@@ -116,6 +119,27 @@ impl Sql {
                  WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
             ),
             purge: format!("DELETE FROM {table} WHERE expires_at <= {}", now_ms(1)),
+            // The clock is read once per statement (a MATERIALIZED CTE is
+            // evaluated once), so every row is judged at the same instant.
+            stuck: format!(
+                "WITH now AS MATERIALIZED (SELECT {} AS ms)
+                 SELECT scope, key, fingerprint, lease_until, expires_at, now.ms
+                 FROM {table}, now
+                 WHERE state = 'in_flight' AND lease_until <= now.ms AND expires_at > now.ms
+                 ORDER BY lease_until, scope, key
+                 LIMIT $2",
+                now_ms(1)
+            ),
+            counts: format!(
+                "WITH now AS MATERIALIZED (SELECT {} AS ms)
+                 SELECT
+                    count(*) FILTER (WHERE expires_at > now.ms AND state = 'in_flight' AND lease_until > now.ms),
+                    count(*) FILTER (WHERE expires_at > now.ms AND state = 'in_flight' AND lease_until <= now.ms),
+                    count(*) FILTER (WHERE expires_at > now.ms AND state = 'completed'),
+                    count(*) FILTER (WHERE expires_at <= now.ms)
+                 FROM {table}, now",
+                now_ms(1)
+            ),
         }
     }
 
@@ -411,6 +435,52 @@ impl Store for PostgresStore {
             .execute(&self.sql.purge, &[&self.offset_ms()])
             .await
             .map_err(unavailable)
+    }
+}
+
+/// One statement each: one snapshot of the table, judged at one reading of
+/// the server's clock. No index serves the lease: both scan the table.
+impl Inspect for PostgresStore {
+    async fn stuck(&self, limit: usize) -> Result<Vec<RecordSummary>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let client = self.client().await?;
+        let rows = client
+            .query(&self.sql.stuck, &[&self.offset_ms(), &limit])
+            .await
+            .map_err(unavailable)?;
+        rows.iter()
+            .map(|row| {
+                let fingerprint: Vec<u8> = row.try_get(2).map_err(unavailable)?;
+                let fingerprint = <[u8; 32]>::try_from(fingerprint.as_slice())
+                    .map_err(|_| StoreError::Corrupt("a fingerprint is not 32 bytes".into()))?;
+                Ok(RecordSummary::new(
+                    row.try_get(0).map_err(unavailable)?,
+                    row.try_get(1).map_err(unavailable)?,
+                    Fingerprint(fingerprint),
+                    row.try_get(3).map_err(unavailable)?,
+                    row.try_get(4).map_err(unavailable)?,
+                    row.try_get(5).map_err(unavailable)?,
+                ))
+            })
+            .collect()
+    }
+
+    async fn counts(&self) -> Result<RecordCounts, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_one(&self.sql.counts, &[&self.offset_ms()])
+            .await
+            .map_err(unavailable)?;
+        let count = |i: usize| -> Result<u64, StoreError> {
+            let n: i64 = row.try_get(i).map_err(unavailable)?;
+            u64::try_from(n).map_err(unavailable)
+        };
+        Ok(RecordCounts {
+            in_flight: count(0)?,
+            stuck: count(1)?,
+            completed: count(2)?,
+            expired: count(3)?,
+        })
     }
 }
 
