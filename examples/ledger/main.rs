@@ -214,21 +214,23 @@ struct AppState {
 /// case-insensitive, RFC 9110 §11.1). Only a request without the header is
 /// `anonymous`; any other value is a caller of its own, so that no malformed
 /// header can share anonymous's records.
+///
+/// The scope is a SHA-256 of the credential (first 16 bytes, hex), never the
+/// credential itself: scopes are stored with every record, appear in the
+/// `idempotency` span and in the admin router's answers.
 fn caller(parts: &Parts) -> String {
+    use sha2::{Digest, Sha256};
     let Some(value) = parts.headers.get("authorization") else {
         return "anonymous".to_owned();
     };
     let bytes = value.as_bytes();
-    match bytes.get(..7) {
+    let (kind, credential) = match bytes.get(..7) {
         Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => {
-            match std::str::from_utf8(&bytes[7..]) {
-                Ok(token) => format!("bearer:{}", token.trim()),
-                // Not UTF-8: keep every byte, so no two tokens share a scope.
-                Err(_) => format!("bearer-bytes:{}", hex(&bytes[7..])),
-            }
+            ("bearer", bytes[7..].trim_ascii())
         }
-        _ => format!("authorization:{}", hex(bytes)),
-    }
+        _ => ("authorization", bytes),
+    };
+    format!("{kind}:{}", hex(&Sha256::digest(credential)[..16]))
 }
 
 fn hex(bytes: &[u8]) -> String {
