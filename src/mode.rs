@@ -280,7 +280,7 @@ impl<St: TransactionalStore> Hold for TransactionHold<St> {
 
     async fn release(mut self) -> Result<(), StoreError> {
         if let Some(transaction) = self.transaction.take() {
-            self.store.rollback(&transaction);
+            self.store.roll_back_and_wait(&transaction).await;
         }
         Ok(())
     }

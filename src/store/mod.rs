@@ -445,6 +445,19 @@ pub trait TransactionalStore: Store {
     /// Rolls the transaction back: the handler's writes and the claim vanish.
     /// Returns at once; safe to call from `Drop`.
     fn rollback(&self, transaction: &Self::Transaction);
+
+    /// Rolls back as [`TransactionalStore::rollback`] does, and returns once
+    /// the key is free again, so that a retry sent as soon as the answer
+    /// arrives runs at once instead of meeting 409. The layer awaits this when
+    /// the handler's answer is not stored. The default calls `rollback`, for
+    /// stores where the key is free when it returns.
+    fn roll_back_and_wait(
+        &self,
+        transaction: &Self::Transaction,
+    ) -> impl Future<Output = ()> + Send {
+        self.rollback(transaction);
+        std::future::ready(())
+    }
 }
 
 /// The outcome of [`TransactionalStore::claim_in_transaction`].

@@ -709,24 +709,37 @@ impl TransactionalStore for PostgresStore {
     }
 
     fn rollback(&self, transaction: &PostgresTransaction) {
+        drop(self.spawn_rollback(transaction));
+    }
+
+    async fn roll_back_and_wait(&self, transaction: &PostgresTransaction) {
+        if let Some(task) = self.spawn_rollback(transaction) {
+            // The task goes on if this future is dropped: the key is still
+            // given back.
+            let _ = task.await;
+        }
+    }
+}
+
+impl PostgresStore {
+    /// Rolls the transaction back and gives the key back, in a task of its
+    /// own. Without a runtime, dropping the connection closes it, which
+    /// rolls the transaction back; the claim then waits for its lease.
+    fn spawn_rollback(&self, transaction: &PostgresTransaction) -> Option<tokio::task::JoinHandle<()>> {
         let (store, transaction) = (self.clone(), transaction.clone());
         match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                handle.spawn(async move {
-                    if let Some(connection) = transaction.take().await {
-                        let (scope, key, token) =
-                            (connection.scope.clone(), connection.key.clone(), connection.token);
-                        roll_back(connection).await;
-                        // Give the key back, so a retry runs at once.
-                        if let Err(e) = store.release(scope, key, token).await {
-                            tracing::error!(error = %e, "releasing a rolled-back key failed; it stays in flight until its lease ends");
-                        }
+            Ok(handle) => Some(handle.spawn(async move {
+                if let Some(connection) = transaction.take().await {
+                    let (scope, key, token) =
+                        (connection.scope.clone(), connection.key.clone(), connection.token);
+                    roll_back(connection).await;
+                    // Give the key back, so a retry runs at once.
+                    if let Err(e) = store.release(scope, key, token).await {
+                        tracing::error!(error = %e, "releasing a rolled-back key failed; it stays in flight until its lease ends");
                     }
-                });
-            }
+                }
+            })),
             Err(_) => {
-                // No runtime: dropping the connection closes it, which rolls
-                // the transaction back; the claim waits for its lease.
                 drop(
                     transaction
                         .connection
@@ -734,6 +747,7 @@ impl TransactionalStore for PostgresStore {
                         .ok()
                         .and_then(|mut guard| guard.take()),
                 );
+                None
             }
         }
     }
