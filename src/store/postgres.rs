@@ -725,7 +725,10 @@ impl PostgresStore {
     /// Rolls the transaction back and gives the key back, in a task of its
     /// own. Without a runtime, dropping the connection closes it, which
     /// rolls the transaction back; the claim then waits for its lease.
-    fn spawn_rollback(&self, transaction: &PostgresTransaction) -> Option<tokio::task::JoinHandle<()>> {
+    fn spawn_rollback(
+        &self,
+        transaction: &PostgresTransaction,
+    ) -> Option<tokio::task::JoinHandle<()>> {
         let (store, transaction) = (self.clone(), transaction.clone());
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => Some(handle.spawn(async move {
