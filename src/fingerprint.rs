@@ -219,7 +219,11 @@ impl Fingerprinter for JsonFingerprinter {
 /// The sorting is done here rather than left to `serde_json::Map`, whose
 /// order depends on whether any crate in the build enables serde_json's
 /// `preserve_order` feature.
-fn canonical_json(value: &serde_json::Value) -> Vec<u8> {
+///
+/// Public but hidden, and not part of the API: the fuzz checks
+/// (`tests/fuzz_checks`) assert that it is a fixed point.
+#[doc(hidden)]
+pub fn canonical_json(value: &serde_json::Value) -> Vec<u8> {
     fn write(value: &serde_json::Value, out: &mut Vec<u8>) {
         match value {
             serde_json::Value::Object(map) => {
