@@ -191,8 +191,13 @@ impl StoredResponse {
         out
     }
 
-    /// Decodes [`StoredResponse::encode`]'s output. Never panics, and never
-    /// allocates more than the input's length, whatever the input.
+    /// Decodes [`StoredResponse::encode`]'s output. Never panics, whatever
+    /// the input, and allocates in proportion to it: a field count is checked
+    /// against the bytes left (a field takes at least 8) before its list is
+    /// reserved, and a length before its bytes are copied, so a hostile count
+    /// or length is an error, not a large allocation. The largest single
+    /// allocation is one list entry (a `(HeaderName, HeaderValue)`, 72 bytes
+    /// on 64-bit targets) per 8 input bytes.
     pub fn decode(input: &[u8]) -> Result<Self, DecodeError> {
         let mut r = Reader(input);
         if r.take(4)? != MAGIC {
