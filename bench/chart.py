@@ -12,6 +12,7 @@ Python 3.11 standard library only.
 """
 
 import json
+import math
 import sys
 from pathlib import Path
 from xml.sax.saxutils import escape
@@ -71,9 +72,18 @@ def bar_panel(title, subtitle, rows, top, scale_max, unit, reference=None):
         tx = x(v)
         parts.append(f"<line x1='{tx:.1f}' x2='{tx:.1f}' y1='{bottom}' y2='{bottom + 4}' stroke='#222'/>")
         parts.append(
-            f"<text x='{tx:.1f}' y='{bottom + 16}' {FONT} font-size='11' text-anchor='middle'>{v:g}</text>"
+            f"<text x='{tx:.1f}' y='{bottom + 16}' {FONT} font-size='11' text-anchor='middle'>{v:.3g}</text>"
         )
     return parts, bottom + 24 - top
+
+
+def nice_ceiling(v):
+    """The smallest of 1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8 times a power of ten at least v."""
+    power = 10 ** math.floor(math.log10(v))
+    for step in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
+        if step * power >= v:
+            return step * power
+    return 10 * power
 
 
 def colour(scenario_id):
@@ -97,7 +107,7 @@ def main():
         for s in r["scenarios"]
     ]
     rows1 += [(s["label"] + " (credits/s)", s["ratio_to_bare"], "#b7791f", None) for s in r["seed"]]
-    max1 = max([1.1] + [v for _, v, _, _ in rows1])
+    max1 = nice_ceiling(max([1.0] + [v for _, v, _, _ in rows1]) * 1.08)
     parts, h1 = bar_panel(
         "Requests per second, as a ratio to the bare handler (1.0 = bare)",
         f"bare = {r['bare_rps']:.0f} req/s; red tick: target; {cfg['connections']} connections, "
@@ -121,7 +131,7 @@ def main():
                 rows2.append((s["label"], s["rps"] / base, colour(s["id"]), threshold))
         for s in r["seed"]:
             rows2.append((s["label"], s["credits_per_s"] / base, "#b7791f", None))
-        max2 = max([1.1] + [v for _, v, _, _ in rows2])
+        max2 = nice_ceiling(max([1.0] + [v for _, v, _, _ in rows2]) * 1.08)
         p2, h2 = bar_panel(
             "New keys per second, as a ratio to the seed-style baseline (Python sqlite3, FULL)",
             f"seed FULL = {base:.0f} credits/s with {seeds['seed_full']['threads']} threads; "

@@ -39,7 +39,8 @@ pub struct LoadConfig {
 pub struct LoadResult {
     /// Requests counted in the window.
     pub requests: u64,
-    /// Every request answered, warm-up included (for effect counts).
+    /// Every request whose response passed its check, warm-up included
+    /// (the handler's effects must match this count exactly).
     pub answered: u64,
     pub rps: f64,
     pub p50_us: u64,
@@ -105,7 +106,6 @@ pub async fn run(
                     let sent = Instant::now();
                     let outcome = send(&mut sender, request).await;
                     let done = Instant::now();
-                    answered.fetch_add(1, Ordering::Relaxed);
                     let verdict = match &outcome {
                         Ok((head, body)) => check(head, body),
                         Err(e) => Err(format!("transport: {e}")),
@@ -118,6 +118,7 @@ pub async fn run(
                         }
                         continue;
                     }
+                    answered.fetch_add(1, Ordering::Relaxed);
                     if sent >= measure_from && done <= end {
                         let micros = done.duration_since(sent).as_micros() as u64;
                         histogram.saturating_record(micros.max(1));

@@ -365,24 +365,25 @@ impl Results {
                 .collect::<Vec<_>>()
                 .join(", ")),
         );
-        out += "| scenario | req/s | p50 ms | p99 ms | x bare |\n|---|---:|---:|---:|---:|\n";
+        out += "| scenario | req/s | p50 ms | p99 ms | x bare | errors |\n|---|---:|---:|---:|---:|---:|\n";
         for s in v["scenarios"].as_array().into_iter().flatten() {
             let mut ratio = format!("{:.3}", s["ratio_to_bare"].as_f64().unwrap_or(f64::NAN));
             if let Some(seed) = s["ratio_to_seed_full"].as_f64() {
                 ratio += &format!(" ({seed:.1}x seed FULL)");
             }
             out += &format!(
-                "| {} | {:.0} | {:.2} | {:.2} | {} |\n",
+                "| {} | {:.0} | {:.2} | {:.2} | {} | {} |\n",
                 s["label"].as_str().unwrap_or("?"),
                 s["rps"].as_f64().unwrap_or(f64::NAN),
                 s["p50_ms"].as_f64().unwrap_or(f64::NAN),
                 s["p99_ms"].as_f64().unwrap_or(f64::NAN),
                 ratio,
+                s["errors"],
             );
         }
         for s in v["seed"].as_array().into_iter().flatten() {
             out += &format!(
-                "| {} ({} threads; credits/s) | {:.0} | {:.2} | {:.2} | {:.3} |\n",
+                "| {} ({} threads; credits/s) | {:.0} | {:.2} | {:.2} | {:.3} | 0 |\n",
                 s["label"].as_str().unwrap_or("?"),
                 s["threads"],
                 s["credits_per_s"].as_f64().unwrap_or(f64::NAN),
