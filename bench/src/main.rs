@@ -76,6 +76,10 @@ pub struct Args {
 /// Every scenario, in run order: (id, label).
 const SCENARIOS: &[(&str, &str)] = &[
     ("bare", "(a) bare axum handler, no layer"),
+    (
+        "bare_get",
+        "(a) bare axum handler, GET (the baseline for GET)",
+    ),
     ("no_key", "(b) layer, POST without a key"),
     ("get", "(c) layer, GET"),
     (
@@ -114,6 +118,8 @@ struct Bench {
     config: LoadConfig,
     dir: tempfile::TempDir,
     run_id: u64,
+    /// Numbers the SQLite files: every scenario run gets a fresh one.
+    files: AtomicU64,
 }
 
 fn runtime(name: &'static str, workers: usize) -> Runtime {
@@ -178,7 +184,8 @@ impl Bench {
     }
 
     fn file(&self, name: &str) -> PathBuf {
-        self.dir.path().join(format!("{name}.sqlite3"))
+        let n = self.files.fetch_add(1, Ordering::Relaxed);
+        self.dir.path().join(format!("{name}-{n}.sqlite3"))
     }
 
     /// Runs one scenario; `None` for the Python ones (see [`Bench::seed`]).
@@ -198,6 +205,17 @@ impl Bench {
             "bare" | "bare_end" => {
                 let server = Server::start(&self.server, apps::bare(runs.clone()));
                 let r = self.load(&server, no_key, created);
+                server.stop(&self.server);
+                let e = runs_equal(&runs, r.answered);
+                (r, e)
+            }
+            "bare_get" => {
+                let server = Server::start(&self.server, apps::bare(runs.clone()));
+                let r = self.load(
+                    &server,
+                    Arc::new(|_, _| apps::get_credit()),
+                    expect(StatusCode::OK, MARKER, false),
+                );
                 server.stop(&self.server);
                 let e = runs_equal(&runs, r.answered);
                 (r, e)
@@ -595,6 +613,7 @@ fn main() {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
         args: args.clone(),
+        files: AtomicU64::new(0),
     };
     let started = Instant::now();
     let wanted: Vec<(&str, &str)> = SCENARIOS
