@@ -421,14 +421,13 @@ fn complete_in(
 
 impl Store for SqliteStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
-        self.with_conn(move |conn, clock| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let found = claim_in(&tx, &req, clock.now_ms())?;
-            tx.commit()?;
-            Ok(found)
-        })
-        .await?
-        .decode()
+        // A repeat of a committed request is answered from a read.
+        if let Some(refused) = self.committed_refusal(&req).await? {
+            return Ok(refused);
+        }
+        self.write(move |tx, clock| claim_in(tx, &req, clock.now_ms()))
+            .await?
+            .decode()
     }
 
     async fn complete(
@@ -439,7 +438,7 @@ impl Store for SqliteStore {
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
         let blob = response.encode();
-        self.with_conn(move |conn, _| complete_in(conn, &scope, &key, token, &blob))
+        self.write(move |tx, _| complete_in(tx, &scope, &key, token, &blob))
             .await
     }
 
@@ -449,8 +448,8 @@ impl Store for SqliteStore {
         key: String,
         token: FencingToken,
     ) -> Result<bool, StoreError> {
-        self.with_conn(move |conn, _| {
-            let deleted = conn.execute(
+        self.write(move |tx, _| {
+            let deleted = tx.execute(
                 "DELETE FROM idempotency_records
                  WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight'",
                 params![scope, key, token.0],
@@ -598,9 +597,116 @@ struct Begin {
     reply: ClaimReply,
 }
 
+/// What the writer is asked to do.
+enum Work {
+    /// A transactional request: its claim, then its handler's SQL, in a
+    /// savepoint of the batch.
+    Request(Begin),
+    /// A short write of separate mode (claim, complete, release), answered
+    /// once its batch has committed.
+    Write(Box<dyn WriteOp>),
+}
+
+impl Work {
+    /// The caller no longer waits for this.
+    fn abandoned(&self) -> bool {
+        match self {
+            Work::Request(begin) => begin.reply.is_closed(),
+            Work::Write(write) => write.abandoned(),
+        }
+    }
+
+    fn fail(self, error: StoreError) {
+        match self {
+            Work::Request(begin) => drop(begin.reply.send(Err(error))),
+            Work::Write(write) => write.fail(error),
+        }
+    }
+}
+
+/// Sends a write's result once its batch has ended: `None` if it committed,
+/// else why it did not.
+type Answer = Box<dyn FnOnce(Option<&str>) + Send>;
+
+/// A write of separate mode, run in its own savepoint of the batch.
+trait WriteOp: Send {
+    fn abandoned(&self) -> bool;
+    fn fail(self: Box<Self>, error: StoreError);
+    /// Runs the write; `None` when it failed (and was answered already).
+    fn run(self: Box<Self>, tx: &rusqlite::Transaction<'_>, clock: &dyn Clock) -> Option<Answer>;
+}
+
+struct WriteJob<T, F> {
+    write: F,
+    reply: tokio::sync::oneshot::Sender<Result<T, StoreError>>,
+    /// Who decides first: the writer starting it, or its caller giving up
+    /// (past the busy timeout). A write the caller gave up on never runs,
+    /// and one that runs is always waited for: a claim is never committed
+    /// for a caller who is gone.
+    state: Arc<std::sync::atomic::AtomicU8>,
+}
+
+const WAITING: u8 = 0;
+const RUNNING: u8 = 1;
+const ABANDONED: u8 = 2;
+
+impl<T, F> WriteOp for WriteJob<T, F>
+where
+    T: Send + 'static,
+    F: FnOnce(&rusqlite::Transaction<'_>, &dyn Clock) -> rusqlite::Result<T> + Send + 'static,
+{
+    fn abandoned(&self) -> bool {
+        self.state.load(std::sync::atomic::Ordering::SeqCst) == ABANDONED
+    }
+
+    fn fail(self: Box<Self>, error: StoreError) {
+        let _ = self.reply.send(Err(error));
+    }
+
+    fn run(self: Box<Self>, tx: &rusqlite::Transaction<'_>, clock: &dyn Clock) -> Option<Answer> {
+        let WriteJob {
+            write,
+            reply,
+            state,
+        } = *self;
+        let start = state.compare_exchange(
+            WAITING,
+            RUNNING,
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+        );
+        if start.is_err() {
+            return None;
+        }
+        let written = tx
+            .execute_batch(SAVEPOINT)
+            .and_then(|()| write(tx, clock))
+            .and_then(|value| tx.execute_batch(RELEASE).map(|()| value));
+        match written {
+            Ok(value) => Some(Box::new(move |failed: Option<&str>| {
+                let _ = reply.send(match failed {
+                    None => Ok(value),
+                    Some(why) => Err(batch_failed(why)),
+                });
+            })),
+            Err(e) => {
+                roll_back_request(tx);
+                let _ = reply.send(Err(StoreError::unavailable(e)));
+                None
+            }
+        }
+    }
+}
+
+fn batch_failed(why: &str) -> StoreError {
+    StoreError::unavailable(format!(
+        "the batch this write was committed in failed, so nothing of it happened: {why}"
+    ))
+}
+
 /// The writer's side of a store: its queue, and what it reports.
 pub(super) struct Writer {
-    queue: std::sync::mpsc::Sender<Begin>,
+    queue: std::sync::mpsc::Sender<Work>,
     counters: Arc<WriterCounters>,
 }
 
@@ -634,6 +740,8 @@ enum Deferred {
     Commit(tokio::sync::oneshot::Sender<Result<Completion, StoreError>>),
     /// A refusal (replay, 422) read from a record written in this batch.
     Refusal(ClaimReply, Found),
+    /// A write of separate mode.
+    Write(Answer),
 }
 
 /// The writer thread: one transaction per batch, one savepoint per request.
@@ -641,50 +749,57 @@ enum Deferred {
 fn write_batches(
     pool: &r2d2::Pool<SqliteConnectionManager>,
     clock: &dyn Clock,
-    inbox: &std::sync::mpsc::Receiver<Begin>,
+    inbox: &std::sync::mpsc::Receiver<Work>,
     batch: usize,
     counters: &WriterCounters,
 ) {
     use std::sync::atomic::Ordering::Relaxed;
     // The next request whose caller still waits.
     let next = |wait: bool| loop {
-        let begin = if wait {
+        let work = if wait {
             inbox.recv().ok()?
         } else {
             inbox.try_recv().ok()?
         };
         counters.waiting.fetch_sub(1, Relaxed);
-        if !begin.reply.is_closed() {
-            return Some(begin);
+        if !work.abandoned() {
+            return Some(work);
         }
     };
     while let Some(first) = next(true) {
         let mut conn = match pool.get() {
             Ok(conn) => conn,
             Err(e) => {
-                let _ = first.reply.send(Err(StoreError::unavailable(e)));
+                first.fail(StoreError::unavailable(e));
                 continue;
             }
         };
         let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
             Ok(tx) => tx,
             Err(e) => {
-                let _ = first.reply.send(Err(StoreError::unavailable(e)));
+                first.fail(StoreError::unavailable(e));
                 continue;
             }
         };
         let mut deferred = Vec::new();
-        let mut begin = Some(first);
+        let mut work = Some(first);
         let mut members = 0;
-        while let Some(request) = begin.take() {
-            serve_request(&tx, clock, request, &mut deferred);
+        while let Some(item) = work.take() {
+            match item {
+                Work::Request(begin) => serve_request(&tx, clock, begin, &mut deferred),
+                Work::Write(write) => {
+                    if let Some(answer) = write.run(&tx, clock) {
+                        deferred.push(Deferred::Write(answer));
+                    }
+                }
+            }
             members += 1;
             // SQLite itself rolls the whole transaction back on some errors
             // (a full disk, an I/O error): the batch is over.
             if tx.is_autocommit() || members >= batch {
                 break;
             }
-            begin = next(false);
+            work = next(false);
         }
         let committed = if deferred.is_empty() {
             tx.rollback()
@@ -720,6 +835,7 @@ fn write_batches(
                         Some(_) => Err(error()),
                     });
                 }
+                Deferred::Write(answer) => answer(failed.as_deref()),
             }
         }
     }
@@ -762,7 +878,10 @@ fn serve_request(
             // Nothing was written. The record it read may be one this batch
             // wrote: answer only once the batch is durable.
             let _ = tx.execute_batch(RELEASE);
-            if deferred.iter().any(|d| matches!(d, Deferred::Commit(_))) {
+            if deferred
+                .iter()
+                .any(|d| matches!(d, Deferred::Commit(_) | Deferred::Write(_)))
+            {
                 deferred.push(Deferred::Refusal(reply, refused));
             } else {
                 let _ = reply.send(refused.decode().map(TransactionClaim::Refused));
@@ -828,8 +947,62 @@ impl SqliteStore {
         Ok(self.writer.get_or_init(|| writer))
     }
 
-    /// Transactional requests waiting for the writer right now: a gauge of
-    /// how far behind the single writer is.
+    /// Runs a short write in the writer's next batch and returns its result
+    /// once the batch has committed: the claims, completions and releases
+    /// of concurrent requests share one commit.
+    async fn write<T, F>(&self, write: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&rusqlite::Transaction<'_>, &dyn Clock) -> rusqlite::Result<T> + Send + 'static,
+    {
+        use std::sync::atomic::Ordering::SeqCst;
+        let (reply, mut answer) = tokio::sync::oneshot::channel();
+        let state = Arc::new(std::sync::atomic::AtomicU8::new(WAITING));
+        let job = WriteJob {
+            write,
+            reply,
+            state: state.clone(),
+        };
+        self.send(Work::Write(Box::new(job)))?;
+        match tokio::time::timeout(self.busy_timeout, &mut answer).await {
+            Ok(answer) => answer.map_err(|_| transaction_over())?,
+            Err(_) => match state.compare_exchange(WAITING, ABANDONED, SeqCst, SeqCst) {
+                Ok(_) => Err(self.busy()),
+                // The writer has started it: its batch decides.
+                Err(_) => answer.await.map_err(|_| transaction_over())?,
+            },
+        }
+    }
+
+    fn busy(&self) -> StoreError {
+        StoreError::unavailable(format!(
+            "the SQLite writer was busy for longer than the busy timeout ({} ms)",
+            self.busy_timeout.as_millis()
+        ))
+    }
+
+    /// Queues work for the writer.
+    fn send(&self, work: Work) -> Result<(), StoreError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let writer = self.writer()?;
+        writer.counters.waiting.fetch_add(1, Relaxed);
+        writer.queue.send(work).map_err(|_| {
+            writer.counters.waiting.fetch_sub(1, Relaxed);
+            StoreError::unavailable("the SQLite writer thread has stopped")
+        })
+    }
+
+    /// Waits for the writer's answer, at most the busy timeout.
+    async fn answer<T>(&self, answer: tokio::sync::oneshot::Receiver<T>) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.busy_timeout, answer).await {
+            Ok(answer) => answer.map_err(|_| transaction_over()),
+            Err(_) => Err(self.busy()),
+        }
+    }
+
+    /// Requests waiting for the writer right now (transactional requests,
+    /// and the claims, completions and releases of separate mode): a gauge
+    /// of how far behind the single writer is.
     pub fn transactions_waiting(&self) -> usize {
         self.writer.get().map_or(0, |w| {
             w.counters
@@ -907,29 +1080,9 @@ impl TransactionalStore for SqliteStore {
         if let Some(refused) = self.committed_refusal(&req).await? {
             return Ok(TransactionClaim::Refused(refused));
         }
-        let writer = self.writer()?;
         let (reply, answer) = tokio::sync::oneshot::channel();
-        writer
-            .counters
-            .waiting
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let sent = writer.queue.send(Begin { req, reply });
-        if sent.is_err() {
-            writer
-                .counters
-                .waiting
-                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-            return Err(StoreError::unavailable(
-                "the SQLite writer thread has stopped",
-            ));
-        }
-        match tokio::time::timeout(self.busy_timeout, answer).await {
-            Ok(answer) => answer.map_err(|_| transaction_over())?,
-            Err(_) => Err(StoreError::unavailable(format!(
-                "the SQLite writer was busy for longer than the busy timeout ({} ms)",
-                self.busy_timeout.as_millis()
-            ))),
-        }
+        self.send(Work::Request(Begin { req, reply }))?;
+        self.answer(answer).await?
     }
 
     async fn commit(
