@@ -117,16 +117,21 @@ impl Outcome {
 
 /// The span of one intercepted request.
 pub(crate) fn request_span(scope: &str, key: &str) -> tracing::Span {
-    tracing::info_span!(
+    let span = tracing::info_span!(
         "idempotency",
         scope = %scope,
-        key = %key_tag(scope, key),
+        key = tracing::field::Empty,
         claim = tracing::field::Empty,
         outcome = tracing::field::Empty,
         claim_us = tracing::field::Empty,
         complete_us = tracing::field::Empty,
         release_us = tracing::field::Empty,
-    )
+    );
+    // The tag costs a SHA-256: only for a span that someone records.
+    if !span.is_disabled() {
+        span.record("key", key_tag(scope, key));
+    }
+    span
 }
 
 /// A short, non-reversible tag of the key for logs: the first 8 bytes of its

@@ -88,9 +88,12 @@ impl Store for MemoryStore {
             response: None,
         };
         let mut records = self.lock();
-        let Some(record) = records.get_mut(&(req.scope.clone(), req.key.clone())) else {
-            records.insert((req.scope, req.key), fresh);
-            return Ok(Claim::Acquired { taken_over: false });
+        let record = match records.entry((req.scope, req.key)) {
+            std::collections::hash_map::Entry::Vacant(vacant) => {
+                vacant.insert(fresh);
+                return Ok(Claim::Acquired { taken_over: false });
+            }
+            std::collections::hash_map::Entry::Occupied(occupied) => occupied.into_mut(),
         };
         let existing = Existing {
             fingerprint: &record.fingerprint.0,
