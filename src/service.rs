@@ -276,28 +276,58 @@ where
         if !M::DETACHED {
             return run.await;
         }
-        // From the claim on, the request runs in a task of its own: a client
-        // that goes away cannot cut the claim, the handler and the stored
-        // response apart (the handler's effect may outlive a cancelled
-        // future). Its retry gets 409 until the record completes, then the
-        // replay.
-        match tokio::spawn(run.in_current_span()).await {
-            Ok(result) => result,
-            Err(e) => match e.try_into_panic() {
-                Ok(panic) => {
-                    telemetry::outcome(Outcome::Panicked);
-                    std::panic::resume_unwind(panic)
-                }
-                Err(_) => {
-                    let retry_after_secs = STORE_RETRY_AFTER_SECS;
-                    let rejection = Rejection::StoreUnavailable { retry_after_secs };
-                    Ok(reject(&config.settings, Outcome::Cancelled, rejection))
-                }
-            },
-        }
+        // From the claim on, the request cannot be cut short: if the client
+        // goes away and this future is dropped, the rest of it (the claim,
+        // the handler and the stored response) runs on in a task of its own
+        // (the handler's effect may outlive a cancelled future). Its retry
+        // gets 409 until the record completes, then the replay. Until then
+        // it runs in place, without a task of its own.
+        DetachOnDrop::new(run.in_current_span()).await
     }
     .instrument(span)
     .await
+}
+
+/// Runs a future in place; dropped before it has finished, it spawns the
+/// rest on the current Tokio runtime, where it runs to completion.
+struct DetachOnDrop<T: Send + 'static> {
+    future: Option<BoxFuture<T>>,
+}
+
+impl<T: Send + 'static> DetachOnDrop<T> {
+    fn new(future: impl Future<Output = T> + Send + 'static) -> Self {
+        DetachOnDrop {
+            future: Some(Box::pin(future)),
+        }
+    }
+}
+
+impl<T: Send + 'static> Future for DetachOnDrop<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let Some(future) = self.future.as_mut() else {
+            // Polled after it finished: a caller bug; never finishes again.
+            return Poll::Pending;
+        };
+        let output = std::task::ready!(future.as_mut().poll(cx));
+        self.future = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<T: Send + 'static> Drop for DetachOnDrop<T> {
+    fn drop(&mut self) {
+        let Some(future) = self.future.take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(future)),
+            Err(_) => tracing::error!(
+                "an intercepted request was dropped outside a Tokio runtime and cannot finish; its key stays in flight until its lease ends"
+            ),
+        }
+    }
 }
 
 /// Records the outcome and answers with the rejection.

@@ -88,10 +88,6 @@ pub enum Outcome {
     /// Bad input: a missing or malformed key (400), a body over the limit
     /// (413) or an unreadable body (400).
     Rejected,
-    /// The request's task was cancelled (the runtime shut down): 503.
-    Cancelled,
-    /// The handler panicked; the key was given back.
-    Panicked,
 }
 
 impl Outcome {
@@ -109,8 +105,6 @@ impl Outcome {
             Outcome::StoreError => "store_error",
             Outcome::ResponseFailed => "response_failed",
             Outcome::Rejected => "rejected",
-            Outcome::Cancelled => "cancelled",
-            Outcome::Panicked => "panicked",
         }
     }
 }
