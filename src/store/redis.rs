@@ -432,6 +432,24 @@ fn record_key(prefix: &str, scope: &str, key: &str) -> String {
     format!("{prefix}{}:{scope}:{key}", scope.len())
 }
 
+/// One page of `SCAN cursor MATCH pattern COUNT SCAN_COUNT`: the next
+/// cursor (0 when the walk is over) and the key names.
+async fn scan_page(
+    conn: &mut ConnectionManager,
+    pattern: &str,
+    cursor: u64,
+) -> Result<(u64, Vec<Vec<u8>>), StoreError> {
+    ::redis::cmd("SCAN")
+        .arg(cursor)
+        .arg("MATCH")
+        .arg(pattern)
+        .arg("COUNT")
+        .arg(SCAN_COUNT)
+        .query_async(conn)
+        .await
+        .map_err(StoreError::unavailable)
+}
+
 /// A `SCAN MATCH` pattern for every key under `prefix`, its glob characters
 /// escaped.
 fn scan_pattern(prefix: &str) -> String {
@@ -574,15 +592,7 @@ impl Store for RedisStore {
         let mut cursor: u64 = 0;
         let mut purged: u64 = 0;
         loop {
-            let (next, keys): (u64, Vec<Vec<u8>>) = ::redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(SCAN_COUNT)
-                .query_async(&mut conn)
-                .await
-                .map_err(StoreError::unavailable)?;
+            let (next, keys) = scan_page(&mut conn, &pattern, cursor).await?;
             for batch in keys.chunks(SCAN_COUNT) {
                 let reply: Value = PURGE_SCRIPT
                     .key(batch)
@@ -718,15 +728,7 @@ impl RedisStore {
         };
         let mut cursor: u64 = 0;
         loop {
-            let (next, keys): (u64, Vec<Vec<u8>>) = ::redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(SCAN_COUNT)
-                .query_async(&mut conn)
-                .await
-                .map_err(StoreError::unavailable)?;
+            let (next, keys) = scan_page(&mut conn, &pattern, cursor).await?;
             let fresh: Vec<Vec<u8>> = keys
                 .into_iter()
                 .filter(|k| seen.insert(k.clone()))

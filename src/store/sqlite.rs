@@ -326,6 +326,48 @@ impl Found {
     }
 }
 
+/// A record's columns, as a claim reads them.
+struct Record {
+    fingerprint: Vec<u8>,
+    state: String,
+    lease_until: i64,
+    expires_at: i64,
+    response: Option<Vec<u8>>,
+}
+
+impl Record {
+    fn existing(&self) -> Existing<'_> {
+        Existing {
+            fingerprint: &self.fingerprint,
+            completed: self.state == "completed",
+            lease_until: self.lease_until,
+            expires_at: self.expires_at,
+        }
+    }
+}
+
+fn read_record(
+    conn: &rusqlite::Connection,
+    scope: &str,
+    key: &str,
+) -> rusqlite::Result<Option<Record>> {
+    conn.query_row(
+        "SELECT fingerprint, state, lease_until, expires_at, response
+         FROM idempotency_records WHERE scope = ?1 AND key = ?2",
+        params![scope, key],
+        |r| {
+            Ok(Record {
+                fingerprint: r.get(0)?,
+                state: r.get(1)?,
+                lease_until: r.get(2)?,
+                expires_at: r.get(3)?,
+                response: r.get(4)?,
+            })
+        },
+    )
+    .optional()
+}
+
 /// The claim (the table in the module docs of [`super`]) inside `tx`, an IMMEDIATE transaction: it holds
 /// SQLite's write lock, so what it reads is what it decides on. The primary
 /// key `(scope, key)` decides who inserts first.
@@ -354,30 +396,15 @@ fn claim_in(
     if inserted == 1 {
         return Ok(Found::Claim(Claim::Acquired { taken_over: false }));
     }
-    let (old_fingerprint, state, old_lease, old_expiry, response) = tx.query_row(
-        "SELECT fingerprint, state, lease_until, expires_at, response
-         FROM idempotency_records WHERE scope = ?1 AND key = ?2",
-        params![req.scope, req.key],
-        |r| {
-            Ok((
-                r.get::<_, Vec<u8>>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, i64>(2)?,
-                r.get::<_, i64>(3)?,
-                r.get::<_, Option<Vec<u8>>>(4)?,
-            ))
-        },
-    )?;
-    let existing = Existing {
-        fingerprint: &old_fingerprint,
-        completed: state == "completed",
-        lease_until: old_lease,
-        expires_at: old_expiry,
+    let Some(record) = read_record(tx, &req.scope, &req.key)? else {
+        // The insert conflicted, so the row exists under the write lock.
+        return Err(rusqlite::Error::QueryReturnedNoRows);
     };
+    let existing = record.existing();
     let taken_over = match decide(&existing, &req.fingerprint, now) {
         Decision::Replace { taken_over } => taken_over,
         Decision::Mismatch => return Ok(Found::Claim(Claim::Mismatch)),
-        Decision::Replay => return Ok(Found::Completed(response.unwrap_or_default())),
+        Decision::Replay => return Ok(Found::Completed(record.response.unwrap_or_default())),
         Decision::InFlight(lease_remaining) => {
             return Ok(Found::Claim(Claim::InFlight { lease_remaining }));
         }
@@ -1029,35 +1056,16 @@ impl SqliteStore {
         let (scope, key, fingerprint) = (req.scope.clone(), req.key.clone(), req.fingerprint);
         let found = self
             .with_conn(move |conn, clock| {
-                let row = conn
-                    .query_row(
-                        "SELECT fingerprint, state, lease_until, expires_at, response
-                         FROM idempotency_records WHERE scope = ?1 AND key = ?2",
-                        params![scope, key],
-                        |r| {
-                            Ok((
-                                r.get::<_, Vec<u8>>(0)?,
-                                r.get::<_, String>(1)?,
-                                r.get::<_, i64>(2)?,
-                                r.get::<_, i64>(3)?,
-                                r.get::<_, Option<Vec<u8>>>(4)?,
-                            ))
-                        },
-                    )
-                    .optional()?;
-                let Some((old_fingerprint, state, lease_until, expires_at, response)) = row else {
+                let Some(record) = read_record(conn, &scope, &key)? else {
                     return Ok(None);
                 };
-                let existing = Existing {
-                    fingerprint: &old_fingerprint,
-                    completed: state == "completed",
-                    lease_until,
-                    expires_at,
-                };
+                let existing = record.existing();
                 Ok(match decide(&existing, &fingerprint, clock.now_ms()) {
                     Decision::Replace { .. } => None,
                     Decision::Mismatch => Some(Found::Claim(Claim::Mismatch)),
-                    Decision::Replay => Some(Found::Completed(response.unwrap_or_default())),
+                    Decision::Replay => Some(Found::Completed(
+                        record.response.clone().unwrap_or_default(),
+                    )),
                     Decision::InFlight(lease_remaining) => {
                         Some(Found::Claim(Claim::InFlight { lease_remaining }))
                     }
