@@ -48,14 +48,22 @@ pub enum Synchronous {
 
 /// Records in one SQLite file, in WAL mode.
 ///
-/// * The claim runs in a `BEGIN IMMEDIATE` transaction around an
-///   `INSERT ... ON CONFLICT DO NOTHING`: the primary key `(scope, key)`
-///   decides who is first, in one process or many sharing the file.
-/// * Every SQLite call runs on Tokio's blocking pool
-///   ([`tokio::task::spawn_blocking`]), never on an async worker thread.
-/// * A lock held by another connection is waited for up to the busy timeout
-///   (default 5 s); past it the call fails with [`StoreError::Unavailable`],
-///   which the layer answers with 503.
+/// * The claim is an `INSERT ... ON CONFLICT DO NOTHING` inside a
+///   `BEGIN IMMEDIATE` transaction: the primary key `(scope, key)` decides
+///   who is first, in one process or many sharing the file.
+/// * Writes (claims, completions, releases, and transactional requests) go
+///   through one writer thread per store, which commits the writes of
+///   concurrent requests together (group commit, see [`SqliteTransaction`]);
+///   each caller gets its answer once its batch is durable. A repeat of a
+///   committed request is answered from a read on a pooled connection,
+///   without the writer.
+/// * Reads and purges run on Tokio's blocking pool
+///   ([`tokio::task::spawn_blocking`]): no SQLite call ever blocks an async
+///   worker thread.
+/// * A request waits for the writer, or a lock held by another connection,
+///   at most the busy timeout (default 5 s); past it the call fails with
+///   [`StoreError::Unavailable`], which the layer answers with 503. A write
+///   whose caller gave up never runs.
 /// * The schema is created or migrated when the store opens.
 /// * Connections enforce foreign keys (`PRAGMA foreign_keys = ON`), which
 ///   matters for the handler's own tables in transactional mode.
