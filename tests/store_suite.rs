@@ -581,12 +581,9 @@ async fn sqlite_inspect_is_exact() {
 
 /// Two independent handles on one file (as two processes would have): the
 /// primary key decides, not anything in either handle.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_two_handles_one_file_one_winner() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("shared.sqlite3");
-    let one = SqliteStore::open(&path).await.unwrap();
-    let two = SqliteStore::open(&path).await.unwrap();
+/// Ten rounds of 16 claimers of one key, half through each of two store
+/// handles on the same records: exactly one wins each round.
+async fn two_handles_one_winner<S: Store>(one: S, two: S) {
     for round in 0..10 {
         let key = format!("k{round}");
         let barrier = Arc::new(Barrier::new(16));
@@ -611,6 +608,15 @@ async fn sqlite_two_handles_one_file_one_winner() {
         }
         assert_eq!(acquired, 1, "round {round}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_two_handles_one_file_one_winner() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("shared.sqlite3");
+    let one = SqliteStore::open(&path).await.unwrap();
+    let two = SqliteStore::open(&path).await.unwrap();
+    two_handles_one_winner(one, two).await;
 }
 
 #[tokio::test]
@@ -710,30 +716,7 @@ async fn redis_two_handles_one_key_one_winner() {
         .open()
         .await
         .unwrap();
-    for round in 0..10 {
-        let key = format!("k{round}");
-        let barrier = Arc::new(Barrier::new(16));
-        let tasks: Vec<_> = (0..16)
-            .map(|i| {
-                let store = if i % 2 == 0 { one.clone() } else { two.clone() };
-                let (barrier, key) = (barrier.clone(), key.clone());
-                tokio::spawn(async move {
-                    barrier.wait().await;
-                    store
-                        .claim(claim_of("s", &key, 1, FencingToken::random()))
-                        .await
-                        .unwrap()
-                })
-            })
-            .collect();
-        let mut acquired = 0;
-        for task in tasks {
-            if let Claim::Acquired { .. } = task.await.unwrap() {
-                acquired += 1;
-            }
-        }
-        assert_eq!(acquired, 1, "round {round}");
-    }
+    two_handles_one_winner(one, two).await;
 }
 
 /// The record is the documented hash, carries a native expiry, and a key
