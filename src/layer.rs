@@ -9,6 +9,10 @@ use bytes::Bytes;
 use http::{HeaderName, Method, Response};
 use tower_layer::Layer;
 
+use crate::config::{
+    Config, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, DEFAULT_TTL,
+    Settings,
+};
 use crate::fingerprint::{DefaultFingerprinter, Fingerprinter};
 use crate::mode::{Separate, Transactional};
 use crate::policy::{DefaultStorePolicy, StorePolicy};
@@ -16,17 +20,6 @@ use crate::problem::Rejection;
 use crate::scope::Scope;
 use crate::service::Idempotency;
 use crate::store::{Store, TransactionalStore};
-
-/// The default lease: how long an in-flight claim holds, 60 seconds.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
-/// The default record TTL, 24 hours (Stripe keeps keys at least 24 hours).
-pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
-/// The default request body limit, 1 MiB.
-pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
-/// The default response body limit, 1 MiB.
-pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
-
-type RejectionFn = Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
 
 /// Applies idempotency keys to the requests of a service: the first request
 /// with a key runs, and its response is replayed to every repeat.
@@ -75,38 +68,6 @@ pub struct IdempotencyLayer<St, Sc, F = DefaultFingerprinter, P = DefaultStorePo
     store: St,
     config: Config<Sc, F, P>,
     mode: PhantomData<fn() -> M>,
-}
-
-/// What a layer is configured with; shared by its services behind an `Arc`.
-#[derive(Clone)]
-pub(crate) struct Config<Sc, F, P> {
-    pub(crate) settings: Settings,
-    pub(crate) scope: Sc,
-    pub(crate) fingerprinter: F,
-    pub(crate) policy: P,
-}
-
-/// The settings that do not change the layer's type.
-#[derive(Clone)]
-pub(crate) struct Settings {
-    pub(crate) header: HeaderName,
-    pub(crate) methods: Vec<Method>,
-    pub(crate) require_key: bool,
-    pub(crate) lease: Duration,
-    pub(crate) ttl: Duration,
-    pub(crate) max_request_body: usize,
-    pub(crate) max_response_body: usize,
-    pub(crate) marker: HeaderName,
-    pub(crate) on_rejection: Option<RejectionFn>,
-}
-
-impl Settings {
-    pub(crate) fn rejection(&self, rejection: &Rejection) -> Response<Bytes> {
-        match &self.on_rejection {
-            Some(f) => f(rejection),
-            None => rejection.to_problem(),
-        }
-    }
 }
 
 impl<St: Clone, Sc: Clone, F: Clone, P: Clone, M> Clone for IdempotencyLayer<St, Sc, F, P, M> {

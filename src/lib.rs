@@ -88,6 +88,7 @@ pub mod admin;
 mod body;
 #[cfg(feature = "client")]
 pub mod client;
+mod config;
 pub mod fingerprint;
 pub mod key;
 mod layer;
@@ -106,10 +107,8 @@ pub use body::{RequestBody, ResponseBody};
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
-pub use layer::{
-    DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, DEFAULT_TTL,
-    IdempotencyLayer,
-};
+pub use config::{DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, DEFAULT_TTL};
+pub use layer::IdempotencyLayer;
 pub use response::{StoredBody, StoredResponse};
 /// The rusqlite this crate is built with, for the SQL a handler runs through
 /// [`store::SqliteTransaction::run`] (its types must be this version's).

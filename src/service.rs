@@ -27,9 +27,9 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
+use crate::config::{Config, Settings};
 use crate::fingerprint::Fingerprinter;
 use crate::key::parse_key;
-use crate::layer::{Config, Settings};
 use crate::mode::{Hold, Mode, Separate};
 use crate::policy::StorePolicy;
 use crate::problem::Rejection;

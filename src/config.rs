@@ -1,0 +1,54 @@
+//! What a layer is configured with: the defaults, and the [`Config`] its
+//! services share. [`IdempotencyLayer`](crate::IdempotencyLayer) builds it;
+//! [`Idempotency`](crate::Idempotency) reads it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Method, Response};
+
+use crate::problem::Rejection;
+
+/// The default lease: how long an in-flight claim holds, 60 seconds.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+/// The default record TTL, 24 hours (Stripe keeps keys at least 24 hours).
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// The default request body limit, 1 MiB.
+pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
+/// The default response body limit, 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
+
+type RejectionFn = Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
+
+/// What a layer is configured with; shared by its services behind an `Arc`.
+#[derive(Clone)]
+pub(crate) struct Config<Sc, F, P> {
+    pub(crate) settings: Settings,
+    pub(crate) scope: Sc,
+    pub(crate) fingerprinter: F,
+    pub(crate) policy: P,
+}
+
+/// The settings that do not change the layer's type.
+#[derive(Clone)]
+pub(crate) struct Settings {
+    pub(crate) header: HeaderName,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) lease: Duration,
+    pub(crate) ttl: Duration,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) marker: HeaderName,
+    pub(crate) on_rejection: Option<RejectionFn>,
+}
+
+impl Settings {
+    pub(crate) fn rejection(&self, rejection: &Rejection) -> Response<Bytes> {
+        match &self.on_rejection {
+            Some(f) => f(rejection),
+            None => rejection.to_problem(),
+        }
+    }
+}
