@@ -89,6 +89,7 @@ mod body;
 #[cfg(feature = "client")]
 pub mod client;
 mod config;
+mod fencing;
 pub mod fingerprint;
 pub mod key;
 mod layer;

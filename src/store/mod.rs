@@ -102,6 +102,8 @@ macro_rules! transaction_extractor {
 }
 pub(crate) use transaction_extractor;
 
+mod clock;
+mod decide;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -111,64 +113,16 @@ mod sqlite;
 
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisStore, RedisStoreBuilder};
+pub use crate::fencing::FencingToken;
+pub(crate) use clock::duration_ms;
+pub use clock::{Clock, ManualClock, SystemClock};
+pub(crate) use decide::{Decision, Existing, Kind, decide, retry_after_secs};
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use postgres::{PostgresStore, PostgresStoreBuilder, PostgresTransaction, TransactionClient};
 pub use sqlite::{
     GroupCommitStats, SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous,
 };
-
-/// An in-flight record's owner mark. Complete and release succeed only with
-/// the token that the record still carries.
-///
-/// Random 64-bit values: a record that is released and claimed again never
-/// reuses a token that an old holder may still hold.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct FencingToken(pub i64);
-
-impl FencingToken {
-    /// A fresh token: unpredictable, and never repeated within the process.
-    ///
-    /// A 64-bit key drawn once per process from the operating system's
-    /// generator, and a process-wide counter, mixed by SplitMix64's
-    /// finalizer (a bijection, so distinct counters give distinct tokens).
-    /// Two processes collide only if their random keys happen to line up
-    /// (odds about 2^-64 per pair of tokens). One system call per process,
-    /// not per request.
-    pub fn random() -> Self {
-        use std::sync::OnceLock;
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static KEY: OnceLock<u64> = OnceLock::new();
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let key = *KEY.get_or_init(|| {
-            let mut bytes = [0; 8];
-            // getrandom fails only where the OS has no entropy source at all;
-            // then the clock's nanoseconds stand in.
-            if getrandom::fill(&mut bytes).is_err() {
-                let nanos = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos() as u64);
-                bytes = nanos.to_be_bytes();
-            }
-            u64::from_be_bytes(bytes)
-        });
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        FencingToken(splitmix64(key.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15))) as i64)
-    }
-}
-
-/// SplitMix64's output function: a bijection on 64-bit values.
-fn splitmix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-impl fmt::Debug for FencingToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "FencingToken({:016x})", self.0)
-    }
-}
 
 /// Everything [`Store::claim`] needs.
 #[derive(Debug, Clone)]
@@ -402,30 +356,6 @@ pub struct RecordCounts {
     pub expired: u64,
 }
 
-/// The kind of a record at `now` (Unix ms), for the stores that count in Rust.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
-    InFlight,
-    Stuck,
-    Completed,
-    Expired,
-}
-
-impl Kind {
-    pub(crate) fn of(completed: bool, lease_until: i64, expires_at: i64, now: i64) -> Kind {
-        // The order of `decide`: past the TTL first, then the state, then the lease.
-        if expires_at <= now {
-            Kind::Expired
-        } else if completed {
-            Kind::Completed
-        } else if lease_until > now {
-            Kind::InFlight
-        } else {
-            Kind::Stuck
-        }
-    }
-}
-
 impl RecordCounts {
     pub(crate) fn add(&mut self, kind: Kind) {
         match kind {
@@ -525,117 +455,4 @@ pub fn spawn_purge_task<S: Store>(store: S, period: Duration) -> tokio::task::Jo
             }
         }
     })
-}
-
-/// The record a claim found, as read under the store's lock.
-pub(crate) struct Existing<'a> {
-    pub(crate) fingerprint: &'a [u8],
-    pub(crate) completed: bool,
-    /// Unix ms.
-    pub(crate) lease_until: i64,
-    /// Unix ms.
-    pub(crate) expires_at: i64,
-}
-
-/// What a claim does with a record it found: the rows of the table in the
-/// module docs after "nothing", in order. The stores written in Rust all
-/// decide here; `RedisStore`'s Lua script mirrors it.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Decision {
-    /// Overwrite the record with the new claim (`taken_over`: its lease had
-    /// ended; otherwise it was past its TTL and counts as absent).
-    Replace { taken_over: bool },
-    /// Another fingerprint: 422.
-    Mismatch,
-    /// Completed: replay its stored response.
-    Replay,
-    /// In flight, with this much lease left: 409.
-    InFlight(Duration),
-}
-
-pub(crate) fn decide(existing: &Existing<'_>, fingerprint: &Fingerprint, now: i64) -> Decision {
-    if existing.expires_at <= now {
-        Decision::Replace { taken_over: false }
-    } else if existing.fingerprint != fingerprint.0 {
-        Decision::Mismatch
-    } else if existing.completed {
-        Decision::Replay
-    } else if existing.lease_until > now {
-        Decision::InFlight(Duration::from_millis((existing.lease_until - now) as u64))
-    } else {
-        Decision::Replace { taken_over: true }
-    }
-}
-
-/// Milliseconds since the Unix epoch, the time unit every store keeps.
-pub(crate) fn duration_ms(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-/// A source of the current time for the embedded stores, in milliseconds since
-/// the Unix epoch. [`SystemClock`] in production; [`ManualClock`] lets tests
-/// move time on without sleeping.
-pub trait Clock: Send + Sync + 'static {
-    /// Now, in milliseconds since the Unix epoch.
-    fn now_ms(&self) -> i64;
-}
-
-/// The operating system's wall clock.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now_ms(&self) -> i64 {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, duration_ms)
-    }
-}
-
-/// A clock that moves only when told to: for tests of leases and TTLs.
-#[derive(Debug, Clone, Default)]
-pub struct ManualClock(std::sync::Arc<std::sync::atomic::AtomicI64>);
-
-impl ManualClock {
-    /// A clock reading `start_ms`.
-    pub fn new(start_ms: i64) -> Self {
-        ManualClock(std::sync::Arc::new(start_ms.into()))
-    }
-
-    /// Moves the clock forward by `by`.
-    pub fn advance(&self, by: Duration) {
-        self.0
-            .fetch_add(duration_ms(by), std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-impl Clock for ManualClock {
-    fn now_ms(&self) -> i64 {
-        self.0.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
-/// Seconds for `Retry-After` from a remaining lease: whole seconds not past
-/// the lease's end, and at least 1.
-pub(crate) fn retry_after_secs(remaining: Duration) -> u64 {
-    remaining.as_secs().max(1)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fencing_tokens_never_repeat_within_a_process() {
-        let tokens: std::collections::HashSet<i64> =
-            (0..200_000).map(|_| FencingToken::random().0).collect();
-        assert_eq!(tokens.len(), 200_000);
-    }
-
-    #[test]
-    fn splitmix64_is_a_bijection_on_a_sample() {
-        let outputs: std::collections::HashSet<u64> = (0..100_000u64).map(splitmix64).collect();
-        assert_eq!(outputs.len(), 100_000);
-        assert_ne!(splitmix64(1), 1);
-    }
 }
