@@ -82,7 +82,7 @@ macro_rules! transaction_extractor {
                     .extensions
                     .get::<$transaction>()
                     .cloned()
-                    .ok_or_else(super::missing_transaction)
+                    .ok_or_else($crate::store::missing_transaction)
             }
         }
 

@@ -1,0 +1,263 @@
+//! [`SqliteStoreBuilder`]: the options, the connection pool, and the schema
+//! with its migration.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use r2d2_sqlite::SqliteConnectionManager;
+use rusqlite::TransactionBehavior;
+
+use super::{SqliteStore, blocking};
+use crate::store::{Clock, StoreError, SystemClock, duration_ms};
+
+/// The schema version this crate writes, kept in `PRAGMA user_version`.
+const SCHEMA_VERSION: i64 = 1;
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS idempotency_records (
+    scope       TEXT    NOT NULL,
+    key         TEXT    NOT NULL,
+    fingerprint BLOB    NOT NULL,
+    token       INTEGER NOT NULL,
+    state       TEXT    NOT NULL CHECK (state IN ('in_flight', 'completed')),
+    lease_until INTEGER NOT NULL, -- unix ms; meaningful while in flight
+    expires_at  INTEGER NOT NULL, -- unix ms; the record's TTL deadline
+    response    BLOB,             -- StoredResponse::encode, once completed
+    PRIMARY KEY (scope, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS idempotency_records_expires_at ON idempotency_records (expires_at);
+";
+
+/// SQLite's `synchronous` setting: how often a commit waits for the disk.
+///
+/// With WAL, `Normal` survives a process crash (kill -9) but may lose the
+/// last commits on power loss; `Full` survives both and costs an fsync per
+/// commit. See <https://www.sqlite.org/pragma.html#pragma_synchronous>.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Synchronous {
+    /// `synchronous=NORMAL`.
+    Normal,
+    /// `synchronous=FULL` (the default: an acknowledged record survives power loss).
+    #[default]
+    Full,
+}
+
+/// Options for [`SqliteStore`]; made by [`SqliteStore::builder`].
+#[must_use]
+pub struct SqliteStoreBuilder {
+    path: PathBuf,
+    busy_timeout: Duration,
+    synchronous: Synchronous,
+    pool_size: u32,
+    clock: Arc<dyn Clock>,
+    group_commit: usize,
+    on_connect: Option<ConnectHook>,
+}
+
+/// A function run on every connection a [`SqliteStore`] opens.
+type ConnectHook = Arc<dyn Fn(&rusqlite::Connection) -> rusqlite::Result<()> + Send + Sync>;
+
+impl SqliteStoreBuilder {
+    /// How long a call waits for another connection's lock before it fails
+    /// with [`StoreError::Unavailable`]. Default 5 s.
+    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
+        self.busy_timeout = timeout;
+        self
+    }
+
+    /// Default [`Synchronous::Full`].
+    pub fn synchronous(mut self, synchronous: Synchronous) -> Self {
+        self.synchronous = synchronous;
+        self
+    }
+
+    /// Connections kept open (default 8). SQLite has one writer at a time
+    /// whatever this is; more connections let replays read concurrently.
+    pub fn pool_size(mut self, size: u32) -> Self {
+        self.pool_size = size.max(1);
+        self
+    }
+
+    /// The clock that judges leases and TTLs (default the system clock).
+    /// Every process sharing a file should use the same clock.
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// At most this many transactional requests share one commit (default
+    /// 32; 1 commits each request on its own). See [`SqliteTransaction`](super::SqliteTransaction),
+    /// "Group commit". A batch never waits to fill: it commits as soon as no
+    /// request is waiting for the writer.
+    pub fn group_commit(mut self, requests: usize) -> Self {
+        self.group_commit = requests.max(1);
+        self
+    }
+
+    /// Runs `f` on every pooled connection the store opens, after the
+    /// store's own settings (busy timeout, `synchronous`, `foreign_keys`) and
+    /// before the connection is first used, including for the schema
+    /// migration. For per-connection settings SQLite does not keep in the
+    /// file, e.g. `PRAGMA max_page_count` (a cap on the file's size, in
+    /// pages: writes past it fail with `SQLITE_FULL`, which the layer
+    /// answers with 503) or `PRAGMA cache_size`. An error from `f` fails
+    /// that connection: [`SqliteStoreBuilder::open`], or the call that
+    /// needed it, fails with [`StoreError::Unavailable`].
+    ///
+    /// Do not change `journal_mode` or `busy_timeout` here: the store sets
+    /// them itself.
+    pub fn on_connect<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&rusqlite::Connection) -> rusqlite::Result<()> + Send + Sync + 'static,
+    {
+        self.on_connect = Some(Arc::new(f));
+        self
+    }
+
+    /// Opens (creating if missing) the file and creates or migrates the schema.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] when the file cannot be opened or
+    /// written, or holds a schema newer than this crate knows.
+    pub async fn open(self) -> Result<SqliteStore, StoreError> {
+        let busy_ms = duration_ms(self.busy_timeout);
+        let synchronous = match self.synchronous {
+            Synchronous::Normal => "NORMAL",
+            Synchronous::Full => "FULL",
+        };
+        let on_connect = self.on_connect.clone();
+        let manager = SqliteConnectionManager::file(&self.path).with_init(move |c| {
+            // SQLite opens a file it may not write read-only, and such a
+            // connection stays read-only after the file is writable again:
+            // kept in the pool, it would fail every write it is handed.
+            // Refused here, the pool opens it again on a later call.
+            if c.is_readonly(rusqlite::MAIN_DB)? {
+                return Err(rusqlite::Error::SqliteFailure(
+                    rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_READONLY),
+                    Some("the database file cannot be opened for writing".into()),
+                ));
+            }
+            c.busy_timeout(Duration::from_millis(busy_ms as u64))?;
+            c.pragma_update(None, "synchronous", synchronous)?;
+            // For the handler's own tables in transactional mode.
+            c.pragma_update(None, "foreign_keys", "ON")?;
+            if let Some(hook) = &on_connect {
+                hook(c)?;
+            }
+            Ok(())
+        });
+        let path = self.path.clone();
+        let pool_size = self.pool_size;
+        let busy_timeout = self.busy_timeout;
+        let wal_path = self.path.clone();
+        let pool = blocking(move || {
+            // WAL is a property of the file: set once here, not on every
+            // pooled connection (each change takes a lock that contends with
+            // other processes' writers).
+            let conn = rusqlite::Connection::open(&wal_path).map_err(StoreError::unavailable)?;
+            conn.busy_timeout(busy_timeout)
+                .map_err(StoreError::unavailable)?;
+            conn.pragma_update(None, "journal_mode", "WAL")
+                .map_err(StoreError::unavailable)?;
+            drop(conn);
+            let pool = r2d2::Pool::builder()
+                .max_size(pool_size)
+                .min_idle(Some(1))
+                .connection_timeout(busy_timeout + Duration::from_secs(1))
+                .build(manager)
+                .map_err(StoreError::unavailable)?;
+            migrate(&mut *pool.get().map_err(StoreError::unavailable)?)?;
+            Ok(pool)
+        })
+        .await?;
+        Ok(SqliteStore {
+            pool,
+            clock: self.clock,
+            path: Arc::new(path),
+            busy_timeout,
+            group_commit: self.group_commit,
+            writer: Arc::new(std::sync::OnceLock::new()),
+        })
+    }
+}
+
+fn migrate(conn: &mut rusqlite::Connection) -> Result<(), StoreError> {
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(StoreError::unavailable)?;
+    let version: i64 = tx
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .map_err(StoreError::unavailable)?;
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::unavailable(format!(
+            "the database holds idempotency schema version {version}; this build knows {SCHEMA_VERSION}"
+        )));
+    }
+    tx.execute_batch(SCHEMA).map_err(StoreError::unavailable)?;
+    tx.pragma_update(None, "user_version", SCHEMA_VERSION)
+        .map_err(StoreError::unavailable)?;
+    tx.commit().map_err(StoreError::unavailable)
+}
+
+impl SqliteStore {
+    /// Opens `path` with the default options (see [`SqliteStoreBuilder`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`SqliteStoreBuilder::open`].
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        Self::builder(path).open().await
+    }
+
+    /// Options: busy timeout, `synchronous`, pool size, clock, group commit,
+    /// a hook run on each new connection.
+    pub fn builder(path: impl AsRef<Path>) -> SqliteStoreBuilder {
+        SqliteStoreBuilder {
+            path: path.as_ref().to_owned(),
+            busy_timeout: Duration::from_secs(5),
+            synchronous: Synchronous::default(),
+            pool_size: 8,
+            clock: Arc::new(SystemClock),
+            group_commit: 32,
+            on_connect: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn newer_schema_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sqlite3");
+        SqliteStore::open(&path).await.unwrap();
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.pragma_update(None, "user_version", 99).unwrap();
+        drop(conn);
+        let err = SqliteStore::open(&path).await.unwrap_err();
+        assert!(err.to_string().contains("schema version 99"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn reopening_keeps_records_and_wal_is_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sqlite3");
+        let store = SqliteStore::open(&path).await.unwrap();
+        let mode: String = store
+            .with_conn(|c, _| c.pragma_query_value(None, "journal_mode", |r| r.get(0)))
+            .await
+            .unwrap();
+        assert_eq!(mode, "wal");
+        drop(store);
+        let again = SqliteStore::open(&path).await.unwrap();
+        let version: i64 = again
+            .with_conn(|c, _| c.pragma_query_value(None, "user_version", |r| r.get(0)))
+            .await
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+    }
+}

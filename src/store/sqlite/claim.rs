@@ -1,0 +1,147 @@
+//! The claim's SQL: the read of a record, the claim inside an IMMEDIATE
+//! transaction, and the completion fenced by the token.
+
+use rusqlite::{OptionalExtension, params};
+
+use crate::response::StoredResponse;
+use crate::store::{
+    Claim, ClaimRequest, Completion, Decision, Existing, FencingToken, StoreError, decide,
+    duration_ms,
+};
+
+/// What the claim found, before the response blob is decoded.
+pub(super) enum Found {
+    Claim(Claim),
+    Completed(Vec<u8>),
+}
+
+impl Found {
+    pub(super) fn decode(self) -> Result<Claim, StoreError> {
+        match self {
+            Found::Claim(claim) => Ok(claim),
+            Found::Completed(blob) => StoredResponse::decode(&blob)
+                .map(Claim::Completed)
+                .map_err(|e| StoreError::Corrupt(e.to_string())),
+        }
+    }
+}
+
+/// A record's columns, as a claim reads them.
+pub(super) struct Record {
+    fingerprint: Vec<u8>,
+    state: String,
+    lease_until: i64,
+    expires_at: i64,
+    pub(super) response: Option<Vec<u8>>,
+}
+
+impl Record {
+    pub(super) fn existing(&self) -> Existing<'_> {
+        Existing {
+            fingerprint: &self.fingerprint,
+            completed: self.state == "completed",
+            lease_until: self.lease_until,
+            expires_at: self.expires_at,
+        }
+    }
+}
+
+pub(super) fn read_record(
+    conn: &rusqlite::Connection,
+    scope: &str,
+    key: &str,
+) -> rusqlite::Result<Option<Record>> {
+    conn.query_row(
+        "SELECT fingerprint, state, lease_until, expires_at, response
+         FROM idempotency_records WHERE scope = ?1 AND key = ?2",
+        params![scope, key],
+        |r| {
+            Ok(Record {
+                fingerprint: r.get(0)?,
+                state: r.get(1)?,
+                lease_until: r.get(2)?,
+                expires_at: r.get(3)?,
+                response: r.get(4)?,
+            })
+        },
+    )
+    .optional()
+}
+
+/// The claim (the table in the module docs of [`super`]) inside `tx`, an IMMEDIATE transaction: it holds
+/// SQLite's write lock, so what it reads is what it decides on. The primary
+/// key `(scope, key)` decides who inserts first.
+pub(super) fn claim_in(
+    tx: &rusqlite::Transaction<'_>,
+    req: &ClaimRequest,
+    now: i64,
+) -> rusqlite::Result<Found> {
+    let lease_until = now.saturating_add(duration_ms(req.lease));
+    let expires_at = now.saturating_add(duration_ms(req.ttl));
+    let fingerprint = &req.fingerprint.0[..];
+    let inserted = tx.execute(
+        "INSERT INTO idempotency_records
+            (scope, key, fingerprint, token, state, lease_until, expires_at)
+         VALUES (?1, ?2, ?3, ?4, 'in_flight', ?5, ?6)
+         ON CONFLICT (scope, key) DO NOTHING",
+        params![
+            req.scope,
+            req.key,
+            fingerprint,
+            req.token.0,
+            lease_until,
+            expires_at
+        ],
+    )?;
+    if inserted == 1 {
+        return Ok(Found::Claim(Claim::Acquired { taken_over: false }));
+    }
+    let Some(record) = read_record(tx, &req.scope, &req.key)? else {
+        // The insert conflicted, so the row exists under the write lock.
+        return Err(rusqlite::Error::QueryReturnedNoRows);
+    };
+    let existing = record.existing();
+    let taken_over = match decide(&existing, &req.fingerprint, now) {
+        Decision::Replace { taken_over } => taken_over,
+        Decision::Mismatch => return Ok(Found::Claim(Claim::Mismatch)),
+        Decision::Replay => return Ok(Found::Completed(record.response.unwrap_or_default())),
+        Decision::InFlight(lease_remaining) => {
+            return Ok(Found::Claim(Claim::InFlight { lease_remaining }));
+        }
+    };
+    tx.execute(
+        "UPDATE idempotency_records
+         SET fingerprint = ?3, token = ?4, state = 'in_flight',
+             lease_until = ?5, expires_at = ?6, response = NULL
+         WHERE scope = ?1 AND key = ?2",
+        params![
+            req.scope,
+            req.key,
+            fingerprint,
+            req.token.0,
+            lease_until,
+            expires_at
+        ],
+    )?;
+    Ok(Found::Claim(Claim::Acquired { taken_over }))
+}
+
+/// Completes the record if it still carries `token`.
+pub(super) fn complete_in(
+    conn: &rusqlite::Connection,
+    scope: &str,
+    key: &str,
+    token: FencingToken,
+    blob: &[u8],
+) -> rusqlite::Result<Completion> {
+    let updated = conn.execute(
+        "UPDATE idempotency_records SET state = 'completed', response = ?4
+         WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight'",
+        params![scope, key, token.0, blob],
+    )?;
+    Ok(if updated == 1 {
+        Completion::Stored
+    } else {
+        Completion::Fenced
+    })
+}

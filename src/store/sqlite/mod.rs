@@ -1,0 +1,326 @@
+//! The embedded default: SQLite through rusqlite (bundled), one file that
+//! several processes may share.
+//!
+//! * `builder.rs`: [`SqliteStoreBuilder`], the schema and its migration.
+//! * `claim.rs`: the claim's and the completion's SQL.
+//! * `writer.rs`: the writer thread and its group commit.
+//! * `transaction.rs`: [`SqliteTransaction`], the handler's handle.
+//! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use r2d2_sqlite::SqliteConnectionManager;
+use rusqlite::params;
+
+use crate::response::StoredResponse;
+use crate::store::{
+    Claim, ClaimRequest, Clock, Completion, Decision, FencingToken, Store, StoreError,
+    TransactionClaim, TransactionalStore, decide,
+};
+
+mod builder;
+mod claim;
+mod inspect;
+mod transaction;
+mod writer;
+
+pub use builder::{SqliteStoreBuilder, Synchronous};
+use claim::{Found, claim_in, complete_in, read_record};
+pub use transaction::SqliteTransaction;
+use transaction::{Command, transaction_over};
+pub use writer::GroupCommitStats;
+use writer::{ABANDONED, Begin, WAITING, Work, WriteJob, Writer};
+
+/// Records in one SQLite file, in WAL mode.
+///
+/// * The claim is an `INSERT ... ON CONFLICT DO NOTHING` inside a
+///   `BEGIN IMMEDIATE` transaction: the primary key `(scope, key)` decides
+///   who is first, in one process or many sharing the file.
+/// * Writes (claims, completions, releases, and transactional requests) go
+///   through one writer thread per store, which commits the writes of
+///   concurrent requests together (group commit, see [`SqliteTransaction`]);
+///   each caller gets its answer once its batch is durable. A repeat of a
+///   committed request is answered from a read on a pooled connection,
+///   without the writer.
+/// * Reads and purges run on Tokio's blocking pool
+///   ([`tokio::task::spawn_blocking`]): no SQLite call ever blocks an async
+///   worker thread.
+/// * A request waits for the writer, or a lock held by another connection,
+///   at most the busy timeout (default 5 s); past it the call fails with
+///   [`StoreError::Unavailable`], which the layer answers with 503. A write
+///   whose caller gave up never runs.
+/// * The schema is created or migrated when the store opens.
+/// * Connections enforce foreign keys (`PRAGMA foreign_keys = ON`), which
+///   matters for the handler's own tables in transactional mode.
+///
+/// # Example
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, SqliteStore, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let dir = tempfile::tempdir()?;
+/// # let path = dir.path().join("app.sqlite3");
+/// let store = SqliteStore::open(&path).await?;
+/// assert_eq!(store.purge_expired().await?, 0);
+/// let layer = IdempotencyLayer::new(store, |parts: &http::request::Parts| {
+///     parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
+/// });
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct SqliteStore {
+    pool: r2d2::Pool<SqliteConnectionManager>,
+    clock: Arc<dyn Clock>,
+    path: Arc<PathBuf>,
+    busy_timeout: Duration,
+    group_commit: usize,
+    writer: Arc<std::sync::OnceLock<Writer>>,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Runs `f` on Tokio's blocking pool.
+async fn blocking<T, F>(f: F) -> Result<T, StoreError>
+where
+    F: FnOnce() -> Result<T, StoreError> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(StoreError::unavailable)?
+}
+
+impl SqliteStore {
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` with a pooled connection on the blocking pool. `f` reads
+    /// the clock itself, after it holds whatever lock it waits for: a claim
+    /// that waited for the write lock must not start its lease in the past.
+    async fn with_conn<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(&mut rusqlite::Connection, &dyn Clock) -> rusqlite::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let pool = self.pool.clone();
+        let clock = self.clock.clone();
+        blocking(move || {
+            let mut conn = pool.get().map_err(StoreError::unavailable)?;
+            f(&mut conn, &*clock).map_err(StoreError::unavailable)
+        })
+        .await
+    }
+}
+
+impl Store for SqliteStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        // A repeat of a committed request is answered from a read.
+        if let Some(refused) = self.committed_refusal(&req).await? {
+            return Ok(refused);
+        }
+        self.write(move |tx, clock| claim_in(tx, &req, clock.now_ms()))
+            .await?
+            .decode()
+    }
+
+    async fn complete(
+        &self,
+        scope: String,
+        key: String,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Completion, StoreError> {
+        let blob = response.encode();
+        self.write(move |tx, _| complete_in(tx, &scope, &key, token, &blob))
+            .await
+    }
+
+    async fn release(
+        &self,
+        scope: String,
+        key: String,
+        token: FencingToken,
+    ) -> Result<bool, StoreError> {
+        self.write(move |tx, _| {
+            let deleted = tx.execute(
+                "DELETE FROM idempotency_records
+                 WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight'",
+                params![scope, key, token.0],
+            )?;
+            Ok(deleted == 1)
+        })
+        .await
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        self.with_conn(|conn, clock| {
+            let n = conn.execute(
+                "DELETE FROM idempotency_records WHERE expires_at <= ?1",
+                params![clock.now_ms()],
+            )?;
+            Ok(n as u64)
+        })
+        .await
+    }
+}
+
+impl SqliteStore {
+    /// The writer of transactional requests, started on first use.
+    fn writer(&self) -> Result<&Writer, StoreError> {
+        if let Some(writer) = self.writer.get() {
+            return Ok(writer);
+        }
+        let writer = Writer::start(self.pool.clone(), self.clock.clone(), self.group_commit)?;
+        // Another thread may have won the race; its writer is used and this
+        // one's thread ends when its queue is dropped here.
+        Ok(self.writer.get_or_init(|| writer))
+    }
+
+    /// Runs a short write in the writer's next batch and returns its result
+    /// once the batch has committed: the claims, completions and releases
+    /// of concurrent requests share one commit.
+    async fn write<T, F>(&self, write: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&rusqlite::Transaction<'_>, &dyn Clock) -> rusqlite::Result<T> + Send + 'static,
+    {
+        use std::sync::atomic::Ordering::SeqCst;
+        let (reply, mut answer) = tokio::sync::oneshot::channel();
+        let state = Arc::new(std::sync::atomic::AtomicU8::new(WAITING));
+        let job = WriteJob {
+            write,
+            reply,
+            state: state.clone(),
+        };
+        self.send(Work::Write(Box::new(job)))?;
+        match tokio::time::timeout(self.busy_timeout, &mut answer).await {
+            Ok(answer) => answer.map_err(|_| transaction_over())?,
+            Err(_) => match state.compare_exchange(WAITING, ABANDONED, SeqCst, SeqCst) {
+                Ok(_) => Err(self.busy()),
+                // The writer has started it: its batch decides.
+                Err(_) => answer.await.map_err(|_| transaction_over())?,
+            },
+        }
+    }
+
+    fn busy(&self) -> StoreError {
+        StoreError::unavailable(format!(
+            "the SQLite writer was busy for longer than the busy timeout ({} ms)",
+            self.busy_timeout.as_millis()
+        ))
+    }
+
+    /// Queues work for the writer.
+    fn send(&self, work: Work) -> Result<(), StoreError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let writer = self.writer()?;
+        writer.counters.waiting.fetch_add(1, Relaxed);
+        writer.queue.send(work).map_err(|_| {
+            writer.counters.waiting.fetch_sub(1, Relaxed);
+            StoreError::unavailable("the SQLite writer thread has stopped")
+        })
+    }
+
+    /// Waits for the writer's answer, at most the busy timeout.
+    async fn answer<T>(&self, answer: tokio::sync::oneshot::Receiver<T>) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.busy_timeout, answer).await {
+            Ok(answer) => answer.map_err(|_| transaction_over()),
+            Err(_) => Err(self.busy()),
+        }
+    }
+
+    /// Requests waiting for the writer right now (transactional requests,
+    /// and the claims, completions and releases of separate mode): a gauge
+    /// of how far behind the single writer is.
+    pub fn transactions_waiting(&self) -> usize {
+        self.writer.get().map_or(0, |w| {
+            w.counters
+                .waiting
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+    }
+
+    /// Commits made by the writer of transactional requests so far, and how
+    /// many requests they carried (see [`SqliteTransaction`], "Group commit").
+    pub fn group_commit_stats(&self) -> GroupCommitStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.writer
+            .get()
+            .map_or_else(GroupCommitStats::default, |w| GroupCommitStats {
+                commits: w.counters.commits.load(Relaxed),
+                requests: w.counters.requests.load(Relaxed),
+            })
+    }
+
+    /// What the committed record says, read without the write lock: a
+    /// replay, a 422 or a 409 that needs no writer. `None`: the writer decides.
+    async fn committed_refusal(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
+        let (scope, key, fingerprint) = (req.scope.clone(), req.key.clone(), req.fingerprint);
+        let found = self
+            .with_conn(move |conn, clock| {
+                let Some(record) = read_record(conn, &scope, &key)? else {
+                    return Ok(None);
+                };
+                let existing = record.existing();
+                Ok(match decide(&existing, &fingerprint, clock.now_ms()) {
+                    Decision::Replace { .. } => None,
+                    Decision::Mismatch => Some(Found::Claim(Claim::Mismatch)),
+                    Decision::Replay => Some(Found::Completed(
+                        record.response.clone().unwrap_or_default(),
+                    )),
+                    Decision::InFlight(lease_remaining) => {
+                        Some(Found::Claim(Claim::InFlight { lease_remaining }))
+                    }
+                })
+            })
+            .await?;
+        found.map(Found::decode).transpose()
+    }
+}
+
+impl TransactionalStore for SqliteStore {
+    type Transaction = SqliteTransaction;
+
+    async fn claim_in_transaction(
+        &self,
+        req: ClaimRequest,
+    ) -> Result<TransactionClaim<SqliteTransaction>, StoreError> {
+        // A repeat of a committed request is answered from the committed
+        // record, without waiting for the writer.
+        if let Some(refused) = self.committed_refusal(&req).await? {
+            return Ok(TransactionClaim::Refused(refused));
+        }
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.send(Work::Request(Begin { req, reply }))?;
+        self.answer(answer).await?
+    }
+
+    async fn commit(
+        &self,
+        transaction: &SqliteTransaction,
+        response: StoredResponse,
+    ) -> Result<Completion, StoreError> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let response = response.encode();
+        transaction
+            .commands
+            .send(Command::Commit { response, reply })
+            .map_err(|_| transaction_over())?;
+        answer.await.map_err(|_| transaction_over())?
+    }
+
+    fn rollback(&self, transaction: &SqliteTransaction) {
+        let _ = transaction.commands.send(Command::Rollback);
+    }
+}
