@@ -68,9 +68,10 @@ pub(super) fn read_record(
     .optional()
 }
 
-/// The claim (the table in the module docs of [`super`]) inside `tx`, an IMMEDIATE transaction: it holds
-/// SQLite's write lock, so what it reads is what it decides on. The primary
-/// key `(scope, key)` decides who inserts first.
+/// The claim (the table in the module docs of [`crate::store`]) inside
+/// `tx`, an IMMEDIATE transaction: it holds SQLite's write lock, so what it
+/// reads is what it decides on. The primary key `(scope, key)` decides who
+/// inserts first.
 pub(super) fn claim_in(
     tx: &rusqlite::Transaction<'_>,
     req: &ClaimRequest,

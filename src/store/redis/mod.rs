@@ -1,5 +1,8 @@
 //! Records in Redis, for a fleet of app servers that share one Redis (the
 //! `redis` cargo feature). The docs, with an example, are on [`RedisStore`].
+//!
+//! Each Lua script is a `.lua` file beside this one, loaded with
+//! `include_str!`; `inspect.rs` holds [`Inspect`](crate::store::Inspect).
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -7,12 +10,10 @@ use std::time::Duration;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{Script, Value};
 
-use super::{
-    Claim, ClaimRequest, Clock, Completion, FencingToken, Inspect, RecordCounts, RecordSummary,
-    Store, StoreError, duration_ms,
-};
-use crate::fingerprint::Fingerprint;
+use super::{Claim, ClaimRequest, Clock, Completion, FencingToken, Store, StoreError, duration_ms};
 use crate::response::StoredResponse;
+
+mod inspect;
 
 /// The largest lease, TTL or clock offset (ms) a script is given: about
 /// 35,000 years. A Unix time plus an offset plus a TTL stays below 2^52, so
@@ -31,164 +32,29 @@ const SCAN_COUNT: usize = 500;
 
 /// Shared by every script: the server's time in ms plus the offset in
 /// `ARGV[1]`, and whole numbers written as integers (never `1.8e+12`).
-const PRELUDE: &str = r"
-if redis.replicate_commands then redis.replicate_commands() end
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
-end
-local function int(n)
-  return string.format('%d', n)
-end
-";
+const PRELUDE: &str = include_str!("prelude.lua");
 
 /// `KEYS[1]` the record; `ARGV`: offset, fingerprint, token, lease ms, TTL ms.
 /// The table in the module docs of [`super`], in order.
-const CLAIM: &str = r"
-local key = KEYS[1]
-local now = now_ms()
-local function acquire(taken_over)
-  redis.call('DEL', key)
-  redis.call('HSET', key,
-    'fingerprint', ARGV[2],
-    'token', ARGV[3],
-    'state', 'in_flight',
-    'lease_until', int(now + tonumber(ARGV[4])),
-    'expires_at', int(now + tonumber(ARGV[5])))
-  redis.call('PEXPIRE', key, ARGV[5])
-  return {'acquired', taken_over}
-end
-local kind = redis.call('TYPE', key)['ok']
-if kind == 'none' then
-  return acquire(0)
-end
-if kind ~= 'hash' then
-  return {'corrupt', 'the key holds a ' .. kind .. ', not a hash'}
-end
-local r = redis.call('HMGET', key, 'fingerprint', 'state', 'lease_until', 'expires_at')
-local expires_at = tonumber(r[4])
-if not expires_at then
-  return {'corrupt', 'expires_at is missing or not a number'}
-end
-if expires_at <= now then
-  return acquire(0)
-end
-if type(r[1]) ~= 'string' then
-  return {'corrupt', 'the fingerprint is missing'}
-end
-if r[1] ~= ARGV[2] then
-  return {'mismatch'}
-end
-if r[2] == 'completed' then
-  local response = redis.call('HGET', key, 'response')
-  if type(response) ~= 'string' then
-    return {'corrupt', 'a completed record without a response'}
-  end
-  return {'completed', response}
-end
-if r[2] ~= 'in_flight' then
-  return {'corrupt', 'the state is neither in_flight nor completed'}
-end
-local lease_until = tonumber(r[3])
-if not lease_until then
-  return {'corrupt', 'lease_until is missing or not a number'}
-end
-if lease_until > now then
-  return {'in_flight', lease_until - now}
-end
-return acquire(1)
-";
+const CLAIM: &str = include_str!("claim.lua");
 
 /// `KEYS[1]` the record; `ARGV`: offset, token, response. 1 stored, 0 fenced.
 /// A record past its TTL counts as gone: nothing is written.
-const COMPLETE: &str = r"
-local key = KEYS[1]
-if redis.call('TYPE', key)['ok'] ~= 'hash' then
-  return 0
-end
-local r = redis.call('HMGET', key, 'token', 'state', 'expires_at')
-if r[1] ~= ARGV[2] or r[2] ~= 'in_flight' then
-  return 0
-end
-local remaining = (tonumber(r[3]) or 0) - now_ms()
-if remaining <= 0 then
-  return 0
-end
-redis.call('HSET', key, 'state', 'completed', 'response', ARGV[3])
-redis.call('PEXPIRE', key, int(remaining))
-return 1
-";
+const COMPLETE: &str = include_str!("complete.lua");
 
 /// `KEYS[1]` the record; `ARGV`: offset (unused), token. 1 deleted, 0 not.
-const RELEASE: &str = r"
-local key = KEYS[1]
-if redis.call('TYPE', key)['ok'] ~= 'hash' then
-  return 0
-end
-local r = redis.call('HMGET', key, 'token', 'state')
-if r[1] == ARGV[2] and r[2] == 'in_flight' then
-  redis.call('DEL', key)
-  return 1
-end
-return 0
-";
+const RELEASE: &str = include_str!("release.lua");
 
 /// `KEYS` records found by `SCAN`; `ARGV`: offset. Deletes the records (hashes
 /// with a known state) whose `expires_at` has passed; returns how many.
-const PURGE: &str = r"
-local now = now_ms()
-local n = 0
-for _, key in ipairs(KEYS) do
-  if redis.call('TYPE', key)['ok'] == 'hash' then
-    local r = redis.call('HMGET', key, 'state', 'expires_at')
-    local expires_at = tonumber(r[2])
-    if (r[1] == 'in_flight' or r[1] == 'completed') and expires_at and expires_at <= now then
-      redis.call('DEL', key)
-      n = n + 1
-    end
-  end
-end
-return n
-";
+const PURGE: &str = include_str!("purge.lua");
 
 /// `KEYS` records found by `SCAN`; `ARGV`: offset, `1` to list the stuck
 /// records. Judges each record (hashes with a known state) as the claim
 /// would, at one reading of the server's clock. Returns `{'ok', now,
 /// in_flight, stuck, completed, expired, {{key, fingerprint, lease_until,
 /// expires_at}, ...}}`, or `{'corrupt', why}`.
-const INSPECT: &str = r"
-local now = now_ms()
-local list = ARGV[2] == '1'
-local counts = {0, 0, 0, 0}
-local stuck = {}
-for _, key in ipairs(KEYS) do
-  if redis.call('TYPE', key)['ok'] == 'hash' then
-    local r = redis.call('HMGET', key, 'state', 'lease_until', 'expires_at', 'fingerprint')
-    local expires_at = tonumber(r[3])
-    if (r[1] == 'in_flight' or r[1] == 'completed') and expires_at then
-      if expires_at <= now then
-        counts[4] = counts[4] + 1
-      elseif r[1] == 'completed' then
-        counts[3] = counts[3] + 1
-      else
-        local lease_until = tonumber(r[2])
-        if not lease_until then
-          return {'corrupt', 'lease_until is missing or not a number'}
-        end
-        if lease_until > now then
-          counts[1] = counts[1] + 1
-        else
-          counts[2] = counts[2] + 1
-          if list then
-            table.insert(stuck, {key, r[4] or '', int(lease_until), int(expires_at)})
-          end
-        end
-      end
-    end
-  end
-end
-return {'ok', int(now), counts[1], counts[2], counts[3], counts[4], stuck}
-";
+const INSPECT: &str = include_str!("inspect.lua");
 
 static CLAIM_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CLAIM));
 static COMPLETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(COMPLETE));
@@ -613,200 +479,6 @@ impl Store for RedisStore {
     }
 }
 
-/// A stuck record as the inspect script lists it.
-struct StuckEntry {
-    scope: String,
-    key: String,
-    fingerprint: Fingerprint,
-    lease_until: i64,
-    expires_at: i64,
-}
-
-/// One batch's answer from the inspect script.
-struct Inspected {
-    counts: RecordCounts,
-    stuck: Vec<StuckEntry>,
-    /// The server's time (ms, with the test offset) when it was judged; for
-    /// a whole walk, the last page's.
-    now: i64,
-}
-
-/// A decimal reply field (the scripts write whole numbers as strings).
-fn decimal(v: Option<&Value>) -> Option<i64> {
-    std::str::from_utf8(text(v)?).ok()?.parse().ok()
-}
-
-/// The inspect script's reply; record names are parsed with `prefix`.
-fn parse_inspect(prefix: &str, reply: Value) -> Result<Inspected, StoreError> {
-    // Not the reply itself: it names records (scopes and keys).
-    let bad = || StoreError::unavailable("unexpected reply from the inspect script");
-    let Value::Array(items) = &reply else {
-        return Err(bad());
-    };
-    match text(items.first()) {
-        Some(b"ok") => {}
-        Some(b"corrupt") => {
-            return Err(StoreError::Corrupt(
-                text(items.get(1))
-                    .map(|why| String::from_utf8_lossy(why).into_owned())
-                    .unwrap_or_default(),
-            ));
-        }
-        _ => return Err(bad()),
-    }
-    let now = decimal(items.get(1)).ok_or_else(bad)?;
-    let count = |i: usize| {
-        int(items.get(i))
-            .and_then(|n| u64::try_from(n).ok())
-            .ok_or_else(bad)
-    };
-    let counts = RecordCounts {
-        in_flight: count(2)?,
-        stuck: count(3)?,
-        completed: count(4)?,
-        expired: count(5)?,
-    };
-    let Some(Value::Array(listed)) = items.get(6) else {
-        return Err(bad());
-    };
-    let stuck = listed
-        .iter()
-        .map(|entry| {
-            let Value::Array(fields) = entry else {
-                return Err(bad());
-            };
-            let name = text(fields.first()).ok_or_else(bad)?;
-            // Not the name: it holds a scope and a key, which logs never show.
-            let corrupt = |why: &str| StoreError::Corrupt(why.to_owned());
-            let (scope, key) = parse_record_key(prefix, name).ok_or_else(|| {
-                corrupt("a stuck record's name is not prefix, scope length, ':', scope, ':', key")
-            })?;
-            let fingerprint = text(fields.get(1))
-                .and_then(|f| <[u8; 32]>::try_from(f).ok())
-                .ok_or_else(|| corrupt("a stuck record's fingerprint is not 32 bytes"))?;
-            Ok(StuckEntry {
-                scope,
-                key,
-                fingerprint: Fingerprint(fingerprint),
-                lease_until: decimal(fields.get(2)).ok_or_else(bad)?,
-                expires_at: decimal(fields.get(3)).ok_or_else(bad)?,
-            })
-        })
-        .collect::<Result<_, _>>()?;
-    Ok(Inspected { counts, stuck, now })
-}
-
-/// `(scope, key)` from a record's name, `{prefix}{scope length}:{scope}:{key}`.
-fn parse_record_key(prefix: &str, name: &[u8]) -> Option<(String, String)> {
-    let rest = name.strip_prefix(prefix.as_bytes())?;
-    let colon = rest.iter().position(|b| *b == b':')?;
-    let len: usize = std::str::from_utf8(&rest[..colon]).ok()?.parse().ok()?;
-    let rest = &rest[colon + 1..];
-    let scope = rest.get(..len)?;
-    let key = rest.get(len..)?.strip_prefix(b":")?;
-    Some((
-        String::from_utf8(scope.to_vec()).ok()?,
-        String::from_utf8(key.to_vec()).ok()?,
-    ))
-}
-
-impl RedisStore {
-    /// Runs the inspect script over every key under the prefix, one `SCAN`
-    /// page at a time. `SCAN` may return a key twice; each is judged once.
-    /// With `list`, keeps the `limit` stuck records with the oldest lease end.
-    async fn inspect(&self, list: Option<usize>) -> Result<Inspected, StoreError> {
-        let mut conn = self.conn.clone();
-        let pattern = scan_pattern(&self.prefix);
-        let mut seen = std::collections::HashSet::new();
-        let mut total = Inspected {
-            counts: RecordCounts::default(),
-            stuck: Vec::new(),
-            now: i64::MIN,
-        };
-        let order = |a: &StuckEntry, b: &StuckEntry| {
-            (a.lease_until, &a.scope, &a.key).cmp(&(b.lease_until, &b.scope, &b.key))
-        };
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, keys) = scan_page(&mut conn, &pattern, cursor).await?;
-            let fresh: Vec<Vec<u8>> = keys
-                .into_iter()
-                .filter(|k| seen.insert(k.clone()))
-                .collect();
-            if !fresh.is_empty() {
-                let reply: Value = INSPECT_SCRIPT
-                    .key(&fresh)
-                    .arg(self.offset_ms())
-                    .arg(if list.is_some() { "1" } else { "0" })
-                    .invoke_async(&mut conn)
-                    .await
-                    .map_err(StoreError::unavailable)?;
-                let batch = parse_inspect(&self.prefix, reply)?;
-                total.now = total.now.max(batch.now);
-                let counts = &mut total.counts;
-                counts.in_flight += batch.counts.in_flight;
-                counts.stuck += batch.counts.stuck;
-                counts.completed += batch.counts.completed;
-                counts.expired += batch.counts.expired;
-                if let Some(limit) = list {
-                    total.stuck.extend(batch.stuck);
-                    if total.stuck.len() > limit.saturating_mul(2).max(SCAN_COUNT) {
-                        total.stuck.sort_by(order);
-                        total.stuck.truncate(limit);
-                    }
-                }
-            }
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
-        if let Some(limit) = list {
-            total.stuck.sort_by(order);
-            total.stuck.truncate(limit);
-        }
-        Ok(total)
-    }
-}
-
-/// Walks every key under the prefix with `SCAN` (as
-/// [`Store::purge_expired`] does), judging each page in one script at one
-/// reading of the Redis server's clock. So an answer is not one snapshot:
-/// records written or deleted during the walk may or may not be counted, and
-/// pages are judged some milliseconds apart (the figures of
-/// [`RecordSummary`] are all taken at the last page's reading, so they
-/// agree with the order of the list). The walk keeps the names it has
-/// seen in memory (`SCAN` may return a key twice), so it costs memory in
-/// proportion to the records. Records past their TTL usually vanish by
-/// Redis's own expiry before any purge, so [`RecordCounts::expired`] is
-/// rarely above 0 here.
-impl Inspect for RedisStore {
-    async fn stuck(&self, limit: usize) -> Result<Vec<RecordSummary>, StoreError> {
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        let inspected = self.inspect(Some(limit)).await?;
-        Ok(inspected
-            .stuck
-            .into_iter()
-            .map(|e| {
-                RecordSummary::new(
-                    e.scope,
-                    e.key,
-                    e.fingerprint,
-                    e.lease_until,
-                    e.expires_at,
-                    inspected.now,
-                )
-            })
-            .collect())
-    }
-
-    async fn counts(&self) -> Result<RecordCounts, StoreError> {
-        Ok(self.inspect(None).await?.counts)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -817,76 +489,6 @@ mod tests {
         assert_ne!(record_key("p:", "a:b", "c"), record_key("p:", "a", "b:c"));
         // Bytes, not chars.
         assert_eq!(record_key("", "é", "k"), "2:é:k");
-    }
-
-    #[test]
-    fn record_names_parse_back_to_scope_and_key() {
-        for (scope, key) in [
-            ("alice", "k-1"),
-            ("a:b", "c"),
-            ("a", "b:c"),
-            ("", ""),
-            ("é", ":"),
-        ] {
-            let name = record_key("p:", scope, key);
-            assert_eq!(
-                parse_record_key("p:", name.as_bytes()),
-                Some((scope.to_owned(), key.to_owned())),
-                "{name}"
-            );
-        }
-        for name in [
-            "q:5:alice:k",
-            "p:x:alice:k",
-            "p:9:alice:k",
-            "p:5:alicek",
-            "p:5",
-        ] {
-            assert_eq!(parse_record_key("p:", name.as_bytes()), None, "{name}");
-        }
-    }
-
-    #[test]
-    fn odd_inspect_replies_are_errors_that_name_no_record() {
-        let bulk = |b: &[u8]| Value::BulkString(b.to_vec());
-        let reply = |stuck: Vec<Value>| {
-            Value::Array(vec![
-                bulk(b"ok"),
-                bulk(b"1800000000000"),
-                Value::Int(0),
-                Value::Int(1),
-                Value::Int(0),
-                Value::Int(0),
-                Value::Array(stuck),
-            ])
-        };
-        let entry = |name: &[u8], fingerprint: &[u8]| {
-            Value::Array(vec![
-                bulk(name),
-                bulk(fingerprint),
-                bulk(b"1799999999000"),
-                bulk(b"1800000003600"),
-            ])
-        };
-        let ok = parse_inspect("p:", reply(vec![entry(b"p:5:alice:k-1", &[9; 32])])).unwrap();
-        assert_eq!(ok.now, 1_800_000_000_000);
-        assert_eq!(ok.counts.stuck, 1);
-        assert_eq!(
-            (ok.stuck[0].scope.as_str(), ok.stuck[0].key.as_str()),
-            ("alice", "k-1")
-        );
-        for odd in [
-            Value::Nil,
-            Value::Array(vec![bulk(b"p:5:alice:secret-key")]),
-            reply(vec![entry(b"p:5:alice", &[9; 32])]),
-            reply(vec![entry(b"p:5:alice:secret-key", &[9; 31])]),
-            reply(vec![Value::Array(vec![bulk(b"p:5:alice:secret-key")])]),
-        ] {
-            let Err(e) = parse_inspect("p:", odd) else {
-                panic!("accepted an odd reply");
-            };
-            assert!(!e.to_string().contains("alice"), "{e}");
-        }
     }
 
     #[test]

@@ -1,0 +1,10 @@
+local key = KEYS[1]
+if redis.call('TYPE', key)['ok'] ~= 'hash' then
+  return 0
+end
+local r = redis.call('HMGET', key, 'token', 'state')
+if r[1] == ARGV[2] and r[2] == 'in_flight' then
+  redis.call('DEL', key)
+  return 1
+end
+return 0
