@@ -45,9 +45,19 @@
 //!
 //! # Where things are
 //!
-//! * [`store`]: the [`Store`] trait, the state machine of one record, its
-//!   atomic claim, and the stores ([`MemoryStore`], [`SqliteStore`]).
-//! * [`IdempotencyLayer`] (in `layer.rs`): configuration.
+//! * [`store`] (`store/mod.rs`): the [`Store`], [`store::Inspect`] and
+//!   [`store::TransactionalStore`] traits and the contract of one record.
+//!   Beside it: `decide.rs` (the state machine of one record, shared by the
+//!   stores written in Rust), `clock.rs` ([`store::Clock`]), and one file or
+//!   folder per store: `memory.rs` ([`MemoryStore`]), `sqlite/`
+//!   ([`SqliteStore`]: `builder.rs`, `claim.rs`, `writer.rs` for group
+//!   commit, `transaction.rs`, `inspect.rs`), `postgres/` (`PostgresStore`:
+//!   `transaction.rs`, `inspect.rs`) and `redis/` (`RedisStore`: its Lua
+//!   scripts as `.lua` files, `inspect.rs`).
+//! * `fencing.rs`: [`store::FencingToken`] and its generator.
+//! * `config.rs`: what a layer is configured with, and the `DEFAULT_*`
+//!   limits ([`DEFAULT_LEASE`], [`DEFAULT_TTL`], ...).
+//! * [`IdempotencyLayer`] (in `layer.rs`): the configuration's builder.
 //! * [`Idempotency`] (in `service.rs`): the path a request walks.
 //! * [`mode`]: separate or transactional, i.e. when the record is written.
 //! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
