@@ -81,6 +81,7 @@
 //! | `Mismatch` | 422 | `FAILED_PRECONDITION` | see below |
 //! | `InFlight` | 409 | `UNAVAILABLE` + `grpc-retry-pushback-ms` | see below |
 //! | `StoreUnavailable` | 503 | `UNAVAILABLE` + `grpc-retry-pushback-ms` | nothing ran; retry the same call with the same key |
+//! | `StoreFull` | 503 | `UNAVAILABLE` + `grpc-retry-pushback-ms` | the store has no room for a new key; nothing ran; retry later with the same key |
 //! | `ResponseNotStored` | 410 | `ALREADY_EXISTS` | see below |
 //!
 //! **In flight: `UNAVAILABLE`, not `ABORTED`.** The client must retry this
@@ -369,9 +370,8 @@ pub fn grpc_rejection(rejection: &Rejection) -> http::Response<Bytes> {
         Rejection::BodyTooLarge { .. } => (Code::ResourceExhausted, None),
         Rejection::Mismatch => (Code::FailedPrecondition, None),
         Rejection::InFlight { retry_after_secs }
-        | Rejection::StoreUnavailable { retry_after_secs } => {
-            (Code::Unavailable, Some(*retry_after_secs))
-        }
+        | Rejection::StoreUnavailable { retry_after_secs }
+        | Rejection::StoreFull { retry_after_secs } => (Code::Unavailable, Some(*retry_after_secs)),
         Rejection::ResponseNotStored => (Code::AlreadyExists, None),
         // `Rejection` is non-exhaustive: a variant added later is a failure
         // of unknown kind until it is mapped here.

@@ -63,6 +63,13 @@
 //! not run, or ran and was rolled back; nothing was replayed. Retry after
 //! `Retry-After` seconds with the same key.
 //!
+//! ## store-full
+//!
+//! Status 503. The store holds as many live records as its capacity allows
+//! (`MemoryStore::with_capacity`; 100 000 by default), so no new key can be
+//! recorded. The request did not run. Retry after `Retry-After` seconds with
+//! the same key; repeats of keys already recorded are answered as before.
+//!
 //! ## response-not-stored
 //!
 //! Status 410. The request with this key completed, but its response was larger
@@ -72,6 +79,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 
 use crate::key::KeyError;
+use crate::store::StoreError;
 
 /// The stable `type` URIs of the problems this crate sends.
 pub mod types {
@@ -92,6 +100,7 @@ pub mod types {
     problem_type!(IN_FLIGHT, "in-flight");
     problem_type!(STORE_UNAVAILABLE, "store-unavailable");
     problem_type!(RESPONSE_NOT_STORED, "response-not-stored");
+    problem_type!(STORE_FULL, "store-full");
 }
 
 /// Why the layer answered instead of the inner service.
@@ -128,6 +137,13 @@ pub enum Rejection {
     /// 410: the key's request completed, but its response was larger than the
     /// response limit and was not kept. The request is not run again.
     ResponseNotStored,
+    /// 503: the store is full of live records ([`StoreError::Full`]); the
+    /// request did not run.
+    StoreFull {
+        /// Seconds to wait before retrying: the store's hint rounded up to
+        /// whole seconds, at least 1.
+        retry_after_secs: u64,
+    },
 }
 
 impl Rejection {
@@ -140,7 +156,9 @@ impl Rejection {
             Rejection::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Rejection::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Rejection::InFlight { .. } => StatusCode::CONFLICT,
-            Rejection::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::StoreUnavailable { .. } | Rejection::StoreFull { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Rejection::ResponseNotStored => StatusCode::GONE,
         }
     }
@@ -156,6 +174,7 @@ impl Rejection {
             Rejection::InFlight { .. } => types::IN_FLIGHT,
             Rejection::StoreUnavailable { .. } => types::STORE_UNAVAILABLE,
             Rejection::ResponseNotStored => types::RESPONSE_NOT_STORED,
+            Rejection::StoreFull { .. } => types::STORE_FULL,
         }
     }
 
@@ -170,6 +189,7 @@ impl Rejection {
             Rejection::InFlight { .. } => "Request with this idempotency key in flight",
             Rejection::StoreUnavailable { .. } => "Idempotency store unavailable",
             Rejection::ResponseNotStored => "Response not available for replay",
+            Rejection::StoreFull { .. } => "Idempotency store full",
         }
     }
 
@@ -196,14 +216,34 @@ impl Rejection {
             Rejection::ResponseNotStored => {
                 "the request with this idempotency key completed, but its response was too large to keep for replay; it will not be run again".into()
             }
+            Rejection::StoreFull { retry_after_secs } => format!(
+                "the idempotency store has no room for a new key; the request was not processed; retry in {retry_after_secs} s"
+            ),
         }
     }
 
     fn retry_after(&self) -> Option<u64> {
         match self {
             Rejection::InFlight { retry_after_secs }
-            | Rejection::StoreUnavailable { retry_after_secs } => Some(*retry_after_secs),
+            | Rejection::StoreUnavailable { retry_after_secs }
+            | Rejection::StoreFull { retry_after_secs } => Some(*retry_after_secs),
             _ => None,
+        }
+    }
+
+    /// The answer to a claim that failed with `error`: [`Rejection::StoreFull`]
+    /// with the store's hint for [`StoreError::Full`], otherwise
+    /// [`Rejection::StoreUnavailable`] with `retry_after_secs`.
+    pub(crate) fn store_failed(error: &StoreError, retry_after_secs: u64) -> Rejection {
+        match error {
+            // Rounded up: a retry at once after the wait finds the room.
+            StoreError::Full { retry_after, .. } => Rejection::StoreFull {
+                retry_after_secs: retry_after
+                    .as_secs()
+                    .saturating_add(u64::from(retry_after.subsec_nanos() > 0))
+                    .max(1),
+            },
+            _ => Rejection::StoreUnavailable { retry_after_secs },
         }
     }
 
@@ -259,8 +299,11 @@ mod tests {
                 retry_after_secs: 1,
             },
             Rejection::ResponseNotStored,
+            Rejection::StoreFull {
+                retry_after_secs: 7,
+            },
         ];
-        let expected = [400, 400, 413, 400, 422, 409, 503, 410];
+        let expected = [400, 400, 413, 400, 422, 409, 503, 410, 503];
         for (rejection, status) in all.iter().zip(expected) {
             let response = rejection.to_problem();
             assert_eq!(response.status(), status);
@@ -270,5 +313,52 @@ mod tests {
             assert_eq!(doc["title"], rejection.title());
             assert!(doc["detail"].as_str().is_some_and(|d| !d.is_empty()));
         }
+    }
+
+    #[test]
+    fn a_full_store_is_a_store_full_problem_with_its_hint() {
+        let full = StoreError::Full {
+            capacity: 3,
+            retry_after: std::time::Duration::from_millis(4_500),
+        };
+        let rejection = Rejection::store_failed(&full, 1);
+        assert_eq!(
+            rejection,
+            Rejection::StoreFull {
+                retry_after_secs: 5
+            }
+        );
+        let response = rejection.to_problem();
+        assert_eq!(response.status(), 503);
+        assert_eq!(response.headers()["retry-after"], "5");
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json"
+        );
+        assert_eq!(
+            response.body(),
+            &Bytes::from(concat!(
+                r#"{"type":"https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/#store-full","#,
+                r#""title":"Idempotency store full","status":503,"#,
+                r#""detail":"the idempotency store has no room for a new key; the request was not processed; retry in 5 s"}"#
+            ))
+        );
+        let short = StoreError::Full {
+            capacity: 3,
+            retry_after: std::time::Duration::from_millis(10),
+        };
+        assert_eq!(
+            Rejection::store_failed(&short, 1),
+            Rejection::StoreFull {
+                retry_after_secs: 1
+            }
+        );
+        let down = StoreError::unavailable("down");
+        assert_eq!(
+            Rejection::store_failed(&down, 2),
+            Rejection::StoreUnavailable {
+                retry_after_secs: 2
+            }
+        );
     }
 }

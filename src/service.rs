@@ -387,8 +387,7 @@ where
         Err(e) => {
             telemetry::claim("store_error");
             tracing::error!(error = %e, "idempotency store failed to claim; answering 503");
-            let retry_after_secs = STORE_RETRY_AFTER_SECS;
-            let rejection = Rejection::StoreUnavailable { retry_after_secs };
+            let rejection = Rejection::store_failed(&e, STORE_RETRY_AFTER_SECS);
             return Ok(reject(settings, Outcome::StoreError, rejection));
         }
     };

@@ -38,10 +38,29 @@
 //! | field | value |
 //! |---|---|
 //! | `scope` | the request's scope ([`crate::scope`]) |
-//! | `key` | a tag of the key: the first 8 bytes of SHA-256 over scope and key, in hex. The raw key never appears in a span or an event, so logs that also carry bodies cannot be joined to a replayable key |
+//! | `key` | a tag of the key: 16 hex digits, the first 8 bytes of a SHA-256 keyed with a per-process secret, over scope and key (see [Key tags](#key-tags)); absent if the OS generator failed. The raw key never appears in a span or an event |
 //! | `claim` | what the atomic claim found: `acquired`, `taken_over` (an in-flight record whose lease had ended), `replayed`, `in_flight`, `mismatch` or `store_error` |
 //! | `outcome` | how the request ended (the [`Outcome`] names below) |
 //! | `claim_us`, `complete_us`, `release_us` | the store's latency for that call, in microseconds |
+//!
+//! # Key tags
+//!
+//! The tag is SHA-256 over a 32-byte secret, the scope and the key (each
+//! framed by its length), cut to its first 8 bytes. The secret comes from the
+//! operating system's CSPRNG (`getrandom`), drawn once, on the first tagged
+//! span, and never leaves the process. So:
+//!
+//! - within one process, the same scope and key always give the same tag:
+//!   the spans of a request and of its retries can be matched;
+//! - a process that restarts, and every other process of a fleet, tags the
+//!   same key differently: tags do not correlate across processes or
+//!   restarts. Join logs across them by another field (a request id);
+//! - whoever reads the logs cannot check a guessed key against a tag (an
+//!   unsalted hash of a short or structured key could be confirmed offline,
+//!   and a confirmed key, under a global scope, replays its owner's response).
+//!
+//! If the OS generator fails, spans carry no `key` field at all rather than
+//! an unsalted tag.
 //!
 //! # Metrics (feature `metrics`)
 //!
@@ -122,21 +141,48 @@ pub(crate) fn request_span(scope: &str, key: &str) -> tracing::Span {
         release_us = tracing::field::Empty,
     );
     // The tag costs a SHA-256: only for a span that someone records.
-    if !span.is_disabled() {
-        span.record("key", key_tag(scope, key));
+    if !span.is_disabled()
+        && let Some(tag) = key_tag(scope, key)
+    {
+        span.record("key", tag);
     }
     span
 }
 
-/// A short, non-reversible tag of the key for logs: the first 8 bytes of its
-/// SHA-256 (with the scope), in hex.
-pub(crate) fn key_tag(scope: &str, key: &str) -> String {
-    let mut hasher = crate::fingerprint::Hasher::new("tower-idempotency/log/v1");
-    hasher.part(scope.as_bytes()).part(key.as_bytes());
-    hasher.finish().0[..8]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+/// A short tag of the key for logs, keyed with [`tag_secret`] (see
+/// [Key tags](self#key-tags)): 16 hex digits, or `None` without a secret.
+pub(crate) fn key_tag(scope: &str, key: &str) -> Option<String> {
+    let secret = tag_secret()?;
+    let mut hasher = crate::fingerprint::Hasher::new("tower-idempotency/log/v2");
+    hasher
+        .part(secret)
+        .part(scope.as_bytes())
+        .part(key.as_bytes());
+    Some(
+        hasher.finish().0[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect(),
+    )
+}
+
+/// The process's 32-byte tag secret: drawn from `getrandom` on first use,
+/// then the same for the life of the process. `None` if the OS generator
+/// failed (the draw is not retried: every tag of a process uses one secret).
+fn tag_secret() -> Option<&'static [u8; 32]> {
+    static SECRET: std::sync::OnceLock<Option<[u8; 32]>> = std::sync::OnceLock::new();
+    SECRET
+        .get_or_init(|| {
+            let mut secret = [0u8; 32];
+            match getrandom::fill(&mut secret) {
+                Ok(()) => Some(secret),
+                Err(e) => {
+                    tracing::error!(error = %e, "no secret for key tags from the OS random number generator; spans carry no key tag");
+                    None
+                }
+            }
+        })
+        .as_ref()
 }
 
 /// Records what the claim found on the current span.
@@ -184,4 +230,63 @@ pub(crate) async fn timed<T>(operation: Operation, call: impl Future<Output = T>
     #[cfg(not(feature = "metrics"))]
     let _ = label;
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sha2::{Digest, Sha256};
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    #[test]
+    fn a_key_has_one_tag_within_the_process() {
+        let tag = key_tag("alice", "order-1").unwrap();
+        assert_eq!(tag.len(), 16);
+        assert!(
+            tag.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        );
+        assert_eq!(key_tag("alice", "order-1").unwrap(), tag);
+    }
+
+    #[test]
+    fn different_keys_and_scopes_have_different_tags() {
+        let tags: std::collections::HashSet<String> = [
+            ("alice", "order-1"),
+            ("alice", "order-2"),
+            ("bob", "order-1"),
+            ("aliceo", "rder-1"),
+            ("", "aliceorder-1"),
+        ]
+        .iter()
+        .map(|(scope, key)| key_tag(scope, key).unwrap())
+        .collect();
+        assert_eq!(tags.len(), 5);
+    }
+
+    #[test]
+    fn the_tag_is_not_an_unsalted_hash() {
+        let tag = key_tag("alice", "order-1").unwrap();
+        // The previous scheme: the framed SHA-256 without a secret.
+        let mut unsalted = crate::fingerprint::Hasher::new("tower-idempotency/log/v1");
+        unsalted.part(b"alice").part(b"order-1");
+        assert_ne!(tag, hex(&unsalted.finish().0[..8]));
+        let mut v2 = crate::fingerprint::Hasher::new("tower-idempotency/log/v2");
+        v2.part(b"alice").part(b"order-1");
+        assert_ne!(tag, hex(&v2.finish().0[..8]));
+        for plain in [&b"order-1"[..], b"aliceorder-1", b"alice\0order-1"] {
+            assert_ne!(tag, hex(&Sha256::digest(plain)[..8]));
+        }
+        // With the process's secret in front, the tag is reproduced.
+        let mut salted = crate::fingerprint::Hasher::new("tower-idempotency/log/v2");
+        salted
+            .part(tag_secret().unwrap())
+            .part(b"alice")
+            .part(b"order-1");
+        assert_eq!(tag, hex(&salted.finish().0[..8]));
+        assert_ne!(tag_secret().unwrap(), &[0u8; 32]);
+    }
 }

@@ -388,6 +388,13 @@ fn every_rejection_maps_to_a_trailers_only_status() {
             Some("1000"),
         ),
         (Rejection::ResponseNotStored, Code::AlreadyExists, None),
+        (
+            Rejection::StoreFull {
+                retry_after_secs: 30,
+            },
+            Code::Unavailable,
+            Some("30000"),
+        ),
     ];
     for (rejection, code, pushback) in table {
         let response = grpc::grpc_rejection(&rejection);

@@ -227,6 +227,15 @@ async fn one_span_per_request_with_claim_and_outcome() {
     assert!(tag.chars().all(|c| c.is_ascii_hexdigit()), "{tag}");
     assert_eq!(closed[1]["key"], *tag, "the same key gets the same tag");
     assert_ne!(closed[3]["key"], *tag);
+    // Keyed with the process's secret: not the unsalted hash anyone could
+    // recompute from a guessed key.
+    let mut unsalted = tower_idempotency::fingerprint::Hasher::new("tower-idempotency/log/v1");
+    unsalted.part(b"alice").part(KEY.as_bytes());
+    let unsalted: String = unsalted.finish().0[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_ne!(*tag, unsalted);
     let everything = spans.everything.lock().unwrap();
     assert!(
         everything.iter().all(|v| !v.contains(KEY)),

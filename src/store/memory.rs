@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use super::{
     Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, Inspect, Kind,
@@ -13,17 +14,90 @@ use crate::response::StoredResponse;
 /// Records in a `HashMap` behind a mutex: lost when the process exits, not
 /// shared between processes.
 ///
+/// # Capacity
+///
+/// The store holds at most [`MemoryStore::DEFAULT_CAPACITY`] records (100 000)
+/// unless told otherwise ([`MemoryStore::with_capacity`],
+/// [`MemoryStore::max_records`]), so that clients sending new keys cannot
+/// grow it without bound. When a claim for a new key finds it full, the
+/// store first deletes every record past its TTL (one pass over the map,
+/// made only when a record may have expired since the last). If every record
+/// is still live, the claim fails with [`StoreError::Full`] and the layer
+/// answers 503 (`store-full` in [`crate::problem`]) with `Retry-After`: the
+/// time until the earliest TTL ends, at most 60 s (releases free room sooner,
+/// unannounced), rounded up to whole seconds. Nothing is ever evicted before its TTL
+/// ends: a live record still guards its key. Claims for keys the store
+/// already holds (replays, in flight, mismatches, take-overs) are answered
+/// as usual when full.
+///
+/// The capacity counts records, not bytes: a completed record holds its
+/// response, body included (up to the layer's `max_response_body`, 1 MiB by
+/// default). Choose it from the memory you give the store and your typical
+/// response size.
+///
 /// # Example
 ///
 /// ```
 /// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope::GlobalScope};
 ///
-/// let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope);
+/// let layer = IdempotencyLayer::new(MemoryStore::with_capacity(10_000), GlobalScope);
 /// ```
 #[derive(Clone)]
 pub struct MemoryStore {
-    records: Arc<Mutex<HashMap<(String, String), Record>>>,
+    records: Arc<Mutex<Records>>,
     clock: Arc<dyn Clock>,
+}
+
+/// The map, its capacity, and a bound on its earliest TTL end.
+struct Records {
+    map: HashMap<(String, String), Record>,
+    capacity: usize,
+    /// At most the earliest `expires_at` in `map` (Unix ms): no record has
+    /// expired while the clock is before it. Exact after a pass over the map;
+    /// lowered by every insert; left as is when records leave.
+    earliest_expiry: i64,
+}
+
+/// The longest `Retry-After` of a full store: room may come sooner from a
+/// release, which no hint can foresee.
+const FULL_RETRY_AFTER_MAX: Duration = Duration::from_secs(60);
+
+impl Records {
+    /// Deletes every record past its TTL at `now` in one pass, and makes
+    /// `earliest_expiry` exact. Returns how many were deleted.
+    fn evict_expired(&mut self, now: i64) -> usize {
+        let before = self.map.len();
+        let mut earliest = i64::MAX;
+        self.map.retain(|_, r| {
+            let live = r.expires_at > now;
+            if live {
+                earliest = earliest.min(r.expires_at);
+            }
+            live
+        });
+        self.earliest_expiry = earliest;
+        before - self.map.len()
+    }
+
+    /// Room for one more record: at once if the map is below capacity;
+    /// otherwise by deleting the expired records, if any may exist; else
+    /// `Full`. Below capacity nothing is deleted (purging does that).
+    fn make_room(&mut self, now: i64) -> Result<(), StoreError> {
+        if self.map.len() < self.capacity {
+            return Ok(());
+        }
+        if self.earliest_expiry <= now {
+            self.evict_expired(now);
+            if self.map.len() < self.capacity {
+                return Ok(());
+            }
+        }
+        let wait = u64::try_from(self.earliest_expiry.saturating_sub(now)).unwrap_or(0);
+        Err(StoreError::Full {
+            capacity: self.capacity,
+            retry_after: Duration::from_millis(wait).min(FULL_RETRY_AFTER_MAX),
+        })
+    }
 }
 
 impl std::fmt::Debug for MemoryStore {
@@ -47,22 +121,50 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// An empty store on the system clock.
+    /// The capacity of [`MemoryStore::new`] and [`MemoryStore::with_clock`],
+    /// in records.
+    pub const DEFAULT_CAPACITY: usize = 100_000;
+
+    /// An empty store on the system clock, holding up to
+    /// [`MemoryStore::DEFAULT_CAPACITY`] records.
     pub fn new() -> Self {
         Self::with_clock(SystemClock)
     }
 
-    /// An empty store on `clock` (e.g. a [`super::ManualClock`] in tests).
+    /// An empty store on the system clock, holding up to `capacity` records
+    /// (0: every claim for a new key fails with [`StoreError::Full`]).
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self::new().max_records(capacity)
+    }
+
+    /// An empty store on `clock` (e.g. a [`super::ManualClock`] in tests),
+    /// holding up to [`MemoryStore::DEFAULT_CAPACITY`] records.
     pub fn with_clock(clock: impl Clock) -> Self {
         MemoryStore {
-            records: Arc::default(),
+            records: Arc::new(Mutex::new(Records {
+                map: HashMap::new(),
+                capacity: Self::DEFAULT_CAPACITY,
+                earliest_expiry: i64::MAX,
+            })),
             clock: Arc::new(clock),
         }
     }
 
+    /// Holds up to `capacity` records from now on (this store and its
+    /// clones). Records already held stay, even above it.
+    pub fn max_records(self, capacity: usize) -> Self {
+        self.lock().capacity = capacity;
+        self
+    }
+
+    /// How many records the store may hold.
+    pub fn capacity(&self) -> usize {
+        self.lock().capacity
+    }
+
     /// How many records (expired or not) the store holds.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().map.len()
     }
 
     /// Whether the store holds no record.
@@ -70,7 +172,7 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Record>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Records> {
         // A panic while the lock was held cannot leave a record half-written
         // (every update below is one assignment), so a poisoned map is usable.
         self.records.lock().unwrap_or_else(|e| e.into_inner())
@@ -88,12 +190,13 @@ impl Store for MemoryStore {
             response: None,
         };
         let mut records = self.lock();
-        let record = match records.entry((req.scope, req.key)) {
-            std::collections::hash_map::Entry::Vacant(vacant) => {
-                vacant.insert(fresh);
-                return Ok(Claim::Acquired { taken_over: false });
-            }
-            std::collections::hash_map::Entry::Occupied(occupied) => occupied.into_mut(),
+        let records = &mut *records;
+        let id = (req.scope, req.key);
+        let Some(record) = records.map.get_mut(&id) else {
+            records.make_room(now)?;
+            records.earliest_expiry = records.earliest_expiry.min(fresh.expires_at);
+            records.map.insert(id, fresh);
+            return Ok(Claim::Acquired { taken_over: false });
         };
         let existing = Existing {
             fingerprint: &record.fingerprint.0,
@@ -103,6 +206,7 @@ impl Store for MemoryStore {
         };
         match decide(&existing, &req.fingerprint, now) {
             Decision::Replace { taken_over } => {
+                records.earliest_expiry = records.earliest_expiry.min(fresh.expires_at);
                 *record = fresh;
                 Ok(Claim::Acquired { taken_over })
             }
@@ -124,7 +228,7 @@ impl Store for MemoryStore {
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
         let mut records = self.lock();
-        match records.get_mut(&(scope, key)) {
+        match records.map.get_mut(&(scope, key)) {
             Some(record) if record.token == token && record.response.is_none() => {
                 record.response = Some(response);
                 Ok(Completion::Stored)
@@ -141,9 +245,9 @@ impl Store for MemoryStore {
     ) -> Result<bool, StoreError> {
         let mut records = self.lock();
         let id = (scope, key);
-        match records.get(&id) {
+        match records.map.get(&id) {
             Some(record) if record.token == token && record.response.is_none() => {
-                records.remove(&id);
+                records.map.remove(&id);
                 Ok(true)
             }
             _ => Ok(false),
@@ -152,10 +256,7 @@ impl Store for MemoryStore {
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         let now = self.clock.now_ms();
-        let mut records = self.lock();
-        let before = records.len();
-        records.retain(|_, r| r.expires_at > now);
-        Ok((before - records.len()) as u64)
+        Ok(self.lock().evict_expired(now) as u64)
     }
 }
 
@@ -164,6 +265,7 @@ impl Inspect for MemoryStore {
         let now = self.clock.now_ms();
         let records = self.lock();
         let mut stuck: Vec<_> = records
+            .map
             .iter()
             .filter(|(_, r)| {
                 Kind::of(r.response.is_some(), r.lease_until, r.expires_at, now) == Kind::Stuck
@@ -189,7 +291,7 @@ impl Inspect for MemoryStore {
     async fn counts(&self) -> Result<RecordCounts, StoreError> {
         let now = self.clock.now_ms();
         let mut counts = RecordCounts::default();
-        for r in self.lock().values() {
+        for r in self.lock().map.values() {
             counts.add(Kind::of(
                 r.response.is_some(),
                 r.lease_until,

@@ -180,6 +180,15 @@ pub enum StoreError {
     Unavailable(Box<dyn std::error::Error + Send + Sync>),
     /// A record could not be decoded.
     Corrupt(String),
+    /// The store holds as many live records as its capacity allows
+    /// ([`MemoryStore::with_capacity`]): the claim was refused and nothing
+    /// was recorded. The layer answers 503 with `Retry-After`.
+    Full {
+        /// The capacity, in records.
+        capacity: usize,
+        /// How long until the store expects room again.
+        retry_after: Duration,
+    },
 }
 
 impl StoreError {
@@ -194,6 +203,9 @@ impl fmt::Display for StoreError {
         match self {
             StoreError::Unavailable(e) => write!(f, "idempotency store unavailable: {e}"),
             StoreError::Corrupt(why) => write!(f, "idempotency record corrupt: {why}"),
+            StoreError::Full { capacity, .. } => {
+                write!(f, "idempotency store full: {capacity} live records")
+            }
         }
     }
 }
@@ -202,7 +214,7 @@ impl std::error::Error for StoreError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             StoreError::Unavailable(e) => Some(&**e),
-            StoreError::Corrupt(_) => None,
+            StoreError::Corrupt(_) | StoreError::Full { .. } => None,
         }
     }
 }
