@@ -98,6 +98,7 @@ pub mod response;
 pub mod scope;
 mod service;
 pub mod store;
+mod tee;
 pub mod telemetry;
 
 pub use body::{RequestBody, ResponseBody};
