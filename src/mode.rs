@@ -51,6 +51,9 @@
 //!   its lease ends;
 //! - the inner body fails: the key stays in flight until its lease ends.
 //!
+//! Outside a Tokio runtime (which the recording task needs) the body is
+//! read whole before the head, as in transactional mode.
+//!
 //! A client that leaves before the response head does not stop the
 //! handler: the claim, the handler and the head run to their end in a task
 //! of their own. A body that is ready at once is then stored as usual; a

@@ -688,6 +688,7 @@ async fn finish_stream<H: Hold, Sc, F, P: StorePolicy>(
         }
         Err(_) => {
             tracing::warn!("the streamed response outlived the lease; recording it as not stored");
+            recorder.stop();
             (StoredBody::Omitted, None)
         }
     };

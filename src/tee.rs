@@ -50,6 +50,11 @@ impl Recorder {
         (&mut self.ending).await
     }
 
+    /// Stops waiting for the end: the tee stops recording at its next frame.
+    pub(crate) fn stop(&mut self) {
+        self.ending.close();
+    }
+
     /// Tells the tee the record is final, so it can end the stream.
     pub(crate) fn finished(self) {
         // The tee may be gone already; then nobody waits.

@@ -29,7 +29,7 @@ use tower::{Layer, Service, ServiceExt};
 use tower_idempotency::problem::types;
 use tower_idempotency::scope::GlobalScope;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, Inspect, Store, StoreError,
+    Claim, ClaimRequest, Completion, FencingToken, Inspect, ManualClock, Store, StoreError,
 };
 use tower_idempotency::{IdempotencyLayer, MemoryStore, ResponseBody, SqliteStore, StoredResponse};
 
@@ -624,6 +624,46 @@ async fn a_client_leaving_before_the_head_still_runs_the_handler_but_not_the_str
     )
     .await;
     assert_eq!(again.status(), StatusCode::GONE);
+    assert_eq!(events.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_stream_outliving_its_lease_is_recorded_as_not_stored() {
+    let events = Events::new("text/event-stream");
+    // The store's clock stands still, so no repeat can take the key over:
+    // only the layer sees the lease (100 ms) end.
+    let store = MemoryStore::with_clock(ManualClock::new(1_800_000_000_000));
+    let layer = IdempotencyLayer::new(store, GlobalScope).lease(Duration::from_millis(100));
+    let service = layer.layer(events.clone());
+    let request = || {
+        Request::post("/events")
+            .header("idempotency-key", "sse-10")
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    let feed = events.prepare();
+    let first = bounded("head", service.clone().oneshot(request()))
+        .await
+        .unwrap();
+    let mut body = first.into_body();
+    feed.data(b"data: one\n\n").await;
+    let frame = bounded("frame", body.frame()).await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), &b"data: one\n\n"[..]);
+
+    // Repeats get 409 until the lease ends for the layer, then 410.
+    let again = common::until_not_in_flight(
+        || async { service.clone().oneshot(request()).await.unwrap() },
+        |r| r.status().as_u16(),
+    )
+    .await;
+    assert_eq!(again.status(), StatusCode::GONE);
+
+    // The first caller's stream goes on to its end.
+    feed.data(b"data: two\n\n").await;
+    let frame = bounded("frame", body.frame()).await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), &b"data: two\n\n"[..]);
+    drop(feed.frames);
+    assert!(bounded("end", body.frame()).await.is_none());
     assert_eq!(events.runs(), 1);
 }
 
