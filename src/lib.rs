@@ -48,7 +48,8 @@
 //! * [`store`]: the [`Store`] trait, the state machine of one record, its
 //!   atomic claim, and the stores ([`MemoryStore`], [`SqliteStore`]).
 //! * [`IdempotencyLayer`] (in `layer.rs`): configuration.
-//! * [`Idempotency`] (in `service.rs`): the path a request walks.
+//! * [`Idempotency`] (in `service.rs`): the path a request walks; its
+//!   response's record in `record.rs` (streamed through `tee.rs`).
 //! * [`mode`]: separate or transactional, i.e. when the record is written.
 //! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
 //!   [`problem`]: one rule each.
@@ -94,6 +95,7 @@ mod layer;
 pub mod mode;
 pub mod policy;
 pub mod problem;
+mod record;
 pub mod response;
 pub mod scope;
 mod service;
