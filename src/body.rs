@@ -10,6 +10,8 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use crate::tee::Tee;
+
 pin_project! {
     /// The inner service's request body: the caller's body untouched when the
     /// request passes through, or the bytes the layer buffered (to fingerprint
@@ -108,6 +110,7 @@ pin_project! {
             rest: Option<Pin<Box<B>>>,
             error: Option<B::Error>,
         },
+        Teeing { tee: Tee<B> },
     }
 }
 
@@ -158,9 +161,17 @@ impl<B: Body> ResponseBody<B> {
             },
         }
     }
+
+    /// The first response in separate mode: streamed, and recorded by `tee`.
+    pub(crate) fn teeing(tee: Tee<B>) -> Self {
+        ResponseBody {
+            kind: ResponseKind::Teeing { tee },
+        }
+    }
 }
 
-fn to_bytes<D: Buf>(frame: Frame<D>) -> Frame<Bytes> {
+/// A frame with its data as [`Bytes`].
+pub(crate) fn frame_to_bytes<D: Buf>(frame: Frame<D>) -> Frame<Bytes> {
     frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
 }
 
@@ -173,7 +184,7 @@ impl<B: Body> Body for ResponseBody<B> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
-            ResponseBodyProj::Inner { body } => body.poll_frame(cx).map_ok(to_bytes),
+            ResponseBodyProj::Inner { body } => body.poll_frame(cx).map_ok(frame_to_bytes),
             ResponseBodyProj::Buffered {
                 frames,
                 rest,
@@ -186,10 +197,11 @@ impl<B: Body> Body for ResponseBody<B> {
                     return Poll::Ready(Some(Err(e)));
                 }
                 match rest {
-                    Some(body) => body.as_mut().poll_frame(cx).map_ok(to_bytes),
+                    Some(body) => body.as_mut().poll_frame(cx).map_ok(frame_to_bytes),
                     None => Poll::Ready(None),
                 }
             }
+            ResponseBodyProj::Teeing { tee } => tee.poll_frame(cx),
         }
     }
 
@@ -205,6 +217,7 @@ impl<B: Body> Body for ResponseBody<B> {
                     && error.is_none()
                     && rest.as_ref().is_none_or(|b| b.is_end_stream())
             }
+            ResponseKind::Teeing { tee } => tee.is_end_stream(),
         }
     }
 
@@ -229,6 +242,7 @@ impl<B: Body> Body for ResponseBody<B> {
                     }
                 }
             }
+            ResponseKind::Teeing { tee } => tee.size_hint(),
         }
     }
 }
@@ -248,6 +262,7 @@ impl<B: Body> std::fmt::Debug for ResponseBody<B> {
         let kind = match &self.kind {
             ResponseKind::Inner { .. } => "inner",
             ResponseKind::Buffered { .. } => "buffered",
+            ResponseKind::Teeing { .. } => "streamed",
         };
         f.debug_struct("ResponseBody").field("kind", &kind).finish()
     }

@@ -227,6 +227,12 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     }
 
     /// Decides with `policy` which responses are stored (see [`crate::policy`]).
+    ///
+    /// The policy sees the head only, before the body is read: a response it
+    /// declines passes through unbuffered, in either mode. In transactional
+    /// mode a stored response is read whole before the commit, so declining
+    /// `text/event-stream` here is the way to stream it (see
+    /// [`crate::mode#streamed-responses-are-buffered`]).
     pub fn store_when<P2: StorePolicy>(self, policy: P2) -> IdempotencyLayer<St, Sc, F, P2, M> {
         let Config {
             settings,

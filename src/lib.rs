@@ -58,7 +58,8 @@
 //! * `config.rs`: what a layer is configured with, and the `DEFAULT_*`
 //!   limits ([`DEFAULT_LEASE`], [`DEFAULT_TTL`], ...).
 //! * [`IdempotencyLayer`] (in `layer.rs`): the configuration's builder.
-//! * [`Idempotency`] (in `service.rs`): the path a request walks.
+//! * [`Idempotency`] (in `service.rs`): the path a request walks; its
+//!   response's record in `record.rs` (streamed through `tee.rs`).
 //! * [`mode`]: separate or transactional, i.e. when the record is written.
 //! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
 //!   [`problem`]: one rule each.
@@ -106,10 +107,12 @@ mod layer;
 pub mod mode;
 pub mod policy;
 pub mod problem;
+mod record;
 pub mod response;
 pub mod scope;
 mod service;
 pub mod store;
+mod tee;
 pub mod telemetry;
 
 pub use body::{RequestBody, ResponseBody};

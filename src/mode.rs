@@ -22,6 +22,46 @@
 //! commit and that write, the key stays in flight until its lease ends and a
 //! retry then runs the handler again: the effect happens twice.
 //!
+//! ## Streamed responses
+//!
+//! The first caller gets each frame of the response body as the inner
+//! service produces it: the head goes out as soon as the body would wait
+//! (a body that is ready at once, such as a buffered JSON answer, is read
+//! and stored before the head, as before). The layer copies the body's data
+//! into the record as it passes, up to the response limit
+//! ([`IdempotencyLayer::max_response_body`](crate::IdempotencyLayer::max_response_body),
+//! in bytes), and completes the record when the body ends; the caller sees
+//! the end of the stream only after that write, so a repeat sent after it
+//! gets the replay, byte for byte with its trailers. Then:
+//!
+//! - a body larger than the limit: the caller still gets every byte; the
+//!   record completes without the body and repeats get 410 (the problem
+//!   [`crate::problem::Rejection::ResponseNotStored`]);
+//! - a caller that leaves before the end: dropping its body drops the inner
+//!   body, so nothing reads the stream any more. The handler ran and its
+//!   effect exists, but no complete response does: the record completes
+//!   without the body, and repeats get the same 410. The key is not given
+//!   back, since a retry must not run the handler a second time;
+//! - a stream still running when the lease ends is recorded the same way
+//!   (410 for repeats), so that no repeat takes the key over and runs the
+//!   handler beside it; a stream meant to be replayed must end within the
+//!   lease;
+//! - a store error while completing the record cannot reach the caller, who
+//!   has the bytes already: it is logged and the key stays in flight until
+//!   its lease ends;
+//! - the inner body fails: the key stays in flight until its lease ends.
+//!
+//! Outside a Tokio runtime (which the recording task needs) the body is
+//! read whole before the head, as in transactional mode.
+//!
+//! A client that leaves before the response head does not stop the
+//! handler: the claim, the handler and the head run to their end in a task
+//! of their own. A body that is ready at once is then stored as usual; a
+//! body that would wait has no reader, so it is dropped and recorded as
+//! above (410 for repeats). To pass a stream through unrecorded, decline it
+//! in the [`StorePolicy`](crate::policy::StorePolicy) (see
+//! [`crate::policy`]): the key is given back and the body is untouched.
+//!
 //! # Transactional
 //!
 //! For a [`TransactionalStore`] whose database also holds the handler's
@@ -33,6 +73,19 @@
 //! store, an `Err`, a panic or a dropped request roll the effect back and give
 //! the key back. If the commit fails, the first caller gets 503 instead of the
 //! handler's response, since nothing happened.
+//!
+//! ## Streamed responses are buffered
+//!
+//! The commit must come before the answer, so the layer reads the whole
+//! response body (up to the response limit) before it sends the head: a
+//! `text/event-stream` or any long stream reaches its caller only when it
+//! ends. A body larger than the limit is committed without the body (410
+//! for repeats) as soon as it passes the limit, and the rest streams. To let
+//! a stream through at once, decline it in the
+//! [`StorePolicy`](crate::policy::StorePolicy): the policy decides from the
+//! head alone, the transaction rolls back, the key is given back, and the
+//! body passes through untouched (the handler's writes through the
+//! transaction are then discarded).
 //!
 //! After a crash before the commit, no effect exists and the retry runs
 //! exactly once: at once with SQLite (whose claim was inside the rolled-back
@@ -50,10 +103,19 @@ use crate::store::{
 };
 
 /// The record is completed in its own write after the handler (the default).
+///
+/// A streamed response reaches its caller frame by frame and is recorded as
+/// it passes; a caller that leaves mid-stream stops the stream, and repeats
+/// then get 410 (see [the module docs](crate::mode#streamed-responses)).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Separate;
 
 /// The handler's writes, the record and the response commit together.
+///
+/// The response body is read in full (up to the response limit) before the
+/// commit and then sent: streams are buffered. Decline them in the
+/// [`StorePolicy`](crate::policy::StorePolicy) to pass them through (see
+/// [the module docs](crate::mode#streamed-responses-are-buffered)).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Transactional;
 

@@ -21,6 +21,29 @@
 //! A released record is deleted, so a retry with the same key runs the inner
 //! service again at once. Release is meant for answers that say "nothing
 //! happened, try again": server errors and the transient client errors.
+//!
+//! # Streams
+//!
+//! [`StorePolicy::should_store`] sees the response head only, before any of
+//! the body is read, so it is the way to let streams through: a response it
+//! declines is neither stored nor buffered, in either mode, and the key is
+//! given back. In transactional mode, where a stored response is read whole
+//! before the commit, this is the only way for a `text/event-stream` to
+//! reach its caller before it ends:
+//!
+//! ```
+//! use http::{HeaderMap, StatusCode};
+//! use tower_idempotency::policy::{DefaultStorePolicy, StorePolicy};
+//!
+//! let not_event_streams = |status: StatusCode, headers: &HeaderMap| {
+//!     DefaultStorePolicy.should_store(status, headers)
+//!         && headers.get("content-type").is_none_or(|v| v != "text/event-stream")
+//! };
+//! let mut sse = HeaderMap::new();
+//! sse.insert("content-type", "text/event-stream".parse().unwrap());
+//! assert!(!not_event_streams.should_store(StatusCode::OK, &sse));
+//! assert!(not_event_streams.should_store(StatusCode::OK, &HeaderMap::new()));
+//! ```
 
 use http::{HeaderMap, StatusCode};
 

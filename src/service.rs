@@ -9,18 +9,20 @@
 //!    (in separate mode, from here on in a task of its own, so that a client
 //!    that goes away cannot cut the handler from its record);
 //! 4. the inner service runs while a [`crate::mode::Hold`] holds the claim;
-//! 5. its response is stored (token-checked) or the claim is released.
+//! 5. its response is stored (token-checked, in `record.rs`) or the claim
+//!    is released; in separate mode a body that would wait is streamed to
+//!    the caller and stored at its end (see [`crate::mode`]), and the caller
+//!    that reads it bounds how long it is read.
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::Bytes;
 use http::{HeaderMap, Request, Response};
-use http_body::{Body, Frame};
+use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 use pin_project_lite::pin_project;
 use tower_service::Service;
@@ -33,15 +35,16 @@ use crate::key::parse_key;
 use crate::mode::{Hold, Mode, Separate};
 use crate::policy::StorePolicy;
 use crate::problem::Rejection;
+use crate::record::store_response;
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
-use crate::store::{Claim, ClaimRequest, Completion, FencingToken, Store, retry_after_secs};
+use crate::store::{Claim, ClaimRequest, FencingToken, Store, retry_after_secs};
 use crate::telemetry::{self, Operation, Outcome, timed};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// `Retry-After` on 503 when the store cannot answer, in seconds.
-const STORE_RETRY_AFTER_SECS: u64 = 1;
+pub(crate) const STORE_RETRY_AFTER_SECS: u64 = 1;
 
 /// The service made by [`crate::IdempotencyLayer`].
 ///
@@ -215,7 +218,7 @@ where
     }
 }
 
-fn rejection_response<B: Body>(
+pub(crate) fn rejection_response<B: Body>(
     settings: &Settings,
     rejection: &Rejection,
 ) -> Response<ResponseBody<B>> {
@@ -278,10 +281,13 @@ where
         }
         // From the claim on, the request cannot be cut short: if the client
         // goes away and this future is dropped, the rest of it (the claim,
-        // the handler and the stored response) runs on in a task of its own
+        // the handler and the response head) runs on in a task of its own
         // (the handler's effect may outlive a cancelled future). Its retry
         // gets 409 until the record completes, then the replay. Until then
-        // it runs in place, without a task of its own.
+        // it runs in place, without a task of its own. The body is another
+        // matter: one ready at once is stored before the head, but a stream
+        // is read only by its caller, so with the caller gone its body is
+        // dropped and the record completes without it (410 for repeats).
         DetachOnDrop::new(run.in_current_span()).await
     }
     .instrument(span)
@@ -353,10 +359,16 @@ where
     M: Mode<St>,
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     St: Store,
+    Sc: Scope,
+    F: Fingerprinter,
     P: StorePolicy,
-    ResBody: Body,
+    ResBody: Body + Send + 'static,
 {
     let settings = &config.settings;
+    // A streamed first response must end within the lease (counted from
+    // here, a little before the store counts it), or it is recorded as not
+    // stored: see `finish_stream`.
+    let lease_end = tokio::time::Instant::now() + settings.lease;
     let mut hold = match timed(Operation::Claim, M::claim(&store, claim)).await {
         Ok(Ok((hold, taken_over))) => {
             telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
@@ -411,11 +423,11 @@ where
         return Ok(Response::from_parts(parts, ResponseBody::inner(body)));
     }
     hold.answered();
-    Ok(store_response(hold, settings, &config.policy, response).await)
+    Ok(store_response(hold, &config, lease_end, response).await)
 }
 
 /// Gives the key back (a retry runs again) and records it.
-async fn release<H: Hold>(hold: H) {
+pub(crate) async fn release<H: Hold>(hold: H) {
     match timed(Operation::Release, hold.release()).await {
         Ok(()) => telemetry::outcome(Outcome::Released),
         Err(e) => {
@@ -458,107 +470,4 @@ fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<Res
     stored
         .replay(&settings.marker)
         .map(|body| ResponseBody::full(body, trailers))
-}
-
-/// Reads the first response's body up to the response limit and completes
-/// the record. The first caller gets the response whole, unless the record
-/// and the effect commit together and that commit failed: then nothing
-/// happened, and the answer is 503.
-async fn store_response<H: Hold, P: StorePolicy, B: Body>(
-    hold: H,
-    settings: &Settings,
-    policy: &P,
-    response: Response<B>,
-) -> Response<ResponseBody<B>> {
-    let (mut parts, body) = response.into_parts();
-    parts.headers.remove(&settings.marker);
-    let mut body = Box::pin(body);
-    let mut frames = VecDeque::new();
-    let mut size = 0usize;
-    let stored_body = loop {
-        match body.frame().await {
-            None => break StoredBody::Complete(concat(&frames, size)),
-            Some(Ok(frame)) => {
-                let frame = frame.map_data(|mut d| d.copy_to_bytes(d.remaining()));
-                size += frame.data_ref().map_or(0, Bytes::len);
-                frames.push_back(frame);
-                if size > settings.max_response_body {
-                    break StoredBody::Omitted;
-                }
-            }
-            Some(Err(e)) => {
-                // No response can be stored. Separate mode keeps the key in
-                // flight (the effect may exist; the lease decides);
-                // transactional mode rolls the effect back.
-                tracing::warn!("the response body failed before it was stored");
-                telemetry::outcome(Outcome::ResponseFailed);
-                drop(hold);
-                return Response::from_parts(parts, ResponseBody::then_error(frames, e));
-            }
-        }
-    };
-    let trailers = frames.iter().find_map(|f| f.trailers_ref()).cloned();
-    if trailers
-        .as_ref()
-        .is_some_and(|t| !policy.should_store_trailers(t))
-    {
-        // E.g. a transient `grpc-status` in the trailers: a retry runs again.
-        release(hold).await;
-        return Response::from_parts(parts, ResponseBody::frames(frames));
-    }
-    let omitted = stored_body == StoredBody::Omitted;
-    let stored = StoredResponse::capture_with_marker(
-        parts.status,
-        &parts.headers,
-        stored_body,
-        trailers.as_ref(),
-        Some(&settings.marker),
-    );
-    match timed(Operation::Complete, hold.complete(stored)).await {
-        Ok(Completion::Stored) => {
-            telemetry::outcome(if omitted {
-                Outcome::CompletedWithoutBody
-            } else {
-                Outcome::Completed
-            });
-        }
-        Ok(Completion::Fenced) => {
-            telemetry::outcome(Outcome::Fenced);
-            tracing::warn!(
-                "the lease ended and another request took the key over; this response was not stored"
-            );
-        }
-        Err(e) if H::ATOMIC => {
-            telemetry::outcome(Outcome::StoreError);
-            tracing::error!(error = %e, "committing the request failed; nothing happened; answering 503");
-            let retry_after_secs = STORE_RETRY_AFTER_SECS;
-            return rejection_response(settings, &Rejection::StoreUnavailable { retry_after_secs });
-        }
-        Err(e) => {
-            telemetry::outcome(Outcome::StoreError);
-            tracing::error!(error = %e, "storing the response failed; the key stays in flight until its lease ends");
-        }
-    }
-    let body = if omitted {
-        ResponseBody::then_rest(frames, body)
-    } else {
-        ResponseBody::frames(frames)
-    };
-    Response::from_parts(parts, body)
-}
-
-/// The data frames' bytes as one buffer (no copy when there is one frame).
-fn concat(frames: &VecDeque<Frame<Bytes>>, size: usize) -> Bytes {
-    let mut data = frames.iter().filter_map(Frame::data_ref);
-    match (data.next(), data.next()) {
-        (None, _) => Bytes::new(),
-        (Some(only), None) => only.clone(),
-        _ => {
-            let mut out = BytesMut::with_capacity(size);
-            for chunk in frames.iter().filter_map(Frame::data_ref) {
-                out.extend_from_slice(chunk);
-            }
-            out.freeze()
-        }
-    }
 }

@@ -1,0 +1,274 @@
+//! The first response's record: read whole and stored before the answer
+//! (transactional mode, and bodies ready at once), or streamed to the caller
+//! through a [`tee`](crate::tee) and stored at its end (separate mode).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::task::Poll;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, Response};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use tracing::Instrument;
+
+use crate::body::{ResponseBody, frame_to_bytes};
+use crate::config::{Config, Settings};
+use crate::fingerprint::Fingerprinter;
+use crate::mode::Hold;
+use crate::policy::StorePolicy;
+use crate::problem::Rejection;
+use crate::response::{StoredBody, StoredResponse};
+use crate::scope::Scope;
+use crate::service::{STORE_RETRY_AFTER_SECS, rejection_response, release};
+use crate::store::Completion;
+use crate::tee::{self, Ending, Recorder};
+use crate::telemetry::{self, Operation, Outcome, timed};
+
+/// Reads the first response's body and completes the record.
+///
+/// In transactional mode (an atomic hold) the record commits before the
+/// answer: the whole body is read up to the response limit first, and if the
+/// commit fails the first caller gets 503 instead, since nothing happened.
+///
+/// In separate mode the frames the inner body has ready at once are read
+/// first; a body that ends (or passes the limit) without waiting completes
+/// the record before the head goes out, as a buffered response always did.
+/// The first time the body would wait, the head goes out at once and the
+/// rest streams through a [`tee`](crate::tee), which records it as it passes
+/// and completes the record at its end (see `finish_stream`).
+pub(crate) async fn store_response<H: Hold, Sc: Scope, F: Fingerprinter, P: StorePolicy, B>(
+    hold: H,
+    config: &Arc<Config<Sc, F, P>>,
+    lease_end: tokio::time::Instant,
+    response: Response<B>,
+) -> Response<ResponseBody<B>>
+where
+    B: Body + Send + 'static,
+{
+    let settings = &config.settings;
+    let (mut parts, body) = response.into_parts();
+    parts.headers.remove(&settings.marker);
+    let mut body = Box::pin(body);
+    // The recorder of a streamed body runs in a task of its own.
+    let runtime = if H::ATOMIC {
+        None
+    } else {
+        tokio::runtime::Handle::try_current().ok()
+    };
+    let mut frames = VecDeque::new();
+    let mut size = 0usize;
+    let stored_body = loop {
+        let next = match &runtime {
+            Some(runtime) => match std::future::poll_fn(|cx| {
+                Poll::Ready(ready_now(body.as_mut().poll_frame(cx)))
+            })
+            .await
+            {
+                Some(next) => next,
+                // The body would wait: stream it from here.
+                None => {
+                    let (tee, recorder) = tee::tee(frames, size, body, settings.max_response_body);
+                    let finish = finish_stream(
+                        hold,
+                        config.clone(),
+                        parts.status,
+                        parts.headers.clone(),
+                        recorder,
+                        lease_end,
+                    );
+                    drop(runtime.spawn(finish.in_current_span()));
+                    return Response::from_parts(parts, ResponseBody::teeing(tee));
+                }
+            },
+            None => body.frame().await,
+        };
+        match next {
+            None => break StoredBody::Complete(concat(&frames, size)),
+            Some(Ok(frame)) => {
+                let frame = frame_to_bytes(frame);
+                size += frame.data_ref().map_or(0, Bytes::len);
+                frames.push_back(frame);
+                if size > settings.max_response_body {
+                    break StoredBody::Omitted;
+                }
+            }
+            Some(Err(e)) => {
+                // No response can be stored. Separate mode keeps the key in
+                // flight (the effect may exist; the lease decides);
+                // transactional mode rolls the effect back.
+                tracing::warn!("the response body failed before it was stored");
+                telemetry::outcome(Outcome::ResponseFailed);
+                drop(hold);
+                return Response::from_parts(parts, ResponseBody::then_error(frames, e));
+            }
+        }
+    };
+    let trailers = frames.iter().find_map(|f| f.trailers_ref()).cloned();
+    let omitted = stored_body == StoredBody::Omitted;
+    let head = (parts.status, &parts.headers);
+    if complete_record(
+        hold,
+        settings,
+        &config.policy,
+        head,
+        stored_body,
+        trailers.as_ref(),
+    )
+    .await
+    .is_err()
+    {
+        let retry_after_secs = STORE_RETRY_AFTER_SECS;
+        return rejection_response(settings, &Rejection::StoreUnavailable { retry_after_secs });
+    }
+    let body = if omitted {
+        ResponseBody::then_rest(frames, body)
+    } else {
+        ResponseBody::frames(frames)
+    };
+    Response::from_parts(parts, body)
+}
+
+/// A poll's result if it is ready now, `None` if it would wait.
+fn ready_now<T>(poll: Poll<T>) -> Option<T> {
+    match poll {
+        Poll::Ready(value) => Some(value),
+        Poll::Pending => None,
+    }
+}
+
+/// The atomic commit failed: nothing happened, and the first caller gets 503.
+struct CommitFailed;
+
+/// Completes the record with `body` (or releases it, if the policy declines
+/// the trailers), and records the outcome. `Err` only when an atomic commit
+/// failed; a separate completion that fails leaves the key in flight until
+/// its lease ends, and is logged.
+async fn complete_record<H: Hold, P: StorePolicy>(
+    hold: H,
+    settings: &Settings,
+    policy: &P,
+    (status, headers): (http::StatusCode, &HeaderMap),
+    body: StoredBody,
+    trailers: Option<&HeaderMap>,
+) -> Result<(), CommitFailed> {
+    if trailers.is_some_and(|t| !policy.should_store_trailers(t)) {
+        // E.g. a transient `grpc-status` in the trailers: a retry runs again.
+        release(hold).await;
+        return Ok(());
+    }
+    let omitted = body == StoredBody::Omitted;
+    let stored = StoredResponse::capture_with_marker(
+        status,
+        headers,
+        body,
+        trailers,
+        Some(&settings.marker),
+    );
+    match timed(Operation::Complete, hold.complete(stored)).await {
+        Ok(Completion::Stored) => {
+            telemetry::outcome(if omitted {
+                Outcome::CompletedWithoutBody
+            } else {
+                Outcome::Completed
+            });
+        }
+        Ok(Completion::Fenced) => {
+            telemetry::outcome(Outcome::Fenced);
+            tracing::warn!(
+                "the lease ended and another request took the key over; this response was not stored"
+            );
+        }
+        Err(e) if H::ATOMIC => {
+            telemetry::outcome(Outcome::StoreError);
+            tracing::error!(error = %e, "committing the request failed; nothing happened; answering 503");
+            return Err(CommitFailed);
+        }
+        Err(e) => {
+            telemetry::outcome(Outcome::StoreError);
+            tracing::error!(error = %e, "storing the response failed; the key stays in flight until its lease ends");
+        }
+    }
+    Ok(())
+}
+
+/// Completes the record of a streamed first response (separate mode), in a
+/// task of its own, once the stream has ended for its caller:
+///
+/// - the body ended within the response limit: the record completes with
+///   it (and its trailers), so repeats get the byte-identical replay; the
+///   caller sees the end of the stream only after that write;
+/// - the body grew past the limit: the record completes without the body
+///   at once (repeats get 410) and the caller still gets every byte;
+/// - the caller went away before the end: its body, and with it the inner
+///   body, was dropped, so nothing reads the stream any more. The handler's
+///   effect happened, but no complete response exists: the record completes
+///   without the body (repeats get 410), never released for a second run;
+/// - the stream was still running when the lease ended: recorded the same
+///   way, so a repeat gets 410 rather than taking the key over and running
+///   the handler a second time beside the first stream;
+/// - the inner body failed: the key stays in flight until its lease ends
+///   (the effect may exist), as for a buffered body.
+///
+/// A store error here cannot reach the caller, who has its bytes already:
+/// it is logged and the key stays in flight until its lease ends.
+async fn finish_stream<H: Hold, Sc, F, P: StorePolicy>(
+    hold: H,
+    config: Arc<Config<Sc, F, P>>,
+    status: http::StatusCode,
+    headers: HeaderMap,
+    mut recorder: Recorder,
+    lease_end: tokio::time::Instant,
+) {
+    let settings = &config.settings;
+    let (body, trailers) = match tokio::time::timeout_at(lease_end, recorder.ending()).await {
+        Ok(Ok(Ending::Complete { body, trailers })) => (StoredBody::Complete(body), trailers),
+        Ok(Ok(Ending::OverLimit)) => (StoredBody::Omitted, None),
+        Ok(Ok(Ending::Failed)) => {
+            tracing::warn!("the streamed response body failed before it was stored");
+            telemetry::outcome(Outcome::ResponseFailed);
+            drop(hold);
+            recorder.finished();
+            return;
+        }
+        Ok(Err(_)) => {
+            tracing::info!(
+                "the client left before the streamed response ended; recording it as not stored"
+            );
+            (StoredBody::Omitted, None)
+        }
+        Err(_) => {
+            tracing::warn!("the streamed response outlived the lease; recording it as not stored");
+            recorder.stop();
+            (StoredBody::Omitted, None)
+        }
+    };
+    let head = (status, &headers);
+    // Not atomic: `complete_record` logs a failure and never answers `Err`.
+    let _ = complete_record(
+        hold,
+        settings,
+        &config.policy,
+        head,
+        body,
+        trailers.as_ref(),
+    )
+    .await;
+    recorder.finished();
+}
+
+/// The data frames' bytes as one buffer (no copy when there is one frame).
+fn concat(frames: &VecDeque<Frame<Bytes>>, size: usize) -> Bytes {
+    let mut data = frames.iter().filter_map(Frame::data_ref);
+    match (data.next(), data.next()) {
+        (None, _) => Bytes::new(),
+        (Some(only), None) => only.clone(),
+        _ => {
+            let mut out = BytesMut::with_capacity(size);
+            for chunk in frames.iter().filter_map(Frame::data_ref) {
+                out.extend_from_slice(chunk);
+            }
+            out.freeze()
+        }
+    }
+}
