@@ -67,6 +67,14 @@
 //!
 //! Status 410. The request with this key completed, but its response was larger
 //! than the layer's response limit and was not kept. It will not run again.
+//!
+//! ## store-misconfigured
+//!
+//! Status 500. The store reported its own configuration as invalid
+//! ([`crate::store::StoreError::Config`]): a server fault that a retry does
+//! not fix, so no `Retry-After`. The request did not run and nothing was
+//! replayed. The stores of this crate report it only from `open`, never on
+//! a request.
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
@@ -92,6 +100,7 @@ pub mod types {
     problem_type!(IN_FLIGHT, "in-flight");
     problem_type!(STORE_UNAVAILABLE, "store-unavailable");
     problem_type!(RESPONSE_NOT_STORED, "response-not-stored");
+    problem_type!(STORE_MISCONFIGURED, "store-misconfigured");
 }
 
 /// Why the layer answered instead of the inner service.
@@ -128,6 +137,10 @@ pub enum Rejection {
     /// 410: the key's request completed, but its response was larger than the
     /// response limit and was not kept. The request is not run again.
     ResponseNotStored,
+    /// 500: the store reported its configuration as invalid
+    /// ([`crate::store::StoreError::Config`]); the request did not run and
+    /// nothing was replayed. Retrying does not help.
+    StoreMisconfigured,
 }
 
 impl Rejection {
@@ -142,6 +155,7 @@ impl Rejection {
             Rejection::InFlight { .. } => StatusCode::CONFLICT,
             Rejection::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Rejection::ResponseNotStored => StatusCode::GONE,
+            Rejection::StoreMisconfigured => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -156,6 +170,7 @@ impl Rejection {
             Rejection::InFlight { .. } => types::IN_FLIGHT,
             Rejection::StoreUnavailable { .. } => types::STORE_UNAVAILABLE,
             Rejection::ResponseNotStored => types::RESPONSE_NOT_STORED,
+            Rejection::StoreMisconfigured => types::STORE_MISCONFIGURED,
         }
     }
 
@@ -170,6 +185,7 @@ impl Rejection {
             Rejection::InFlight { .. } => "Request with this idempotency key in flight",
             Rejection::StoreUnavailable { .. } => "Idempotency store unavailable",
             Rejection::ResponseNotStored => "Response not available for replay",
+            Rejection::StoreMisconfigured => "Idempotency store misconfigured",
         }
     }
 
@@ -195,6 +211,9 @@ impl Rejection {
             }
             Rejection::ResponseNotStored => {
                 "the request with this idempotency key completed, but its response was too large to keep for replay; it will not be run again".into()
+            }
+            Rejection::StoreMisconfigured => {
+                "the idempotency store is misconfigured; the request was not processed".into()
             }
         }
     }
@@ -259,8 +278,9 @@ mod tests {
                 retry_after_secs: 1,
             },
             Rejection::ResponseNotStored,
+            Rejection::StoreMisconfigured,
         ];
-        let expected = [400, 400, 413, 400, 422, 409, 503, 410];
+        let expected = [400, 400, 413, 400, 422, 409, 503, 410, 500];
         for (rejection, status) in all.iter().zip(expected) {
             let response = rejection.to_problem();
             assert_eq!(response.status(), status);

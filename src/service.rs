@@ -35,7 +35,9 @@ use crate::policy::StorePolicy;
 use crate::problem::Rejection;
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
-use crate::store::{Claim, ClaimRequest, Completion, FencingToken, Store, retry_after_secs};
+use crate::store::{
+    ClaimRequest, Completion, FencingToken, Refusal, Store, StoreError, retry_after_secs,
+};
 use crate::telemetry::{self, Operation, Outcome, timed};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -362,34 +364,24 @@ where
             telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
             hold
         }
-        Ok(Err(Claim::Mismatch)) => {
+        Ok(Err(Refusal::Mismatch)) => {
             telemetry::claim("mismatch");
             return Ok(reject(settings, Outcome::Mismatch, Rejection::Mismatch));
         }
-        Ok(Err(Claim::InFlight { lease_remaining })) => {
+        Ok(Err(Refusal::InFlight { lease_remaining })) => {
             telemetry::claim("in_flight");
             let retry_after_secs = retry_after_secs(lease_remaining);
             let rejection = Rejection::InFlight { retry_after_secs };
             return Ok(reject(settings, Outcome::InFlight, rejection));
         }
-        Ok(Err(Claim::Completed(stored))) => {
+        Ok(Err(Refusal::Completed(stored))) => {
             telemetry::claim("replayed");
             return Ok(replay(settings, &stored));
         }
-        Ok(Err(Claim::Acquired { .. })) => {
-            // A store bug: it refused the claim yet says it was acquired.
-            telemetry::claim("store_error");
-            tracing::error!("the idempotency store contradicted itself; answering 503");
-            let retry_after_secs = STORE_RETRY_AFTER_SECS;
-            let rejection = Rejection::StoreUnavailable { retry_after_secs };
-            return Ok(reject(settings, Outcome::StoreError, rejection));
-        }
         Err(e) => {
             telemetry::claim("store_error");
-            tracing::error!(error = %e, "idempotency store failed to claim; answering 503");
-            let retry_after_secs = STORE_RETRY_AFTER_SECS;
-            let rejection = Rejection::StoreUnavailable { retry_after_secs };
-            return Ok(reject(settings, Outcome::StoreError, rejection));
+            tracing::error!(error = %e, "idempotency store failed to claim; answering with a problem");
+            return Ok(reject(settings, Outcome::StoreError, store_rejection(&e)));
         }
     };
 
@@ -413,6 +405,17 @@ where
     }
     hold.answered();
     Ok(store_response(hold, settings, &config.policy, response).await)
+}
+
+/// The answer to a store error: 500 for a misconfigured store (a retry
+/// cannot help), 503 with `Retry-After` for everything else.
+fn store_rejection(e: &StoreError) -> Rejection {
+    match e {
+        StoreError::Config(_) => Rejection::StoreMisconfigured,
+        _ => Rejection::StoreUnavailable {
+            retry_after_secs: STORE_RETRY_AFTER_SECS,
+        },
+    }
 }
 
 /// Gives the key back (a retry runs again) and records it.
@@ -531,9 +534,8 @@ async fn store_response<H: Hold, P: StorePolicy, B: Body>(
         }
         Err(e) if H::ATOMIC => {
             telemetry::outcome(Outcome::StoreError);
-            tracing::error!(error = %e, "committing the request failed; nothing happened; answering 503");
-            let retry_after_secs = STORE_RETRY_AFTER_SECS;
-            return rejection_response(settings, &Rejection::StoreUnavailable { retry_after_secs });
+            tracing::error!(error = %e, "committing the request failed; nothing happened; answering with a problem");
+            return rejection_response(settings, &store_rejection(&e));
         }
         Err(e) => {
             telemetry::outcome(Outcome::StoreError);
