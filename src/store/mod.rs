@@ -441,6 +441,11 @@ pub struct RecordSummary {
 }
 
 impl RecordSummary {
+    /// The record's [`RecordId`], e.g. to release it by hand.
+    pub fn record_id(&self) -> RecordId {
+        RecordId::new(self.scope.clone(), self.key.clone())
+    }
+
     /// The fingerprint as 64 lowercase hexadecimal digits.
     pub fn fingerprint_hex(&self) -> String {
         self.fingerprint

@@ -342,7 +342,7 @@ pub async fn stuck_lists_ended_leases_oldest_first<S: Inspect>(store: S, clock: 
     );
     let first = store.stuck(1).await.unwrap();
     assert_eq!(first.len(), 1);
-    assert_eq!(first[0].key, "old");
+    assert_eq!(first[0].record_id(), id("old"));
     assert_eq!(store.stuck(0).await.unwrap(), vec![]);
     // The retry takes "old" over: a fresh lease, no longer stuck.
     assert_eq!(
