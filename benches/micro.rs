@@ -23,7 +23,9 @@ use tower_idempotency::fingerprint::{
     DefaultFingerprinter, Fingerprint, Fingerprinter, JsonFingerprinter,
 };
 use tower_idempotency::key::parse_value;
-use tower_idempotency::store::{Claim, ClaimRequest, Completion, FencingToken, Store, Synchronous};
+use tower_idempotency::store::{
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Refusal, Store, Synchronous,
+};
 use tower_idempotency::{MemoryStore, SqliteStore, StoredBody, StoredResponse};
 
 const UUID_KEY: &str = "8e03978e-40d5-43e8-bc93-6894a57f9324";
@@ -143,19 +145,17 @@ static NEXT_KEY: AtomicU64 = AtomicU64::new(0);
 /// (completed, with the stored response).
 async fn round_trip<S: Store>(store: &S, response: &StoredResponse) {
     let key = format!("micro-{}", NEXT_KEY.fetch_add(1, Ordering::Relaxed));
-    let request = |token| ClaimRequest {
-        scope: "bench".into(),
-        key: key.clone(),
-        fingerprint: Fingerprint([7; 32]),
-        token,
-        lease: Duration::from_secs(60),
-        ttl: Duration::from_secs(600),
+    let id = RecordId::new("bench", key);
+    let request = |token| {
+        ClaimRequest::new(id.clone(), Fingerprint([7; 32]), token)
+            .with_lease(Duration::from_secs(60))
+            .with_ttl(Duration::from_secs(600))
     };
     let token = FencingToken::random();
     let claim = store.claim(request(token)).await.expect("claim");
     assert_eq!(claim, Claim::Acquired { taken_over: false });
     let completion = store
-        .complete("bench".into(), key.clone(), token, response.clone())
+        .complete(id.clone(), token, response.clone())
         .await
         .expect("complete");
     assert_eq!(completion, Completion::Stored);
@@ -164,7 +164,7 @@ async fn round_trip<S: Store>(store: &S, response: &StoredResponse) {
         .await
         .expect("claim")
     {
-        Claim::Completed(stored) => assert_eq!(stored.body, response.body),
+        Claim::Refused(Refusal::Completed(stored)) => assert_eq!(stored.body, response.body),
         other => panic!("expected the completed record, got {other:?}"),
     }
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use tower_idempotency::fingerprint::Fingerprint;
-use tower_idempotency::store::{Claim, ClaimRequest, FencingToken, Store};
+use tower_idempotency::store::{Claim, ClaimRequest, FencingToken, RecordId, Refusal, Store};
 use tower_idempotency::{MemoryStore, SqliteStore, StoredResponse};
 
 fn arg(name: &str, default: usize) -> usize {
@@ -26,14 +26,13 @@ fn arg(name: &str, default: usize) -> usize {
 }
 
 fn claim(prefix: &str, n: usize) -> ClaimRequest {
-    ClaimRequest {
-        scope: "bench".into(),
-        key: format!("{prefix}-{n}"),
-        fingerprint: Fingerprint([7; 32]),
-        token: FencingToken::random(),
-        lease: Duration::from_secs(60),
-        ttl: Duration::from_secs(3600),
-    }
+    ClaimRequest::new(
+        RecordId::new("bench", format!("{prefix}-{n}")),
+        Fingerprint([7; 32]),
+        FencingToken::random(),
+    )
+    .with_lease(Duration::from_secs(60))
+    .with_ttl(Duration::from_secs(3600))
 }
 
 /// Runs `op(n)` for n in 0..ops from `tasks` tasks; returns operations per second.
@@ -81,7 +80,7 @@ async fn bench<S: Store>(name: &str, store: S, ops: usize, tasks: usize) {
                 Claim::Acquired { taken_over: false }
             );
             store
-                .complete("bench".into(), key, token, stored)
+                .complete(RecordId::new("bench", key), token, stored)
                 .await
                 .unwrap();
         }
@@ -93,7 +92,7 @@ async fn bench<S: Store>(name: &str, store: S, ops: usize, tasks: usize) {
         async move {
             assert!(matches!(
                 store.claim(request).await.unwrap(),
-                Claim::Completed(_)
+                Claim::Refused(Refusal::Completed(_))
             ));
         }
     })

@@ -40,7 +40,9 @@ use http::header::AsHeaderName;
 pub const MAX_KEY_LEN: usize = 255;
 
 /// Why a key field was rejected. Each answers 400 (IETF draft §2.7).
+/// `#[non_exhaustive]`: more reasons may come.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyError {
     /// The request carried the field more than once.
     Repeated,

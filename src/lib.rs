@@ -66,6 +66,9 @@
 //! * [`telemetry`]: the tracing span and the metrics (feature `metrics`).
 //! * `admin` (feature `admin`): an axum router for operators over a store's
 //!   [`store::Inspect`]: stuck records, counts, purge.
+//! * `test_util/` (feature `test-util`): the store contract as a test suite
+//!   (`store_suite!`, the checks in `suite.rs`) and `ManualClock`, for tests
+//!   of this crate's stores and of stores written elsewhere.
 //!
 //! # Guarantees and their limits
 //!
@@ -114,6 +117,8 @@ mod service;
 pub mod store;
 mod tee;
 pub mod telemetry;
+#[cfg(feature = "test-util")]
+pub mod test_util;
 
 pub use body::{RequestBody, ResponseBody};
 

@@ -98,8 +98,8 @@ use http::Extensions;
 
 use crate::response::StoredResponse;
 use crate::store::{
-    Claim, ClaimRequest, Completion, FencingToken, Store, StoreError, TransactionClaim,
-    TransactionalStore,
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Refusal, Store, StoreError,
+    TransactionClaim, TransactionalStore,
 };
 
 /// The record is completed in its own write after the handler (the default).
@@ -138,12 +138,12 @@ pub trait Mode<St>: sealed::Sealed + Clone + Send + Sync + 'static {
     const DETACHED: bool;
 
     /// Claims the key: the hold and whether an expired lease was taken over,
-    /// or the claim outcome that refuses the request.
+    /// or why the request is refused.
     #[doc(hidden)]
     fn claim(
         store: &St,
         request: ClaimRequest,
-    ) -> impl Future<Output = Result<Result<(Self::Hold, bool), Claim>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Result<(Self::Hold, bool), Refusal>, StoreError>> + Send;
 }
 
 /// A held claim. Dropped without [`Hold::complete`] or [`Hold::release`]
@@ -179,14 +179,13 @@ impl<St: Store> Mode<St> for Separate {
     async fn claim(
         store: &St,
         request: ClaimRequest,
-    ) -> Result<Result<(Self::Hold, bool), Claim>, StoreError> {
-        let (scope, key, token) = (request.scope.clone(), request.key.clone(), request.token);
+    ) -> Result<Result<(Self::Hold, bool), Refusal>, StoreError> {
+        let (id, token) = (request.record_id(), request.token);
         Ok(match store.claim(request).await? {
-            Claim::Acquired { taken_over } => Ok((
-                SeparateHold::new(store.clone(), scope, key, token),
-                taken_over,
-            )),
-            refused => Err(refused),
+            Claim::Acquired { taken_over } => {
+                Ok((SeparateHold::new(store.clone(), id, token), taken_over))
+            }
+            Claim::Refused(refusal) => Err(refusal),
         })
     }
 }
@@ -198,21 +197,25 @@ impl<St: Store> Mode<St> for Separate {
 #[doc(hidden)]
 pub struct SeparateHold<St: Store> {
     store: St,
-    scope: String,
-    key: String,
+    id: RecordId,
     token: FencingToken,
     armed: bool,
 }
 
 impl<St: Store> SeparateHold<St> {
-    fn new(store: St, scope: String, key: String, token: FencingToken) -> Self {
+    fn new(store: St, id: RecordId, token: FencingToken) -> Self {
         SeparateHold {
             store,
-            scope,
-            key,
+            id,
             token,
             armed: true,
         }
+    }
+
+    /// The record's id, leaving an empty one behind (no allocation): for
+    /// the calls that end the hold.
+    fn take_id(&mut self) -> RecordId {
+        std::mem::replace(&mut self.id, RecordId::new(String::new(), String::new()))
     }
 
     fn disarm(&mut self) {
@@ -222,21 +225,15 @@ impl<St: Store> SeparateHold<St> {
     /// Releases the record now (token-checked). If this future is dropped
     /// midway, the hold is still armed and releases from `Drop`.
     async fn release(mut self) -> Result<(), StoreError> {
-        let released = self
-            .store
-            .release(self.scope.clone(), self.key.clone(), self.token)
-            .await;
+        let released = self.store.release(self.id.clone(), self.token).await;
         self.armed = false;
         released.map(drop)
     }
 
     async fn complete(mut self, response: StoredResponse) -> Result<Completion, StoreError> {
         self.armed = false;
-        let (scope, key) = (
-            std::mem::take(&mut self.scope),
-            std::mem::take(&mut self.key),
-        );
-        self.store.complete(scope, key, self.token, response).await
+        let id = self.take_id();
+        self.store.complete(id, self.token, response).await
     }
 }
 
@@ -246,14 +243,11 @@ impl<St: Store> Drop for SeparateHold<St> {
             return;
         }
         let (store, token) = (self.store.clone(), self.token);
-        let (scope, key) = (
-            std::mem::take(&mut self.scope),
-            std::mem::take(&mut self.key),
-        );
+        let id = self.take_id();
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    if let Err(e) = store.release(scope, key, token).await {
+                    if let Err(e) = store.release(id, token).await {
                         tracing::error!(error = %e, "releasing an abandoned key failed; it stays in flight until its lease ends");
                     }
                 });
@@ -297,7 +291,7 @@ impl<St: TransactionalStore> Mode<St> for Transactional {
     async fn claim(
         store: &St,
         request: ClaimRequest,
-    ) -> Result<Result<(Self::Hold, bool), Claim>, StoreError> {
+    ) -> Result<Result<(Self::Hold, bool), Refusal>, StoreError> {
         Ok(match store.claim_in_transaction(request).await? {
             TransactionClaim::Acquired {
                 transaction,
@@ -309,7 +303,7 @@ impl<St: TransactionalStore> Mode<St> for Transactional {
                 },
                 taken_over,
             )),
-            TransactionClaim::Refused(claim) => Err(claim),
+            TransactionClaim::Refused(refusal) => Err(refusal),
         })
     }
 }

@@ -74,6 +74,14 @@
 //!
 //! Status 410. The request with this key completed, but its response was larger
 //! than the layer's response limit and was not kept. It will not run again.
+//!
+//! ## store-misconfigured
+//!
+//! Status 500. The store reported its own configuration as invalid
+//! ([`crate::store::StoreError::Config`]): a server fault that a retry does
+//! not fix, so no `Retry-After`. The request did not run and nothing was
+//! replayed. The stores of this crate report it only from `open`, never on
+//! a request.
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
@@ -101,6 +109,7 @@ pub mod types {
     problem_type!(STORE_UNAVAILABLE, "store-unavailable");
     problem_type!(RESPONSE_NOT_STORED, "response-not-stored");
     problem_type!(STORE_FULL, "store-full");
+    problem_type!(STORE_MISCONFIGURED, "store-misconfigured");
 }
 
 /// Why the layer answered instead of the inner service.
@@ -144,6 +153,10 @@ pub enum Rejection {
         /// whole seconds, at least 1.
         retry_after_secs: u64,
     },
+    /// 500: the store reported its configuration as invalid
+    /// ([`crate::store::StoreError::Config`]); the request did not run and
+    /// nothing was replayed. Retrying does not help.
+    StoreMisconfigured,
 }
 
 impl Rejection {
@@ -160,6 +173,7 @@ impl Rejection {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Rejection::ResponseNotStored => StatusCode::GONE,
+            Rejection::StoreMisconfigured => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -175,6 +189,7 @@ impl Rejection {
             Rejection::StoreUnavailable { .. } => types::STORE_UNAVAILABLE,
             Rejection::ResponseNotStored => types::RESPONSE_NOT_STORED,
             Rejection::StoreFull { .. } => types::STORE_FULL,
+            Rejection::StoreMisconfigured => types::STORE_MISCONFIGURED,
         }
     }
 
@@ -190,6 +205,7 @@ impl Rejection {
             Rejection::StoreUnavailable { .. } => "Idempotency store unavailable",
             Rejection::ResponseNotStored => "Response not available for replay",
             Rejection::StoreFull { .. } => "Idempotency store full",
+            Rejection::StoreMisconfigured => "Idempotency store misconfigured",
         }
     }
 
@@ -219,6 +235,9 @@ impl Rejection {
             Rejection::StoreFull { retry_after_secs } => format!(
                 "the idempotency store has no room for a new key; the request was not processed; retry in {retry_after_secs} s"
             ),
+            Rejection::StoreMisconfigured => {
+                "the idempotency store is misconfigured; the request was not processed".into()
+            }
         }
     }
 
@@ -243,6 +262,8 @@ impl Rejection {
                     .saturating_add(u64::from(retry_after.subsec_nanos() > 0))
                     .max(1),
             },
+            // A retry cannot fix the configuration: 500, no Retry-After.
+            StoreError::Config(_) => Rejection::StoreMisconfigured,
             _ => Rejection::StoreUnavailable { retry_after_secs },
         }
     }
@@ -302,8 +323,9 @@ mod tests {
             Rejection::StoreFull {
                 retry_after_secs: 7,
             },
+            Rejection::StoreMisconfigured,
         ];
-        let expected = [400, 400, 413, 400, 422, 409, 503, 410, 503];
+        let expected = [400, 400, 413, 400, 422, 409, 503, 410, 503, 500];
         for (rejection, status) in all.iter().zip(expected) {
             let response = rejection.to_problem();
             assert_eq!(response.status(), status);

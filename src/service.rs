@@ -38,7 +38,7 @@ use crate::problem::Rejection;
 use crate::record::store_response;
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
-use crate::store::{Claim, ClaimRequest, FencingToken, Store, retry_after_secs};
+use crate::store::{ClaimRequest, FencingToken, Refusal, Store, retry_after_secs};
 use crate::telemetry::{self, Operation, Outcome, timed};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -374,27 +374,19 @@ where
             telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
             hold
         }
-        Ok(Err(Claim::Mismatch)) => {
+        Ok(Err(Refusal::Mismatch)) => {
             telemetry::claim("mismatch");
             return Ok(reject(settings, Outcome::Mismatch, Rejection::Mismatch));
         }
-        Ok(Err(Claim::InFlight { lease_remaining })) => {
+        Ok(Err(Refusal::InFlight { lease_remaining })) => {
             telemetry::claim("in_flight");
             let retry_after_secs = retry_after_secs(lease_remaining);
             let rejection = Rejection::InFlight { retry_after_secs };
             return Ok(reject(settings, Outcome::InFlight, rejection));
         }
-        Ok(Err(Claim::Completed(stored))) => {
+        Ok(Err(Refusal::Completed(stored))) => {
             telemetry::claim("replayed");
             return Ok(replay(settings, &stored));
-        }
-        Ok(Err(Claim::Acquired { .. })) => {
-            // A store bug: it refused the claim yet says it was acquired.
-            telemetry::claim("store_error");
-            tracing::error!("the idempotency store contradicted itself; answering 503");
-            let retry_after_secs = STORE_RETRY_AFTER_SECS;
-            let rejection = Rejection::StoreUnavailable { retry_after_secs };
-            return Ok(reject(settings, Outcome::StoreError, rejection));
         }
         Err(e) => {
             telemetry::claim("store_error");

@@ -8,7 +8,8 @@ mod common;
 use std::time::Duration;
 
 use tower_idempotency::fingerprint::Fingerprint;
-use tower_idempotency::store::{ClaimRequest, FencingToken, ManualClock, Store};
+use tower_idempotency::store::{ClaimRequest, FencingToken, RecordId, Store};
+use tower_idempotency::test_util::ManualClock;
 use tower_idempotency::{MemoryStore, SqliteStore, StoredResponse, admin};
 
 const START_MS: i64 = 1_800_000_000_000;
@@ -18,14 +19,11 @@ const TTL: Duration = Duration::from_secs(3600);
 async fn claim<S: Store>(store: &S, scope: &str, key: &str, fp: u8, ttl: Duration) -> FencingToken {
     let token = FencingToken::random();
     store
-        .claim(ClaimRequest {
-            scope: scope.into(),
-            key: key.into(),
-            fingerprint: Fingerprint([fp; 32]),
-            token,
-            lease: LEASE,
-            ttl,
-        })
+        .claim(
+            ClaimRequest::new(RecordId::new(scope, key), Fingerprint([fp; 32]), token)
+                .with_lease(LEASE)
+                .with_ttl(ttl),
+        )
         .await
         .unwrap();
     token
@@ -63,7 +61,7 @@ async fn stuck_counts_and_purge() {
         None,
     );
     store
-        .complete("carol".into(), "k-3".into(), token, stored)
+        .complete(RecordId::new("carol", "k-3"), token, stored)
         .await
         .unwrap();
     // t0 + 75 s: alice's lease ended 15 s ago, bob's 5 s ago.

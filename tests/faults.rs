@@ -29,7 +29,8 @@ use axum::routing::post;
 use common::{Harness, Raw, send, serve};
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
-use tower_idempotency::store::{ManualClock, SqliteStore, SqliteTransaction};
+use tower_idempotency::store::{SqliteStore, SqliteTransaction};
+use tower_idempotency::test_util::ManualClock;
 
 /// The scope of every request: the `x-user` header.
 fn user(parts: &Parts) -> String {

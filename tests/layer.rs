@@ -17,9 +17,10 @@ use common::{Harness, Raw, eventually, send, serve, until_not_in_flight};
 use tokio::sync::Barrier;
 use tower_idempotency::problem::types;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, ManualClock, MemoryStore, SqliteStore, Store,
+    Claim, ClaimRequest, Completion, FencingToken, MemoryStore, RecordId, SqliteStore, Store,
     StoreError,
 };
+use tower_idempotency::test_util::ManualClock;
 use tower_idempotency::{IdempotencyLayer, StoredResponse};
 
 const START_MS: i64 = 1_800_000_000_000;
@@ -494,15 +495,14 @@ impl Store for SlowClaimAnswer {
     }
     async fn complete(
         &self,
-        s: String,
-        k: String,
+        id: RecordId,
         t: FencingToken,
         r: StoredResponse,
     ) -> Result<Completion, StoreError> {
-        self.inner.complete(s, k, t, r).await
+        self.inner.complete(id, t, r).await
     }
-    async fn release(&self, s: String, k: String, t: FencingToken) -> Result<bool, StoreError> {
-        self.inner.release(s, k, t).await
+    async fn release(&self, id: RecordId, t: FencingToken) -> Result<bool, StoreError> {
+        self.inner.release(id, t).await
     }
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.inner.purge_expired().await
@@ -621,6 +621,39 @@ async fn store_locked_past_busy_timeout_is_503_and_nothing_runs() {
     assert_eq!(h.runs(), 1);
 }
 
+/// A store whose claim reports its configuration as invalid.
+#[derive(Clone)]
+struct Misconfigured;
+
+impl Store for Misconfigured {
+    async fn claim(&self, _: ClaimRequest) -> Result<Claim, StoreError> {
+        Err(StoreError::config("invalid table name \"bad name;\""))
+    }
+    async fn complete(
+        &self,
+        _: RecordId,
+        _: FencingToken,
+        _: StoredResponse,
+    ) -> Result<Completion, StoreError> {
+        unreachable!("no claim was ever acquired")
+    }
+    async fn release(&self, _: RecordId, _: FencingToken) -> Result<bool, StoreError> {
+        unreachable!("no claim was ever acquired")
+    }
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+}
+
+#[tokio::test]
+async fn a_misconfigured_store_is_500_without_retry_after_and_nothing_runs() {
+    let (addr, h) = start(layer(Misconfigured)).await;
+    let r = post_key(addr, "/charges", "k", b"").await;
+    assert_eq!(r.assert_problem(500), types::STORE_MISCONFIGURED);
+    assert_eq!(r.header_str("retry-after"), None);
+    assert_eq!(h.runs(), 0);
+}
+
 /// A store whose `complete` always fails, as a full disk would.
 #[derive(Clone)]
 struct CompleteFails(MemoryStore);
@@ -631,20 +664,14 @@ impl Store for CompleteFails {
     }
     async fn complete(
         &self,
-        _: String,
-        _: String,
+        _: RecordId,
         _: FencingToken,
         _: StoredResponse,
     ) -> Result<Completion, StoreError> {
         Err(StoreError::unavailable("disk full"))
     }
-    async fn release(
-        &self,
-        scope: String,
-        key: String,
-        token: FencingToken,
-    ) -> Result<bool, StoreError> {
-        self.0.release(scope, key, token).await
+    async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
+        self.0.release(id, token).await
     }
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.0.purge_expired().await

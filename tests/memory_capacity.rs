@@ -18,19 +18,15 @@ use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::response::{StoredBody, StoredResponse};
 use tower_idempotency::scope::GlobalScope;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, Inspect, ManualClock, MemoryStore, RecordCounts,
-    Store, StoreError,
+    Claim, ClaimRequest, Completion, FencingToken, Inspect, MemoryStore, RecordCounts, RecordId,
+    Refusal, Store, StoreError,
 };
+use tower_idempotency::test_util::ManualClock;
 
 fn claim(key: &str, ttl_secs: u64, token: FencingToken) -> ClaimRequest {
-    ClaimRequest {
-        scope: "alice".into(),
-        key: key.into(),
-        fingerprint: Fingerprint([7; 32]),
-        token,
-        lease: Duration::from_secs(5),
-        ttl: Duration::from_secs(ttl_secs),
-    }
+    ClaimRequest::new(RecordId::new("alice", key), Fingerprint([7; 32]), token)
+        .with_lease(Duration::from_secs(5))
+        .with_ttl(Duration::from_secs(ttl_secs))
 }
 
 const ACQUIRED: Claim = Claim::Acquired { taken_over: false };
@@ -116,7 +112,7 @@ async fn a_full_store_evicts_expired_records_first_then_refuses() {
     };
     assert_eq!(
         store
-            .complete("alice".into(), "k2".into(), t2, response.clone())
+            .complete(RecordId::new("alice", "k2"), t2, response.clone())
             .await
             .unwrap(),
         Completion::Stored
@@ -126,23 +122,23 @@ async fn a_full_store_evicts_expired_records_first_then_refuses() {
             .claim(claim("k2", 100, FencingToken::random()))
             .await
             .unwrap(),
-        Claim::Completed(response)
+        Claim::Refused(Refusal::Completed(response))
     );
     assert_eq!(
         store
             .claim(claim("k4", 100, FencingToken::random()))
             .await
             .unwrap(),
-        Claim::InFlight {
+        Claim::Refused(Refusal::InFlight {
             lease_remaining: Duration::from_secs(5)
-        }
+        })
     );
     assert_eq!(store.counts().await.unwrap(), counts(1, 1, 1, 0));
 
     // A release makes room at once.
     assert!(
         store
-            .release("alice".into(), "k4".into(), t4)
+            .release(RecordId::new("alice", "k4"), t4)
             .await
             .unwrap()
     );

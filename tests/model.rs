@@ -68,9 +68,10 @@ use tokio::sync::Barrier;
 use tower_idempotency::StoredResponse;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, ManualClock, MemoryStore, SqliteStore, Store,
-    StoreError, Synchronous,
+    Claim, ClaimRequest, Completion, FencingToken, MemoryStore, RecordId, Refusal, SqliteStore,
+    Store, StoreError, Synchronous,
 };
+use tower_idempotency::test_util::ManualClock;
 
 const LEASE_MS: i64 = 10_000;
 const TTL_MS: i64 = 100_000;
@@ -146,15 +147,15 @@ fn response_of(holder: usize) -> StoredResponse {
     )
 }
 
+/// The record of `KEYS[key]`.
+fn id(key: usize) -> RecordId {
+    RecordId::new(SCOPE, KEYS[key])
+}
+
 fn request(key: usize, fp: u8, token: FencingToken) -> ClaimRequest {
-    ClaimRequest {
-        scope: SCOPE.into(),
-        key: KEYS[key].into(),
-        fingerprint: Fingerprint([fp; 32]),
-        token,
-        lease: Duration::from_millis(LEASE_MS as u64),
-        ttl: Duration::from_millis(TTL_MS as u64),
-    }
+    ClaimRequest::new(id(key), Fingerprint([fp; 32]), token)
+        .with_lease(Duration::from_millis(LEASE_MS as u64))
+        .with_ttl(Duration::from_millis(TTL_MS as u64))
 }
 
 fn store_ok<T>(result: Result<T, StoreError>, what: &str) -> Result<T, TestCaseError> {
@@ -400,10 +401,11 @@ fn check_claim(
     what: &str,
 ) -> Result<(), TestCaseError> {
     match (actual, expected) {
-        (Claim::InFlight { lease_remaining }, Outcome::InFlight { ms, since }) => {
-            check_remaining(kind, *lease_remaining, *ms, *since, what)
-        }
-        (Claim::Completed(stored), Outcome::Completed(holder)) => {
+        (
+            Claim::Refused(Refusal::InFlight { lease_remaining }),
+            Outcome::InFlight { ms, since },
+        ) => check_remaining(kind, *lease_remaining, *ms, *since, what),
+        (Claim::Refused(Refusal::Completed(stored)), Outcome::Completed(holder)) => {
             prop_assert_eq!(stored, &response_of(*holder), "{}: replayed response", what);
             Ok(())
         }
@@ -416,7 +418,7 @@ fn check_claim(
             prop_assert_eq!(taken_over, expected, "{}: taken_over", what);
             Ok(())
         }
-        (Claim::Mismatch, Outcome::Mismatch) => Ok(()),
+        (Claim::Refused(Refusal::Mismatch), Outcome::Mismatch) => Ok(()),
         _ => Err(TestCaseError::fail(format!(
             "{what}: the store answered {actual:?}, the model says {expected:?}"
         ))),
@@ -484,19 +486,14 @@ async fn run_sequence<S: Store>(
                 let what = format!("{what} by holder {holder}");
                 let unchanged = if let Op::Complete(_) = op {
                     let actual = store_ok(
-                        store
-                            .complete(SCOPE.into(), KEYS[key].into(), token, response_of(holder))
-                            .await,
+                        store.complete(id(key), token, response_of(holder)).await,
                         &what,
                     )?;
                     let expected = model.complete(kind, holder);
                     prop_assert_eq!(actual, expected, "{}", what);
                     actual == Completion::Fenced
                 } else {
-                    let actual = store_ok(
-                        store.release(SCOPE.into(), KEYS[key].into(), token).await,
-                        &what,
-                    )?;
+                    let actual = store_ok(store.release(id(key), token).await, &what)?;
                     prop_assert_eq!(actual, model.release(holder), "{}", what);
                     !actual
                 };
@@ -620,12 +617,7 @@ async fn run_round<S: Store>(
         ) {
             let done = store_ok(
                 store
-                    .complete(
-                        SCOPE.into(),
-                        KEYS[key].into(),
-                        token,
-                        response_of(PRIOR_HOLDER),
-                    )
+                    .complete(id(key), token, response_of(PRIOR_HOLDER))
                     .await,
                 "prior completion",
             )?;
@@ -717,10 +709,7 @@ async fn run_round<S: Store>(
     // The losers hold nothing; the winner holds the key and completes it.
     for (i, (token, _)) in results.iter().enumerate() {
         if winners.first() != Some(&i) {
-            let released = store_ok(
-                store.release(SCOPE.into(), KEYS[key].into(), *token).await,
-                "loser's release",
-            )?;
+            let released = store_ok(store.release(id(key), *token).await, "loser's release")?;
             prop_assert!(
                 !released,
                 "{}: claimer {} released a key it never held",
@@ -731,9 +720,7 @@ async fn run_round<S: Store>(
     }
     if let Some(&w) = winners.first() {
         let done = store_ok(
-            store
-                .complete(SCOPE.into(), KEYS[key].into(), results[w].0, response_of(w))
-                .await,
+            store.complete(id(key), results[w].0, response_of(w)).await,
             "winner's completion",
         )?;
         prop_assert_eq!(
@@ -748,7 +735,12 @@ async fn run_round<S: Store>(
                 .await,
             "replay",
         )?;
-        prop_assert_eq!(replay, Claim::Completed(response_of(w)), "{}: replay", name);
+        prop_assert_eq!(
+            replay,
+            Claim::Refused(Refusal::Completed(response_of(w))),
+            "{}: replay",
+            name
+        );
     }
     // Past every TTL, the one record goes.
     clock.advance(Duration::from_millis(TTL_MS as u64));

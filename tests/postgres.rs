@@ -19,7 +19,9 @@ use common::{Harness, send, serve};
 use tokio::sync::Barrier;
 use tower_idempotency::problem::types;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency::store::{Claim, ClaimRequest, FencingToken, PostgresTransaction, Store};
+use tower_idempotency::store::{
+    Claim, ClaimRequest, FencingToken, PostgresTransaction, RecordId, Refusal, Store,
+};
 use tower_idempotency::{IdempotencyLayer, PostgresStore};
 
 fn url() -> String {
@@ -76,14 +78,13 @@ impl Db {
 }
 
 fn claim(key: &str) -> ClaimRequest {
-    ClaimRequest {
-        scope: "s".into(),
-        key: key.into(),
-        fingerprint: tower_idempotency::fingerprint::Fingerprint([1; 32]),
-        token: FencingToken::random(),
-        lease: Duration::from_secs(60),
-        ttl: Duration::from_secs(3600),
-    }
+    ClaimRequest::new(
+        RecordId::new("s", key),
+        tower_idempotency::fingerprint::Fingerprint([1; 32]),
+        FencingToken::random(),
+    )
+    .with_lease(Duration::from_secs(60))
+    .with_ttl(Duration::from_secs(3600))
 }
 
 /// Two app servers' stores (two pools) on one table, racing each key.
@@ -116,7 +117,7 @@ async fn two_servers_one_database_one_winner() {
         for task in tasks {
             match task.await.unwrap() {
                 Claim::Acquired { .. } => acquired += 1,
-                Claim::InFlight { .. } => {}
+                Claim::Refused(Refusal::InFlight { .. }) => {}
                 other => panic!("unexpected {other:?}"),
             }
         }

@@ -1,441 +1,22 @@
-//! One conformance suite for every store (DESIGN §3 and §8): each test is a
-//! generic function, and `store_suite!` runs all of them against one store.
+//! One conformance suite for every store (DESIGN §3 and §8): the checks of
+//! `tower_idempotency::test_util` (feature `test-util`), run against each
+//! store of this crate by `store_suite!`, and the tests of one store each.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{HeaderMap, StatusCode};
-use tokio::sync::Barrier;
-use tower_idempotency::fingerprint::Fingerprint;
-use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, Inspect, ManualClock, MemoryStore, RecordCounts,
-    RecordSummary, SqliteStore, Store,
+use tower_idempotency::store::{MemoryStore, SqliteStore};
+use tower_idempotency::test_util::suite::{
+    inspect_is_exact_on_a_manual_clock, two_handles_one_winner,
 };
-use tower_idempotency::{StoredBody, StoredResponse};
-
-const LEASE: Duration = Duration::from_secs(60);
-const TTL: Duration = Duration::from_secs(3600);
-const START_MS: i64 = 1_800_000_000_000;
-
-fn claim_of(scope: &str, key: &str, fp: u8, token: FencingToken) -> ClaimRequest {
-    ClaimRequest {
-        scope: scope.into(),
-        key: key.into(),
-        fingerprint: Fingerprint([fp; 32]),
-        token,
-        lease: LEASE,
-        ttl: TTL,
-    }
-}
-
-fn response(body: &'static [u8]) -> StoredResponse {
-    let mut headers = HeaderMap::new();
-    headers.append("link", "</a>; rel=next".parse().unwrap());
-    headers.append("link", "</b>; rel=prev".parse().unwrap());
-    StoredResponse::capture(
-        StatusCode::CREATED,
-        &headers,
-        Bytes::from_static(body),
-        None,
-    )
-}
-
-async fn acquire<S: Store>(store: &S, key: &str) -> FencingToken {
-    let token = FencingToken::random();
-    assert_eq!(
-        store.claim(claim_of("s", key, 1, token)).await.unwrap(),
-        Claim::Acquired { taken_over: false }
-    );
-    token
-}
-
-async fn complete<S: Store>(
-    store: &S,
-    key: &str,
-    token: FencingToken,
-    body: &'static [u8],
-) -> Completion {
-    store
-        .complete("s".into(), key.into(), token, response(body))
-        .await
-        .unwrap()
-}
-
-async fn new_key_is_acquired<S: Store>(store: S, _clock: ManualClock) {
-    acquire(&store, "k").await;
-}
-
-async fn completed_record_is_replayed<S: Store>(store: S, _clock: ManualClock) {
-    let token = acquire(&store, "k").await;
-    assert_eq!(
-        complete(&store, "k", token, b"\xff\x00\xfe").await,
-        Completion::Stored
-    );
-    let again = store
-        .claim(claim_of("s", "k", 1, FencingToken::random()))
-        .await
-        .unwrap();
-    assert_eq!(again, Claim::Completed(response(b"\xff\x00\xfe")));
-}
-
-async fn mismatch_is_checked_first<S: Store>(store: S, _clock: ManualClock) {
-    let token = acquire(&store, "k").await;
-    // In flight: a different fingerprint is a mismatch, not a 409.
-    let other = store
-        .claim(claim_of("s", "k", 2, FencingToken::random()))
-        .await
-        .unwrap();
-    assert_eq!(other, Claim::Mismatch);
-    complete(&store, "k", token, b"done").await;
-    let other = store
-        .claim(claim_of("s", "k", 2, FencingToken::random()))
-        .await
-        .unwrap();
-    assert_eq!(other, Claim::Mismatch);
-}
-
-async fn in_flight_reports_remaining_lease<S: Store>(store: S, clock: ManualClock) {
-    acquire(&store, "k").await;
-    clock.advance(Duration::from_secs(10));
-    let again = store
-        .claim(claim_of("s", "k", 1, FencingToken::random()))
-        .await
-        .unwrap();
-    // Exactly 50 s on a manual clock; a server's clock also moved on a little.
-    let Claim::InFlight { lease_remaining } = again else {
-        panic!("expected in flight, got {again:?}");
-    };
-    assert!(
-        lease_remaining <= Duration::from_secs(50) && lease_remaining > Duration::from_secs(49),
-        "{lease_remaining:?}"
-    );
-}
-
-async fn expired_lease_is_taken_over_and_fenced<S: Store>(store: S, clock: ManualClock) {
-    let first = acquire(&store, "k").await;
-    clock.advance(LEASE + Duration::from_millis(1));
-    let second = FencingToken::random();
-    let claim = store.claim(claim_of("s", "k", 1, second)).await.unwrap();
-    assert_eq!(claim, Claim::Acquired { taken_over: true });
-    // The first holder comes back late: it can neither complete nor release.
-    assert_eq!(
-        complete(&store, "k", first, b"first").await,
-        Completion::Fenced
-    );
-    assert!(!store.release("s".into(), "k".into(), first).await.unwrap());
-    assert_eq!(
-        complete(&store, "k", second, b"second").await,
-        Completion::Stored
-    );
-    let replay = store
-        .claim(claim_of("s", "k", 1, FencingToken::random()))
-        .await
-        .unwrap();
-    assert_eq!(replay, Claim::Completed(response(b"second")));
-}
-
-async fn release_needs_the_token<S: Store>(store: S, _clock: ManualClock) {
-    let token = acquire(&store, "k").await;
-    let stranger = FencingToken::random();
-    assert!(
-        !store
-            .release("s".into(), "k".into(), stranger)
-            .await
-            .unwrap()
-    );
-    assert!(matches!(
-        store
-            .claim(claim_of("s", "k", 1, FencingToken::random()))
-            .await
-            .unwrap(),
-        Claim::InFlight { .. }
-    ));
-    assert!(store.release("s".into(), "k".into(), token).await.unwrap());
-    // Released: the next request runs at once, even with another fingerprint.
-    let next = store
-        .claim(claim_of("s", "k", 2, FencingToken::random()))
-        .await
-        .unwrap();
-    assert_eq!(next, Claim::Acquired { taken_over: false });
-}
-
-async fn completed_record_is_final<S: Store>(store: S, _clock: ManualClock) {
-    let token = acquire(&store, "k").await;
-    assert_eq!(
-        complete(&store, "k", token, b"one").await,
-        Completion::Stored
-    );
-    assert_eq!(
-        complete(&store, "k", token, b"two").await,
-        Completion::Fenced
-    );
-    assert!(!store.release("s".into(), "k".into(), token).await.unwrap());
-    let replay = store
-        .claim(claim_of("s", "k", 1, FencingToken::random()))
-        .await
-        .unwrap();
-    assert_eq!(replay, Claim::Completed(response(b"one")));
-}
-
-async fn record_past_ttl_is_new<S: Store>(store: S, clock: ManualClock) {
-    let token = acquire(&store, "k").await;
-    complete(&store, "k", token, b"old").await;
-    // A second of slack for stores on a server's clock, which moves on by itself.
-    clock.advance(TTL - Duration::from_secs(1));
-    assert!(matches!(
-        store
-            .claim(claim_of("s", "k", 1, FencingToken::random()))
-            .await
-            .unwrap(),
-        Claim::Completed(_)
-    ));
-    clock.advance(Duration::from_secs(1));
-    // Past its TTL the record is ignored, whatever its fingerprint was.
-    let fresh = store
-        .claim(claim_of("s", "k", 2, FencingToken::random()))
-        .await
-        .unwrap();
-    assert_eq!(fresh, Claim::Acquired { taken_over: false });
-}
-
-async fn purge_removes_only_expired<S: Store>(store: S, clock: ManualClock) {
-    acquire(&store, "old").await;
-    clock.advance(TTL / 2);
-    acquire(&store, "young").await;
-    assert_eq!(store.purge_expired().await.unwrap(), 0);
-    clock.advance(TTL / 2);
-    assert_eq!(store.purge_expired().await.unwrap(), 1);
-    // "young" survived the purge: its lease is long over, so it is taken over
-    // (a purged record would be claimed afresh).
-    assert_eq!(
-        store
-            .claim(claim_of("s", "young", 1, FencingToken::random()))
-            .await
-            .unwrap(),
-        Claim::Acquired { taken_over: true }
-    );
-    assert_eq!(store.purge_expired().await.unwrap(), 0);
-}
-
-async fn scopes_never_meet<S: Store>(store: S, _clock: ManualClock) {
-    let token = FencingToken::random();
-    store.claim(claim_of("alice", "k", 1, token)).await.unwrap();
-    store
-        .complete("alice".into(), "k".into(), token, response(b"alice's"))
-        .await
-        .unwrap();
-    let bob = store
-        .claim(claim_of("bob", "k", 1, FencingToken::random()))
-        .await
-        .unwrap();
-    assert_eq!(bob, Claim::Acquired { taken_over: false });
-}
-
-async fn concurrent_claims_have_one_winner<S: Store>(store: S, _clock: ManualClock) {
-    const N: usize = 32;
-    let barrier = Arc::new(Barrier::new(N));
-    let tasks: Vec<_> = (0..N)
-        .map(|_| {
-            let (store, barrier) = (store.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store
-                    .claim(claim_of("s", "k", 1, FencingToken::random()))
-                    .await
-                    .unwrap()
-            })
-        })
-        .collect();
-    let mut acquired = 0;
-    for task in tasks {
-        match task.await.unwrap() {
-            Claim::Acquired { taken_over: false } => acquired += 1,
-            Claim::InFlight { .. } => {}
-            other => panic!("unexpected claim outcome {other:?}"),
-        }
-    }
-    assert_eq!(acquired, 1);
-}
-
-async fn omitted_body_round_trips<S: Store>(store: S, _clock: ManualClock) {
-    let token = acquire(&store, "k").await;
-    let mut stored = response(b"");
-    stored.body = StoredBody::Omitted;
-    store
-        .complete("s".into(), "k".into(), token, stored.clone())
-        .await
-        .unwrap();
-    let replay = store
-        .claim(claim_of("s", "k", 1, FencingToken::random()))
-        .await
-        .unwrap();
-    assert_eq!(replay, Claim::Completed(stored));
-}
-
-// ------------------------------------------------------------- inspection
-
-/// A claim with its own fingerprint and TTL (the lease is `LEASE`).
-async fn claim_ttl<S: Store>(store: &S, scope: &str, key: &str, fp: u8, ttl: Duration) {
-    let claim = ClaimRequest {
-        ttl,
-        ..claim_of(scope, key, fp, FencingToken::random())
-    };
-    assert_eq!(
-        store.claim(claim).await.unwrap(),
-        Claim::Acquired { taken_over: false }
-    );
-}
-
-fn counts(in_flight: u64, stuck: u64, completed: u64, expired: u64) -> RecordCounts {
-    RecordCounts {
-        in_flight,
-        stuck,
-        completed,
-        expired,
-    }
-}
-
-/// Asserts one stuck record. Its lease ended `ago` before the suite's clock
-/// reading; a store on a server's clock also saw the real time pass since
-/// the test began (`started`), so it may read up to that much later. Either
-/// way the two figures add up to exactly TTL minus lease.
-fn assert_summary(
-    got: &RecordSummary,
-    (scope, key, fp): (&str, &str, u8),
-    ago: Duration,
-    ttl: Duration,
-    started: std::time::Instant,
-) {
-    let drift = started.elapsed().as_millis() as u64 + 1;
-    assert_eq!(
-        (got.scope.as_str(), got.key.as_str()),
-        (scope, key),
-        "{got:?}"
-    );
-    assert_eq!(got.fingerprint, Fingerprint([fp; 32]), "{got:?}");
-    assert_eq!(got.fingerprint_hex(), format!("{fp:02x}").repeat(32));
-    let ago = ago.as_millis() as u64;
-    assert!(
-        (ago..=ago + drift).contains(&got.lease_ended_ms_ago),
-        "lease ended {} ms ago, expected {ago} (+ up to {drift})",
-        got.lease_ended_ms_ago
-    );
-    assert_eq!(
-        got.lease_ended_ms_ago + got.ttl_remaining_ms,
-        (ttl - LEASE).as_millis() as u64,
-        "{got:?}"
-    );
-}
-
-async fn counts_sort_every_record_into_one_kind<S: Inspect>(store: S, clock: ManualClock) {
-    assert_eq!(store.counts().await.unwrap(), counts(0, 0, 0, 0));
-    // t0: one to expire in flight, one whose holder crashes, one completed.
-    claim_ttl(&store, "s", "short", 1, Duration::from_secs(30)).await;
-    claim_ttl(&store, "s", "crashed", 1, TTL).await;
-    let token = acquire(&store, "done").await;
-    complete(&store, "done", token, b"ok").await;
-    assert_eq!(store.counts().await.unwrap(), counts(2, 0, 1, 0));
-    // t0 + 61 s: the leases of t0 are over; "short" is past its TTL too.
-    clock.advance(LEASE + Duration::from_secs(1));
-    claim_ttl(&store, "s", "alive", 1, TTL).await;
-    assert_eq!(store.counts().await.unwrap(), counts(1, 1, 1, 1));
-    assert_eq!(store.purge_expired().await.unwrap(), 1);
-    assert_eq!(store.counts().await.unwrap(), counts(1, 1, 1, 0));
-    // t0 + 1 h + 1 s: only "alive" (claimed at t0 + 61 s) is within its TTL,
-    // and its lease is long over.
-    clock.advance(TTL - LEASE);
-    assert_eq!(store.counts().await.unwrap(), counts(0, 1, 0, 2));
-    assert_eq!(store.purge_expired().await.unwrap(), 2);
-    assert_eq!(store.counts().await.unwrap(), counts(0, 1, 0, 0));
-}
-
-async fn stuck_lists_ended_leases_oldest_first<S: Inspect>(store: S, clock: ManualClock) {
-    let started = std::time::Instant::now();
-    claim_ttl(&store, "s", "old", 1, TTL).await;
-    claim_ttl(&store, "s", "gone", 3, Duration::from_secs(70)).await;
-    clock.advance(Duration::from_secs(10));
-    claim_ttl(&store, "t", "new", 2, TTL).await;
-    let token = acquire(&store, "done").await;
-    complete(&store, "done", token, b"ok").await;
-    assert_eq!(store.stuck(10).await.unwrap(), vec![]);
-    // t0 + 75 s: "old" ended 15 s ago, "new" 5 s ago; "gone" is past its
-    // TTL and "done" is completed, so neither is stuck.
-    clock.advance(Duration::from_secs(65));
-    claim_ttl(&store, "s", "alive", 4, TTL).await;
-    let stuck = store.stuck(10).await.unwrap();
-    assert_eq!(stuck.len(), 2, "{stuck:?}");
-    assert_summary(
-        &stuck[0],
-        ("s", "old", 1),
-        Duration::from_secs(15),
-        TTL,
-        started,
-    );
-    assert_summary(
-        &stuck[1],
-        ("t", "new", 2),
-        Duration::from_secs(5),
-        TTL,
-        started,
-    );
-    let first = store.stuck(1).await.unwrap();
-    assert_eq!(first.len(), 1);
-    assert_eq!(first[0].key, "old");
-    assert_eq!(store.stuck(0).await.unwrap(), vec![]);
-    // The retry takes "old" over: a fresh lease, no longer stuck.
-    assert_eq!(
-        store
-            .claim(claim_of("s", "old", 1, FencingToken::random()))
-            .await
-            .unwrap(),
-        Claim::Acquired { taken_over: true }
-    );
-    let stuck = store.stuck(10).await.unwrap();
-    assert_eq!(stuck.len(), 1, "{stuck:?}");
-    assert_summary(
-        &stuck[0],
-        ("t", "new", 2),
-        Duration::from_secs(5),
-        TTL,
-        started,
-    );
-}
-
-macro_rules! store_suite {
-    ($store:ident, $make:expr) => {
-        mod $store {
-            use super::*;
-
-            store_suite!(@tests $make;
-                new_key_is_acquired,
-                completed_record_is_replayed,
-                mismatch_is_checked_first,
-                in_flight_reports_remaining_lease,
-                expired_lease_is_taken_over_and_fenced,
-                release_needs_the_token,
-                completed_record_is_final,
-                record_past_ttl_is_new,
-                purge_removes_only_expired,
-                scopes_never_meet,
-                concurrent_claims_have_one_winner,
-                omitted_body_round_trips,
-                counts_sort_every_record_into_one_kind,
-                stuck_lists_ended_leases_oldest_first,
-            );
-        }
-    };
-    (@tests $make:expr; $($test:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $test() {
-                let clock = ManualClock::new(START_MS);
-                let (store, _keep) = $make(clock.clone()).await;
-                super::$test(store, clock).await;
-            }
-        )*
-    };
-}
+use tower_idempotency::test_util::{ManualClock, START_MS, TTL, acquire, store_suite};
+// The tests of the networked stores only.
+#[cfg(any(feature = "postgres", feature = "redis"))]
+use tower_idempotency::{store::FencingToken, test_util::ClockOffset};
+#[cfg(feature = "redis")]
+use tower_idempotency::{
+    store::{Claim, Completion, Inspect, RecordId, Refusal, Store},
+    test_util::{LEASE, claim_of, claim_ttl, counts, id, response},
+};
 
 async fn memory(clock: ManualClock) -> (MemoryStore, ()) {
     (MemoryStore::with_clock(clock), ())
@@ -451,20 +32,8 @@ async fn sqlite(clock: ManualClock) -> (SqliteStore, tempfile::TempDir) {
     (store, dir)
 }
 
-store_suite!(memory_store, memory);
-store_suite!(sqlite_store, sqlite);
-
-/// The suite's clock as an offset from the server's clock, for the networked
-/// stores (whose expiry is judged by the server).
-#[cfg(any(feature = "postgres", feature = "redis"))]
-struct Offset(ManualClock);
-
-#[cfg(any(feature = "postgres", feature = "redis"))]
-impl tower_idempotency::store::Clock for Offset {
-    fn now_ms(&self) -> i64 {
-        self.0.now_ms() - START_MS
-    }
-}
+store_suite!(memory_store, memory, inspect);
+store_suite!(sqlite_store, sqlite, inspect);
 
 /// Where the PostgreSQL tests connect: `TOWER_IDEMPOTENCY_POSTGRES_URL`, or
 /// the local server's `test` database.
@@ -507,7 +76,7 @@ async fn postgres(clock: ManualClock) -> (tower_idempotency::PostgresStore, Drop
     let table = format!("idem_test_{:016x}", FencingToken::random().0);
     let store = tower_idempotency::PostgresStore::builder(&postgres_url())
         .table(table.clone())
-        .time_offset(Offset(clock))
+        .time_offset(ClockOffset(clock))
         .open()
         .await
         .unwrap_or_else(|e| {
@@ -520,50 +89,32 @@ async fn postgres(clock: ManualClock) -> (tower_idempotency::PostgresStore, Drop
 }
 
 #[cfg(feature = "postgres")]
-store_suite!(postgres_store, postgres);
+store_suite!(postgres_store, postgres, inspect);
 
-/// On a manual clock the figures are exact, ties in the lease end go by
-/// scope then key, and the boundaries are those of the claim: a lease ending
-/// now is over, a TTL ending now is over.
-async fn inspect_is_exact_on_a_manual_clock<S: Inspect>(store: S, clock: ManualClock) {
-    for (scope, key) in [("b", "k"), ("a", "z"), ("a", "k")] {
-        claim_ttl(&store, scope, key, 5, TTL).await;
+/// A table name outside the rule, or a URL that does not parse, is a
+/// configuration error, found before any connection is tried; a valid URL of
+/// a server that does not answer is `Unavailable`.
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn postgres_bad_config_is_config_and_unreachable_is_unavailable() {
+    use tower_idempotency::{PostgresStore, StoreError};
+    for table in ["bad name;", "", "1st", &"t".repeat(49)] {
+        let err = PostgresStore::builder(&postgres_url())
+            .table(table)
+            .open()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Config(_)), "{table:?}: {err:?}");
     }
-    clock.advance(LEASE - Duration::from_millis(1));
-    assert_eq!(store.counts().await.unwrap(), counts(3, 0, 0, 0));
-    clock.advance(Duration::from_millis(1));
-    assert_eq!(store.counts().await.unwrap(), counts(0, 3, 0, 0));
-    let summary = |scope: &str, key: &str, ago: u64| RecordSummary {
-        scope: scope.into(),
-        key: key.into(),
-        fingerprint: Fingerprint([5; 32]),
-        lease_ended_ms_ago: ago,
-        ttl_remaining_ms: (TTL - LEASE).as_millis() as u64 - ago,
-    };
-    assert_eq!(
-        store.stuck(10).await.unwrap(),
-        vec![
-            summary("a", "k", 0),
-            summary("a", "z", 0),
-            summary("b", "k", 0)
-        ]
-    );
-    clock.advance(Duration::from_millis(1234));
-    assert_eq!(
-        store.stuck(2).await.unwrap(),
-        vec![summary("a", "k", 1234), summary("a", "z", 1234)]
-    );
-    clock.advance(TTL - LEASE - Duration::from_millis(1235));
-    assert_eq!(
-        store.stuck(1).await.unwrap(),
-        vec![RecordSummary {
-            ttl_remaining_ms: 1,
-            ..summary("a", "k", 3_539_999)
-        }]
-    );
-    clock.advance(Duration::from_millis(1));
-    assert_eq!(store.counts().await.unwrap(), counts(0, 0, 0, 3));
-    assert_eq!(store.stuck(10).await.unwrap(), vec![]);
+    let err = PostgresStore::open("not a url = =").await.unwrap_err();
+    assert!(matches!(err, StoreError::Config(_)), "{err:?}");
+    // Port 1 on the loopback: a valid URL where nothing listens.
+    let err = PostgresStore::builder("postgres://postgres@127.0.0.1:1/test")
+        .wait_timeout(Duration::from_secs(2))
+        .open()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
 }
 
 #[tokio::test]
@@ -577,37 +128,6 @@ async fn sqlite_inspect_is_exact() {
     let clock = ManualClock::new(START_MS);
     let (store, _dir) = sqlite(clock.clone()).await;
     inspect_is_exact_on_a_manual_clock(store, clock).await;
-}
-
-/// Two independent handles on one file (as two processes would have): the
-/// primary key decides, not anything in either handle.
-/// Ten rounds of 16 claimers of one key, half through each of two store
-/// handles on the same records: exactly one wins each round.
-async fn two_handles_one_winner<S: Store>(one: S, two: S) {
-    for round in 0..10 {
-        let key = format!("k{round}");
-        let barrier = Arc::new(Barrier::new(16));
-        let tasks: Vec<_> = (0..16)
-            .map(|i| {
-                let store = if i % 2 == 0 { one.clone() } else { two.clone() };
-                let (barrier, key) = (barrier.clone(), key.clone());
-                tokio::spawn(async move {
-                    barrier.wait().await;
-                    store
-                        .claim(claim_of("s", &key, 1, FencingToken::random()))
-                        .await
-                        .unwrap()
-                })
-            })
-            .collect();
-        let mut acquired = 0;
-        for task in tasks {
-            if let Claim::Acquired { .. } = task.await.unwrap() {
-                acquired += 1;
-            }
-        }
-        assert_eq!(acquired, 1, "round {round}");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -685,7 +205,7 @@ mod redis_support {
         let test = std::thread::current().name().unwrap_or("suite").to_owned();
         let store = RedisStore::builder(url())
             .prefix(unique_prefix(&test))
-            .time_offset(Offset(clock))
+            .time_offset(ClockOffset(clock))
             .open()
             .await
             .unwrap();
@@ -697,7 +217,7 @@ mod redis_support {
 use redis_support::redis;
 
 #[cfg(feature = "redis")]
-store_suite!(redis_store, redis);
+store_suite!(redis_store, redis, inspect);
 
 /// Two independent handles (as two app servers would have) racing one key:
 /// the claim script, run whole by the server, decides.
@@ -754,7 +274,7 @@ async fn redis_record_layout_expiry_and_corruption() {
     let ttl = pttl(&mut raw, &record).await;
     assert!(ttl > 0 && ttl <= 3_600_000, "PTTL {ttl}");
     store
-        .complete("alice".into(), "k".into(), token, response(b"x"))
+        .complete(RecordId::new("alice", "k"), token, response(b"x"))
         .await
         .unwrap();
     assert_eq!(
@@ -799,10 +319,10 @@ async fn redis_record_layout_expiry_and_corruption() {
             .claim(claim_of("s", key, 1, FencingToken::random()))
             .await;
         assert!(matches!(claim, Err(StoreError::Corrupt(_))), "{claim:?}");
-        assert!(!store.release("s".into(), key.into(), token).await.unwrap());
+        assert!(!store.release(id(key), token).await.unwrap());
         assert_eq!(
             store
-                .complete("s".into(), key.into(), token, response(b"x"))
+                .complete(id(key), token, response(b"x"))
                 .await
                 .unwrap(),
             Completion::Fenced
@@ -819,13 +339,26 @@ async fn redis_record_layout_expiry_and_corruption() {
         .unwrap();
 }
 
-/// An unreachable server is `Unavailable` when the store opens.
+/// A URL that is not a Redis URL, or an empty prefix, is a configuration
+/// error when the store opens; a valid URL of a server that does not answer
+/// is `Unavailable`.
 #[cfg(feature = "redis")]
 #[tokio::test]
-async fn redis_bad_url_is_unavailable() {
+async fn redis_bad_config_is_config_and_unreachable_is_unavailable() {
     use tower_idempotency::StoreError;
     use tower_idempotency::store::RedisStore;
-    let err = RedisStore::open("http://127.0.0.1:6379").await.unwrap_err();
+    for url in ["not a url", "http://127.0.0.1:6379"] {
+        let err = RedisStore::open(url).await.unwrap_err();
+        assert!(matches!(err, StoreError::Config(_)), "{url}: {err:?}");
+    }
+    let err = RedisStore::builder(redis_support::url())
+        .prefix("")
+        .open()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Config(_)), "{err:?}");
+    // Port 1 on the loopback: a valid URL where nothing listens.
+    let err = RedisStore::open("redis://127.0.0.1:1").await.unwrap_err();
     assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
 }
 
@@ -840,10 +373,10 @@ async fn redis_huge_durations_are_clamped() {
         .open()
         .await
         .unwrap();
-    let huge = |token| ClaimRequest {
-        lease: Duration::MAX,
-        ttl: Duration::MAX,
-        ..claim_of("s", "k", 1, token)
+    let huge = |token| {
+        claim_of("s", "k", 1, token)
+            .with_lease(Duration::MAX)
+            .with_ttl(Duration::MAX)
     };
     let token = FencingToken::random();
     assert_eq!(
@@ -852,10 +385,10 @@ async fn redis_huge_durations_are_clamped() {
     );
     let again = store.claim(huge(FencingToken::random())).await.unwrap();
     assert!(
-        matches!(again, Claim::InFlight { lease_remaining } if lease_remaining > Duration::from_secs(1 << 40)),
+        matches!(again, Claim::Refused(Refusal::InFlight { lease_remaining }) if lease_remaining > Duration::from_secs(1 << 40)),
         "{again:?}"
     );
-    assert!(store.release("s".into(), "k".into(), token).await.unwrap());
+    assert!(store.release(id("k"), token).await.unwrap());
 }
 
 /// The purge walks every `SCAN` page and leaves keys outside its prefix alone.
@@ -867,7 +400,7 @@ async fn redis_purge_walks_every_scan_page() {
     let open = |prefix: String| {
         RedisStore::builder(redis_support::url())
             .prefix(prefix)
-            .time_offset(Offset(clock.clone()))
+            .time_offset(ClockOffset(clock.clone()))
             .open()
     };
     let prefix = redis_support::unique_prefix("purge_pages");
@@ -906,7 +439,7 @@ async fn redis_inspect_walks_every_scan_page() {
     let prefix = redis_support::unique_prefix("inspect_pages");
     let store = RedisStore::builder(redis_support::url())
         .prefix(prefix.clone())
-        .time_offset(Offset(clock.clone()))
+        .time_offset(ClockOffset(clock.clone()))
         .open()
         .await
         .unwrap();

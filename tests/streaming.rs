@@ -29,8 +29,9 @@ use tower::{Layer, Service, ServiceExt};
 use tower_idempotency::problem::types;
 use tower_idempotency::scope::GlobalScope;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, Inspect, ManualClock, Store, StoreError,
+    Claim, ClaimRequest, Completion, FencingToken, Inspect, RecordId, Store, StoreError,
 };
+use tower_idempotency::test_util::ManualClock;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, ResponseBody, SqliteStore, StoredResponse};
 
 /// Bound on every wait in these tests (a failure, not a measurement).
@@ -533,8 +534,7 @@ impl Store for FailingCompletion {
 
     async fn complete(
         &self,
-        _scope: String,
-        _key: String,
+        _id: RecordId,
         _token: FencingToken,
         _response: StoredResponse,
     ) -> Result<Completion, StoreError> {
@@ -542,13 +542,8 @@ impl Store for FailingCompletion {
         Err(StoreError::unavailable("disk full"))
     }
 
-    async fn release(
-        &self,
-        scope: String,
-        key: String,
-        token: FencingToken,
-    ) -> Result<bool, StoreError> {
-        self.inner.release(scope, key, token).await
+    async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
+        self.inner.release(id, token).await
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

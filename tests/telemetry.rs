@@ -15,7 +15,8 @@ use axum::http::{Request, StatusCode, request::Parts};
 use axum::routing::post;
 use tower::ServiceExt;
 use tower_idempotency::IdempotencyLayer;
-use tower_idempotency::store::{ManualClock, MemoryStore};
+use tower_idempotency::store::{MemoryStore, RecordId};
+use tower_idempotency::test_util::ManualClock;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing_subscriber::layer::{Context, SubscriberExt};
@@ -259,14 +260,15 @@ async fn a_take_over_is_visible_on_the_span() {
             .unwrap()
     };
     store
-        .claim(ClaimRequest {
-            scope: "alice".into(),
-            key: KEY.into(),
-            fingerprint,
-            token: FencingToken::random(),
-            lease: Duration::from_secs(10),
-            ttl: Duration::from_secs(86_400),
-        })
+        .claim(
+            ClaimRequest::new(
+                RecordId::new("alice", KEY),
+                fingerprint,
+                FencingToken::random(),
+            )
+            .with_lease(Duration::from_secs(10))
+            .with_ttl(Duration::from_secs(86_400)),
+        )
         .await
         .unwrap();
     let app = app(store);

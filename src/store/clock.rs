@@ -9,8 +9,8 @@ pub(crate) fn duration_ms(d: Duration) -> i64 {
 }
 
 /// A source of the current time for the embedded stores, in milliseconds since
-/// the Unix epoch. [`SystemClock`] in production; [`ManualClock`] lets tests
-/// move time on without sleeping.
+/// the Unix epoch. [`SystemClock`] in production; `test_util::ManualClock`
+/// (feature `test-util`) lets tests move time on without sleeping.
 pub trait Clock: Send + Sync + 'static {
     /// Now, in milliseconds since the Unix epoch.
     fn now_ms(&self) -> i64;
@@ -25,28 +25,5 @@ impl Clock for SystemClock {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, duration_ms)
-    }
-}
-
-/// A clock that moves only when told to: for tests of leases and TTLs.
-#[derive(Debug, Clone, Default)]
-pub struct ManualClock(std::sync::Arc<std::sync::atomic::AtomicI64>);
-
-impl ManualClock {
-    /// A clock reading `start_ms`.
-    pub fn new(start_ms: i64) -> Self {
-        ManualClock(std::sync::Arc::new(start_ms.into()))
-    }
-
-    /// Moves the clock forward by `by`.
-    pub fn advance(&self, by: Duration) {
-        self.0
-            .fetch_add(duration_ms(by), std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-impl Clock for ManualClock {
-    fn now_ms(&self) -> i64 {
-        self.0.load(std::sync::atomic::Ordering::SeqCst)
     }
 }

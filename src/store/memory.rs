@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use super::{
     Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, Inspect, Kind,
-    RecordCounts, RecordSummary, Store, StoreError, SystemClock, decide, duration_ms,
+    RecordCounts, RecordId, RecordSummary, Refusal, Store, StoreError, SystemClock, decide,
+    duration_ms,
 };
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
@@ -137,7 +138,8 @@ impl MemoryStore {
         Self::new().max_records(capacity)
     }
 
-    /// An empty store on `clock` (e.g. a [`super::ManualClock`] in tests),
+    /// An empty store on `clock` (e.g. a `test_util::ManualClock` in tests,
+    /// feature `test-util`),
     /// holding up to [`MemoryStore::DEFAULT_CAPACITY`] records.
     pub fn with_clock(clock: impl Clock) -> Self {
         MemoryStore {
@@ -210,25 +212,24 @@ impl Store for MemoryStore {
                 *record = fresh;
                 Ok(Claim::Acquired { taken_over })
             }
-            Decision::Mismatch => Ok(Claim::Mismatch),
+            Decision::Mismatch => Ok(Refusal::Mismatch.into()),
             Decision::Replay => record
                 .response
                 .clone()
-                .map(Claim::Completed)
+                .map(|stored| Refusal::Completed(stored).into())
                 .ok_or_else(|| StoreError::Corrupt("completed without a response".into())),
-            Decision::InFlight(lease_remaining) => Ok(Claim::InFlight { lease_remaining }),
+            Decision::InFlight(lease_remaining) => Ok(Refusal::InFlight { lease_remaining }.into()),
         }
     }
 
     async fn complete(
         &self,
-        scope: String,
-        key: String,
+        id: RecordId,
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
         let mut records = self.lock();
-        match records.map.get_mut(&(scope, key)) {
+        match records.map.get_mut(&id.into_parts()) {
             Some(record) if record.token == token && record.response.is_none() => {
                 record.response = Some(response);
                 Ok(Completion::Stored)
@@ -237,14 +238,9 @@ impl Store for MemoryStore {
         }
     }
 
-    async fn release(
-        &self,
-        scope: String,
-        key: String,
-        token: FencingToken,
-    ) -> Result<bool, StoreError> {
+    async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
         let mut records = self.lock();
-        let id = (scope, key);
+        let id = id.into_parts();
         match records.map.get(&id) {
             Some(record) if record.token == token && record.response.is_none() => {
                 records.map.remove(&id);
@@ -276,7 +272,7 @@ impl Inspect for MemoryStore {
             .into_iter()
             .take(limit)
             .map(|((scope, key), r)| {
-                RecordSummary::new(
+                RecordSummary::from_deadlines(
                     scope.clone(),
                     key.clone(),
                     r.fingerprint,

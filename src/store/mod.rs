@@ -4,23 +4,33 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tower_idempotency::store::{Claim, ClaimRequest, MemoryStore, Store, FencingToken};
+//! use tower_idempotency::store::{
+//!     Claim, ClaimRequest, Completion, FencingToken, MemoryStore, RecordId, Refusal, Store,
+//! };
 //! use tower_idempotency::fingerprint::Fingerprint;
+//! use tower_idempotency::StoredResponse;
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
 //! let store = MemoryStore::new();
-//! let request = |token| ClaimRequest {
-//!     scope: "alice".into(),
-//!     key: "k-1".into(),
-//!     fingerprint: Fingerprint([7; 32]),
-//!     token,
-//!     lease: Duration::from_secs(60),
-//!     ttl: Duration::from_secs(86_400),
+//! let id = RecordId::new("alice", "k-1");
+//! let request = |token| {
+//!     ClaimRequest::new(id.clone(), Fingerprint([7; 32]), token)
+//!         .with_lease(Duration::from_secs(60))
 //! };
 //! let first = FencingToken::random();
 //! assert_eq!(store.claim(request(first)).await.unwrap(), Claim::Acquired { taken_over: false });
 //! // A second claim while the first holds its lease is refused.
-//! assert!(matches!(store.claim(request(FencingToken::random())).await.unwrap(), Claim::InFlight { .. }));
+//! assert!(matches!(
+//!     store.claim(request(FencingToken::random())).await.unwrap(),
+//!     Claim::Refused(Refusal::InFlight { .. })
+//! ));
+//! // The holder stores its response (only its token may); repeats replay it.
+//! let response = StoredResponse::capture(http::StatusCode::CREATED, &http::HeaderMap::new(), "ok".into(), None);
+//! assert_eq!(store.complete(id.clone(), first, response.clone()).await.unwrap(), Completion::Stored);
+//! assert_eq!(
+//!     store.claim(request(FencingToken::random())).await.unwrap(),
+//!     Claim::Refused(Refusal::Completed(response))
+//! );
 //! # }
 //! ```
 //!
@@ -34,9 +44,9 @@
 //! | found | does | returns |
 //! |---|---|---|
 //! | nothing, or a record past its TTL | inserts an in-flight record | [`Claim::Acquired`] |
-//! | a different fingerprint | nothing | [`Claim::Mismatch`] |
-//! | completed | nothing | [`Claim::Completed`] |
-//! | in flight, lease alive | nothing | [`Claim::InFlight`] |
+//! | a different fingerprint | nothing | [`Claim::Refused`]`(`[`Refusal::Mismatch`]`)` |
+//! | completed | nothing | [`Claim::Refused`]`(`[`Refusal::Completed`]`)` |
+//! | in flight, lease alive | nothing | [`Claim::Refused`]`(`[`Refusal::InFlight`]`)` |
 //! | in flight, lease over | takes it over with the new token and lease | [`Claim::Acquired`] `{ taken_over: true }` |
 //!
 //! [`Store::complete`] and [`Store::release`] act only while the record still
@@ -115,7 +125,7 @@ mod sqlite;
 pub use self::redis::{RedisStore, RedisStoreBuilder};
 pub use crate::fencing::FencingToken;
 pub(crate) use clock::duration_ms;
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, SystemClock};
 pub(crate) use decide::{Decision, Existing, Kind, decide, retry_after_secs};
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
@@ -125,7 +135,13 @@ pub use sqlite::{
 };
 
 /// Everything [`Store::claim`] needs.
+///
+/// `#[non_exhaustive]`: the claim may grow inputs. Build one with
+/// [`ClaimRequest::new`] (the layer's default lease and TTL) and
+/// [`ClaimRequest::with_lease`] / [`ClaimRequest::with_ttl`]; the fields stay
+/// public for stores to read.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ClaimRequest {
     /// Who the key belongs to (see [`crate::scope`]).
     pub scope: String,
@@ -141,7 +157,83 @@ pub struct ClaimRequest {
     pub ttl: Duration,
 }
 
-/// The outcome of [`Store::claim`].
+impl ClaimRequest {
+    /// A claim of `id` by a request with `fingerprint`, whose record will
+    /// carry `token`, with the layer's default lease
+    /// ([`DEFAULT_LEASE`](crate::DEFAULT_LEASE), 60 s) and TTL
+    /// ([`DEFAULT_TTL`](crate::DEFAULT_TTL), 24 h).
+    pub fn new(id: RecordId, fingerprint: Fingerprint, token: FencingToken) -> Self {
+        let (scope, key) = id.into_parts();
+        ClaimRequest {
+            scope,
+            key,
+            fingerprint,
+            token,
+            lease: crate::config::DEFAULT_LEASE,
+            ttl: crate::config::DEFAULT_TTL,
+        }
+    }
+
+    /// The same claim with a lease of `lease`.
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The same claim with a TTL of `ttl`.
+    #[must_use]
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// The record this claim is for, as [`Store::complete`] and
+    /// [`Store::release`] take it.
+    pub fn record_id(&self) -> RecordId {
+        RecordId::new(self.scope.clone(), self.key.clone())
+    }
+}
+
+/// Which record: a scope and an idempotency key. Records are identified by
+/// the pair; a type of its own so that the two strings cannot be swapped in
+/// [`Store::complete`] and [`Store::release`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RecordId {
+    scope: String,
+    key: String,
+}
+
+impl RecordId {
+    /// The record of `key` in `scope` (see [`crate::scope`]).
+    pub fn new(scope: impl Into<String>, key: impl Into<String>) -> Self {
+        RecordId {
+            scope: scope.into(),
+            key: key.into(),
+        }
+    }
+
+    /// Who the key belongs to.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The idempotency key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// `(scope, key)`.
+    pub fn into_parts(self) -> (String, String) {
+        (self.scope, self.key)
+    }
+}
+
+/// The outcome of [`Store::claim`]: the record is the caller's, or it is
+/// not and [`Refusal`] says why.
+///
+/// Not `#[non_exhaustive]`: the split in two is what the type means; any new
+/// reason to refuse goes into [`Refusal`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
     /// The caller holds the record now and runs the request.
@@ -149,6 +241,19 @@ pub enum Claim {
         /// `true` when an in-flight record whose lease had ended was taken over.
         taken_over: bool,
     },
+    /// The request must not run: why.
+    Refused(Refusal),
+}
+
+/// Why a claim was refused: every outcome of [`Store::claim`] except
+/// [`Claim::Acquired`].
+///
+/// `#[non_exhaustive]`: a store outside this crate can still return every
+/// variant; code outside the crate that matches one needs a `_` arm, so a
+/// new reason (answered by the layer) is not a breaking change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Refusal {
     /// The record was made by a request with another fingerprint.
     Mismatch,
     /// The record is completed: replay this.
@@ -160,8 +265,18 @@ pub enum Claim {
     },
 }
 
+impl From<Refusal> for Claim {
+    fn from(refusal: Refusal) -> Self {
+        Claim::Refused(refusal)
+    }
+}
+
 /// The outcome of [`Store::complete`].
+///
+/// `#[non_exhaustive]`, as [`Refusal`] is: stores outside this crate
+/// construct it freely; matches outside it need a `_` arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Completion {
     /// The response is stored; repeats replay it.
     Stored,
@@ -170,13 +285,14 @@ pub enum Completion {
     Fenced,
 }
 
-/// A store failure. The layer answers 503 and never replays or runs the
-/// request on a store error during the claim.
+/// A store failure. The layer never replays or runs the request on a store
+/// error during the claim: it answers 503 (`store-unavailable`, worth a
+/// retry), or 500 (`store-misconfigured`) for [`StoreError::Config`].
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum StoreError {
     /// The store did not answer: locked past its busy timeout, unreachable,
-    /// an I/O error, a pool timeout.
+    /// an I/O error, a pool timeout. Retrying may succeed.
     Unavailable(Box<dyn std::error::Error + Send + Sync>),
     /// A record could not be decoded.
     Corrupt(String),
@@ -189,12 +305,23 @@ pub enum StoreError {
         /// How long until the store expects room again.
         retry_after: Duration,
     },
+    /// The store's configuration is invalid: a table name, URL or key
+    /// prefix the store rejects. Returned by the builders' `open`, before
+    /// any connection is tried; retrying with the same input fails the same
+    /// way. A store that returned it from a request would be answered with
+    /// a 500 problem, not 503.
+    Config(Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl StoreError {
     /// Wraps any error as [`StoreError::Unavailable`].
     pub fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError::Unavailable(e.into())
+    }
+
+    /// Wraps any error (or a message) as [`StoreError::Config`].
+    pub fn config(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        StoreError::Config(e.into())
     }
 }
 
@@ -206,6 +333,7 @@ impl fmt::Display for StoreError {
             StoreError::Full { capacity, .. } => {
                 write!(f, "idempotency store full: {capacity} live records")
             }
+            StoreError::Config(e) => write!(f, "idempotency store misconfigured: {e}"),
         }
     }
 }
@@ -213,7 +341,7 @@ impl fmt::Display for StoreError {
 impl std::error::Error for StoreError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            StoreError::Unavailable(e) => Some(&**e),
+            StoreError::Unavailable(e) | StoreError::Config(e) => Some(&**e),
             StoreError::Corrupt(_) | StoreError::Full { .. } => None,
         }
     }
@@ -232,8 +360,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// `token`.
     fn complete(
         &self,
-        scope: String,
-        key: String,
+        id: RecordId,
         token: FencingToken,
         response: StoredResponse,
     ) -> impl Future<Output = Result<Completion, StoreError>> + Send;
@@ -242,8 +369,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// runs at once. Returns whether a record was deleted.
     fn release(
         &self,
-        scope: String,
-        key: String,
+        id: RecordId,
         token: FencingToken,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
@@ -270,19 +396,18 @@ pub trait Store: Clone + Send + Sync + 'static {
 /// ```
 /// use std::time::Duration;
 /// use tower_idempotency::fingerprint::Fingerprint;
-/// use tower_idempotency::store::{ClaimRequest, FencingToken, Inspect, ManualClock, MemoryStore, RecordCounts, Store};
+/// use tower_idempotency::store::{ClaimRequest, FencingToken, Inspect, MemoryStore, RecordCounts, RecordId, Store};
+/// use tower_idempotency::test_util::ManualClock; // feature `test-util`
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let clock = ManualClock::new(1_000_000);
 /// let store = MemoryStore::with_clock(clock.clone());
-/// store.claim(ClaimRequest {
-///     scope: "alice".into(),
-///     key: "k-1".into(),
-///     fingerprint: Fingerprint([7; 32]),
-///     token: FencingToken::random(),
-///     lease: Duration::from_secs(60),
-///     ttl: Duration::from_secs(86_400),
-/// }).await.unwrap();
+/// let id = RecordId::new("alice", "k-1");
+/// store.claim(
+///     ClaimRequest::new(id, Fingerprint([7; 32]), FencingToken::random())
+///         .with_lease(Duration::from_secs(60))
+///         .with_ttl(Duration::from_secs(86_400)),
+/// ).await.unwrap();
 /// // The holder crashed: 90 s later its lease has been over for 30 s.
 /// clock.advance(Duration::from_secs(90));
 /// let stuck = store.stuck(10).await.unwrap();
@@ -307,7 +432,11 @@ pub trait Inspect: Store {
 }
 
 /// One in-flight record whose lease has ended, from [`Inspect::stuck`].
+///
+/// `#[non_exhaustive]`: it may show more of the record later. A store built
+/// outside this crate makes one with [`RecordSummary::new`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RecordSummary {
     /// Who the key belongs to (see [`crate::scope`]).
     pub scope: String,
@@ -324,6 +453,11 @@ pub struct RecordSummary {
 }
 
 impl RecordSummary {
+    /// The record's [`RecordId`], e.g. to release it by hand.
+    pub fn record_id(&self) -> RecordId {
+        RecordId::new(self.scope.clone(), self.key.clone())
+    }
+
     /// The fingerprint as 64 lowercase hexadecimal digits.
     pub fn fingerprint_hex(&self) -> String {
         self.fingerprint
@@ -333,8 +467,28 @@ impl RecordSummary {
             .collect()
     }
 
+    /// The summary of the record `id`, claimed by a request with
+    /// `fingerprint`, whose lease ended `lease_ended_ms_ago` milliseconds ago
+    /// and whose TTL ends in `ttl_remaining_ms` milliseconds (both by the
+    /// store's clock).
+    pub fn new(
+        id: RecordId,
+        fingerprint: Fingerprint,
+        lease_ended_ms_ago: u64,
+        ttl_remaining_ms: u64,
+    ) -> Self {
+        let (scope, key) = id.into_parts();
+        RecordSummary {
+            scope,
+            key,
+            fingerprint,
+            lease_ended_ms_ago,
+            ttl_remaining_ms,
+        }
+    }
+
     /// A summary from a record's deadlines (Unix ms) and the store's `now`.
-    pub(crate) fn new(
+    pub(crate) fn from_deadlines(
         scope: String,
         key: String,
         fingerprint: Fingerprint,
@@ -355,6 +509,10 @@ impl RecordSummary {
 
 /// How many records of each kind a store holds, from [`Inspect::counts`].
 /// Each record is in exactly one kind, judged by the store's clock.
+///
+/// Not `#[non_exhaustive]`: the four kinds partition the records, so a new
+/// kind would change what the existing counts mean (a breaking change
+/// either way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RecordCounts {
     /// In flight, lease alive: a request is (or should be) running.
@@ -422,7 +580,8 @@ pub trait TransactionalStore: Store {
     }
 }
 
-/// The outcome of [`TransactionalStore::claim_in_transaction`].
+/// The outcome of [`TransactionalStore::claim_in_transaction`]. Not
+/// `#[non_exhaustive]`, as [`Claim`] is not.
 #[derive(Debug)]
 pub enum TransactionClaim<T> {
     /// The caller holds the key inside `transaction`.
@@ -432,8 +591,8 @@ pub enum TransactionClaim<T> {
         /// `true` when an in-flight record whose lease had ended was taken over.
         taken_over: bool,
     },
-    /// Any other outcome of the claim (never [`Claim::Acquired`]).
-    Refused(Claim),
+    /// The claim was refused; no transaction is open.
+    Refused(Refusal),
 }
 
 /// The 500 problem of a transaction extractor on a request that has none.

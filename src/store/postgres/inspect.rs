@@ -19,7 +19,7 @@ impl Inspect for PostgresStore {
                 let fingerprint: Vec<u8> = row.try_get(2).map_err(unavailable)?;
                 let fingerprint = <[u8; 32]>::try_from(fingerprint.as_slice())
                     .map_err(|_| StoreError::Corrupt("a fingerprint is not 32 bytes".into()))?;
-                Ok(RecordSummary::new(
+                Ok(RecordSummary::from_deadlines(
                     row.try_get(0).map_err(unavailable)?,
                     row.try_get(1).map_err(unavailable)?,
                     Fingerprint(fingerprint),

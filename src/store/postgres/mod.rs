@@ -14,8 +14,8 @@ use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Object, Pool, Rec
 use tokio_postgres::NoTls;
 
 use super::{
-    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, Store, StoreError,
-    decide, duration_ms,
+    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, RecordId, Refusal,
+    Store, StoreError, decide, duration_ms,
 };
 use crate::fingerprint::Hasher;
 use crate::response::StoredResponse;
@@ -209,8 +209,9 @@ impl PostgresStoreBuilder {
     ///
     /// # Errors
     ///
-    /// [`StoreError::Unavailable`] for a bad URL or table name, or a server
-    /// that cannot be reached.
+    /// [`StoreError::Config`] for a URL that does not parse or a table name
+    /// outside the rule of [`PostgresStoreBuilder::table`];
+    /// [`StoreError::Unavailable`] for a server that cannot be reached.
     pub async fn open(self) -> Result<PostgresStore, StoreError> {
         let valid = !self.table.is_empty()
             && self.table.len() <= 48
@@ -220,9 +221,12 @@ impl PostgresStoreBuilder {
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '_');
         if !valid {
-            return Err(unavailable(format!("invalid table name {:?}", self.table)));
+            return Err(StoreError::config(format!(
+                "invalid table name {:?}: ASCII letters, digits and underscores, not starting with a digit, at most 48 characters",
+                self.table
+            )));
         }
-        let config = tokio_postgres::Config::from_str(&self.url).map_err(unavailable)?;
+        let config = tokio_postgres::Config::from_str(&self.url).map_err(StoreError::config)?;
         let manager = Manager::from_config(
             config,
             NoTls,
@@ -358,14 +362,16 @@ impl PostgresStore {
         };
         let taken_over = match decide(&existing, &req.fingerprint, now) {
             Decision::Replace { taken_over } => taken_over,
-            Decision::Mismatch => return Ok(Claim::Mismatch),
+            Decision::Mismatch => return Ok(Refusal::Mismatch.into()),
             Decision::Replay => {
                 let blob: Option<Vec<u8>> = row.try_get(4).map_err(unavailable)?;
                 return StoredResponse::decode(&blob.unwrap_or_default())
-                    .map(Claim::Completed)
+                    .map(|stored| Refusal::Completed(stored).into())
                     .map_err(|e| StoreError::Corrupt(e.to_string()));
             }
-            Decision::InFlight(lease_remaining) => return Ok(Claim::InFlight { lease_remaining }),
+            Decision::InFlight(lease_remaining) => {
+                return Ok(Refusal::InFlight { lease_remaining }.into());
+            }
         };
         client
             .execute(
@@ -406,11 +412,11 @@ impl Store for PostgresStore {
 
     async fn complete(
         &self,
-        scope: String,
-        key: String,
+        id: RecordId,
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
+        let (scope, key) = id.into_parts();
         let blob = response.encode();
         let client = self.client().await?;
         let updated = client
@@ -424,12 +430,8 @@ impl Store for PostgresStore {
         })
     }
 
-    async fn release(
-        &self,
-        scope: String,
-        key: String,
-        token: FencingToken,
-    ) -> Result<bool, StoreError> {
+    async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
+        let (scope, key) = id.into_parts();
         let client = self.client().await?;
         let deleted = client
             .execute(&self.sql.release, &[&scope, &key, &token.0])

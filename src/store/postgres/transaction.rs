@@ -9,7 +9,7 @@ use deadpool_postgres::Object;
 use super::{PostgresStore, unavailable};
 use crate::response::StoredResponse;
 use crate::store::{
-    Claim, ClaimRequest, Completion, FencingToken, Store, StoreError, TransactionClaim,
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, TransactionClaim,
     TransactionalStore,
 };
 
@@ -149,7 +149,7 @@ impl TransactionalStore for PostgresStore {
             let (scope, key, token) = (req.scope.clone(), req.key.clone(), req.token);
             let unanswered = answer.send(store.claim(req).await);
             if let Err(Ok(Claim::Acquired { .. })) = unanswered
-                && let Err(e) = store.release(scope, key, token).await
+                && let Err(e) = store.release(RecordId::new(scope, key), token).await
             {
                 tracing::error!(error = %e, "releasing an abandoned key failed; it stays in flight until its lease ends");
             }
@@ -159,7 +159,7 @@ impl TransactionalStore for PostgresStore {
             .map_err(|_| unavailable("the claim task ended without an answer"))?;
         let taken_over = match claimed? {
             Claim::Acquired { taken_over } => taken_over,
-            refused => return Ok(TransactionClaim::Refused(refused)),
+            Claim::Refused(refused) => return Ok(TransactionClaim::Refused(refused)),
         };
         // Until the transaction is handed over, a cancelled or failed open
         // gives the key back.
@@ -219,7 +219,7 @@ impl TransactionalStore for PostgresStore {
             roll_back(connection).await;
             // Nothing was committed: give the key back (token-checked, so a
             // request that took it over keeps it).
-            if let Err(release) = self.release(scope, key, token).await {
+            if let Err(release) = self.release(RecordId::new(scope, key), token).await {
                 tracing::error!(error = %release, "releasing a rolled-back key failed; it stays in flight until its lease ends");
             }
             return Err(e);
@@ -264,7 +264,7 @@ impl PostgresStore {
                         (connection.scope.clone(), connection.key.clone(), connection.token);
                     roll_back(connection).await;
                     // Give the key back, so a retry runs at once.
-                    if let Err(e) = store.release(scope, key, token).await {
+                    if let Err(e) = store.release(RecordId::new(scope, key), token).await {
                         tracing::error!(error = %e, "releasing a rolled-back key failed; it stays in flight until its lease ends");
                     }
                 }
@@ -322,7 +322,7 @@ impl Drop for ReleaseOnDrop {
         );
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move {
-                if let Err(e) = store.release(scope, key, token).await {
+                if let Err(e) = store.release(RecordId::new(scope, key), token).await {
                     tracing::error!(error = %e, "releasing an abandoned key failed; it stays in flight until its lease ends");
                 }
             });

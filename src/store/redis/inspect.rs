@@ -185,7 +185,7 @@ impl Inspect for RedisStore {
             .stuck
             .into_iter()
             .map(|e| {
-                RecordSummary::new(
+                RecordSummary::from_deadlines(
                     e.scope,
                     e.key,
                     e.fingerprint,

@@ -10,7 +10,10 @@ use std::time::Duration;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{Script, Value};
 
-use super::{Claim, ClaimRequest, Clock, Completion, FencingToken, Store, StoreError, duration_ms};
+use super::{
+    Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Refusal, Store, StoreError,
+    duration_ms,
+};
 use crate::response::StoredResponse;
 
 mod inspect;
@@ -192,7 +195,8 @@ impl std::fmt::Debug for RedisStoreBuilder {
 impl RedisStoreBuilder {
     /// The prefix of every key the store writes (default `"idempotency:"`).
     /// Give each application its own; [`Store::purge_expired`] scans the
-    /// keys under it.
+    /// keys under it. Not empty ([`RedisStoreBuilder::open`] fails with
+    /// [`StoreError::Config`]).
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -201,7 +205,7 @@ impl RedisStoreBuilder {
     /// For tests of leases and TTLs only: `clock`'s reading, in milliseconds,
     /// is ADDED to the Redis server's time in every script, so a test moves
     /// time on without sleeping (e.g. a clock reading
-    /// [`super::ManualClock`]'s time minus its start). The server's own clock
+    /// `test_util::ManualClock`'s time minus its start). The server's own clock
     /// still runs underneath. Production leaves it unset: the server's time
     /// alone judges leases and TTLs.
     pub fn time_offset(mut self, clock: impl Clock) -> Self {
@@ -214,10 +218,16 @@ impl RedisStoreBuilder {
     ///
     /// # Errors
     ///
-    /// [`StoreError::Unavailable`] when the URL is not a Redis URL, or the
-    /// server cannot be reached or refuses the scripts.
+    /// [`StoreError::Config`] when the URL is not a Redis URL or the prefix
+    /// is empty; [`StoreError::Unavailable`] when the server cannot be
+    /// reached or refuses the scripts.
     pub async fn open(self) -> Result<RedisStore, StoreError> {
-        let client = ::redis::Client::open(self.url).map_err(StoreError::unavailable)?;
+        if self.prefix.is_empty() {
+            return Err(StoreError::config(
+                "the Redis key prefix is empty: purging and inspecting would scan every key of the database",
+            ));
+        }
+        let client = ::redis::Client::open(self.url).map_err(StoreError::config)?;
         let mut conn = ConnectionManager::new_with_config(client, connection_config())
             .await
             .map_err(StoreError::unavailable)?;
@@ -365,17 +375,18 @@ fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
             Some(1) => Ok(Claim::Acquired { taken_over: true }),
             _ => Err(unexpected("claim", &reply)),
         },
-        Some(b"mismatch") => Ok(Claim::Mismatch),
+        Some(b"mismatch") => Ok(Refusal::Mismatch.into()),
         Some(b"completed") => match text(items.get(1)) {
             Some(blob) => StoredResponse::decode(blob)
-                .map(Claim::Completed)
+                .map(|stored| Refusal::Completed(stored).into())
                 .map_err(|e| StoreError::Corrupt(e.to_string())),
             None => Err(unexpected("claim", &reply)),
         },
         Some(b"in_flight") => match int(items.get(1)).and_then(|ms| u64::try_from(ms).ok()) {
-            Some(ms) => Ok(Claim::InFlight {
+            Some(ms) => Ok(Refusal::InFlight {
                 lease_remaining: Duration::from_millis(ms),
-            }),
+            }
+            .into()),
             None => Err(unexpected("claim", &reply)),
         },
         Some(b"corrupt") => Err(StoreError::Corrupt(
@@ -414,11 +425,11 @@ impl Store for RedisStore {
 
     async fn complete(
         &self,
-        scope: String,
-        key: String,
+        id: RecordId,
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
+        let (scope, key) = id.into_parts();
         let mut conn = self.conn.clone();
         let reply: Value = COMPLETE_SCRIPT
             .key(self.record_key(&scope, &key))
@@ -435,12 +446,8 @@ impl Store for RedisStore {
         })
     }
 
-    async fn release(
-        &self,
-        scope: String,
-        key: String,
-        token: FencingToken,
-    ) -> Result<bool, StoreError> {
+    async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
+        let (scope, key) = id.into_parts();
         let mut conn = self.conn.clone();
         let reply: Value = RELEASE_SCRIPT
             .key(self.record_key(&scope, &key))

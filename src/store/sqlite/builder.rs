@@ -34,7 +34,11 @@ CREATE INDEX IF NOT EXISTS idempotency_records_expires_at ON idempotency_records
 /// With WAL, `Normal` survives a process crash (kill -9) but may lose the
 /// last commits on power loss; `Full` survives both and costs an fsync per
 /// commit. See <https://www.sqlite.org/pragma.html#pragma_synchronous>.
+///
+/// `#[non_exhaustive]`: SQLite has other levels (`OFF`, `EXTRA`) this may
+/// offer later.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Synchronous {
     /// `synchronous=NORMAL`.
     Normal,
@@ -119,9 +123,16 @@ impl SqliteStoreBuilder {
     ///
     /// # Errors
     ///
-    /// [`StoreError::Unavailable`] when the file cannot be opened or
-    /// written, or holds a schema newer than this crate knows.
+    /// [`StoreError::Config`] when the path holds a NUL byte (no file can
+    /// have that name); [`StoreError::Unavailable`] when the file cannot be
+    /// opened or written, or holds a schema newer than this crate knows.
     pub async fn open(self) -> Result<SqliteStore, StoreError> {
+        if self.path.as_os_str().as_encoded_bytes().contains(&0) {
+            return Err(StoreError::config(format!(
+                "the SQLite path {:?} holds a NUL byte",
+                self.path
+            )));
+        }
         let busy_ms = duration_ms(self.busy_timeout);
         let synchronous = match self.synchronous {
             Synchronous::Normal => "NORMAL",
@@ -240,6 +251,16 @@ mod tests {
         drop(conn);
         let err = SqliteStore::open(&path).await.unwrap_err();
         assert!(err.to_string().contains("schema version 99"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_path_with_a_nul_byte_is_a_config_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = SqliteStore::open(dir.path().join("a\0b.sqlite3"))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Config(_)), "{err:?}");
+        assert!(!dir.path().join("a").exists());
     }
 
     #[tokio::test]

@@ -5,22 +5,39 @@ use rusqlite::{OptionalExtension, params};
 
 use crate::response::StoredResponse;
 use crate::store::{
-    Claim, ClaimRequest, Completion, Decision, Existing, FencingToken, StoreError, decide,
+    Claim, ClaimRequest, Completion, Decision, Existing, FencingToken, Refusal, StoreError, decide,
     duration_ms,
 };
 
-/// What the claim found, before the response blob is decoded.
+/// What the claim did: acquired the record, or refused.
 pub(super) enum Found {
-    Claim(Claim),
+    Acquired { taken_over: bool },
+    Refused(Refused),
+}
+
+/// Why the claim was refused, before the response blob is decoded.
+pub(super) enum Refused {
+    Mismatch,
+    InFlight(std::time::Duration),
     Completed(Vec<u8>),
 }
 
 impl Found {
     pub(super) fn decode(self) -> Result<Claim, StoreError> {
         match self {
-            Found::Claim(claim) => Ok(claim),
-            Found::Completed(blob) => StoredResponse::decode(&blob)
-                .map(Claim::Completed)
+            Found::Acquired { taken_over } => Ok(Claim::Acquired { taken_over }),
+            Found::Refused(refused) => refused.decode().map(Claim::Refused),
+        }
+    }
+}
+
+impl Refused {
+    pub(super) fn decode(self) -> Result<Refusal, StoreError> {
+        match self {
+            Refused::Mismatch => Ok(Refusal::Mismatch),
+            Refused::InFlight(lease_remaining) => Ok(Refusal::InFlight { lease_remaining }),
+            Refused::Completed(blob) => StoredResponse::decode(&blob)
+                .map(Refusal::Completed)
                 .map_err(|e| StoreError::Corrupt(e.to_string())),
         }
     }
@@ -95,7 +112,7 @@ pub(super) fn claim_in(
         ],
     )?;
     if inserted == 1 {
-        return Ok(Found::Claim(Claim::Acquired { taken_over: false }));
+        return Ok(Found::Acquired { taken_over: false });
     }
     let Some(record) = read_record(tx, &req.scope, &req.key)? else {
         // The insert conflicted, so the row exists under the write lock.
@@ -104,10 +121,13 @@ pub(super) fn claim_in(
     let existing = record.existing();
     let taken_over = match decide(&existing, &req.fingerprint, now) {
         Decision::Replace { taken_over } => taken_over,
-        Decision::Mismatch => return Ok(Found::Claim(Claim::Mismatch)),
-        Decision::Replay => return Ok(Found::Completed(record.response.unwrap_or_default())),
+        Decision::Mismatch => return Ok(Found::Refused(Refused::Mismatch)),
+        Decision::Replay => {
+            let blob = record.response.unwrap_or_default();
+            return Ok(Found::Refused(Refused::Completed(blob)));
+        }
         Decision::InFlight(lease_remaining) => {
-            return Ok(Found::Claim(Claim::InFlight { lease_remaining }));
+            return Ok(Found::Refused(Refused::InFlight(lease_remaining)));
         }
     };
     tx.execute(
@@ -124,7 +144,7 @@ pub(super) fn claim_in(
             expires_at
         ],
     )?;
-    Ok(Found::Claim(Claim::Acquired { taken_over }))
+    Ok(Found::Acquired { taken_over })
 }
 
 /// Completes the record if it still carries `token`.

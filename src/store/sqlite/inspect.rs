@@ -41,7 +41,7 @@ impl Inspect for SqliteStore {
             .map(|(scope, key, fingerprint, lease_until, expires_at)| {
                 let fingerprint = <[u8; 32]>::try_from(fingerprint.as_slice())
                     .map_err(|_| StoreError::Corrupt("a fingerprint is not 32 bytes".into()))?;
-                Ok(RecordSummary::new(
+                Ok(RecordSummary::from_deadlines(
                     scope,
                     key,
                     crate::fingerprint::Fingerprint(fingerprint),

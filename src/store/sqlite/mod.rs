@@ -16,8 +16,8 @@ use rusqlite::params;
 
 use crate::response::StoredResponse;
 use crate::store::{
-    Claim, ClaimRequest, Clock, Completion, Decision, FencingToken, Store, StoreError,
-    TransactionClaim, TransactionalStore, decide,
+    Claim, ClaimRequest, Clock, Completion, Decision, FencingToken, RecordId, Refusal, Store,
+    StoreError, TransactionClaim, TransactionalStore, decide,
 };
 
 mod builder;
@@ -27,7 +27,7 @@ mod transaction;
 mod writer;
 
 pub use builder::{SqliteStoreBuilder, Synchronous};
-use claim::{Found, claim_in, complete_in, read_record};
+use claim::{Refused, claim_in, complete_in, read_record};
 pub use transaction::SqliteTransaction;
 use transaction::{Command, transaction_over};
 pub use writer::GroupCommitStats;
@@ -127,7 +127,7 @@ impl Store for SqliteStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         // A repeat of a committed request is answered from a read.
         if let Some(refused) = self.committed_refusal(&req).await? {
-            return Ok(refused);
+            return Ok(Claim::Refused(refused));
         }
         self.write(move |tx, clock| claim_in(tx, &req, clock.now_ms()))
             .await?
@@ -136,22 +136,18 @@ impl Store for SqliteStore {
 
     async fn complete(
         &self,
-        scope: String,
-        key: String,
+        id: RecordId,
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
+        let (scope, key) = id.into_parts();
         let blob = response.encode();
         self.write(move |tx, _| complete_in(tx, &scope, &key, token, &blob))
             .await
     }
 
-    async fn release(
-        &self,
-        scope: String,
-        key: String,
-        token: FencingToken,
-    ) -> Result<bool, StoreError> {
+    async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
+        let (scope, key) = id.into_parts();
         self.write(move |tx, _| {
             let deleted = tx.execute(
                 "DELETE FROM idempotency_records
@@ -265,7 +261,7 @@ impl SqliteStore {
 
     /// What the committed record says, read without the write lock: a
     /// replay, a 422 or a 409 that needs no writer. `None`: the writer decides.
-    async fn committed_refusal(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
+    async fn committed_refusal(&self, req: &ClaimRequest) -> Result<Option<Refusal>, StoreError> {
         let (scope, key, fingerprint) = (req.scope.clone(), req.key.clone(), req.fingerprint);
         let found = self
             .with_conn(move |conn, clock| {
@@ -275,17 +271,15 @@ impl SqliteStore {
                 let existing = record.existing();
                 Ok(match decide(&existing, &fingerprint, clock.now_ms()) {
                     Decision::Replace { .. } => None,
-                    Decision::Mismatch => Some(Found::Claim(Claim::Mismatch)),
-                    Decision::Replay => Some(Found::Completed(
+                    Decision::Mismatch => Some(Refused::Mismatch),
+                    Decision::Replay => Some(Refused::Completed(
                         record.response.clone().unwrap_or_default(),
                     )),
-                    Decision::InFlight(lease_remaining) => {
-                        Some(Found::Claim(Claim::InFlight { lease_remaining }))
-                    }
+                    Decision::InFlight(lease_remaining) => Some(Refused::InFlight(lease_remaining)),
                 })
             })
             .await?;
-        found.map(Found::decode).transpose()
+        found.map(Refused::decode).transpose()
     }
 }
 

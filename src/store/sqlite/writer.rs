@@ -8,14 +8,16 @@ use std::sync::Arc;
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::TransactionBehavior;
 
-use super::claim::{Found, claim_in, complete_in};
+use super::claim::{Found, Refused, claim_in, complete_in};
 use super::transaction::{Command, SqliteTransaction};
-use crate::store::{Claim, ClaimRequest, Clock, Completion, StoreError, TransactionClaim};
+use crate::store::{ClaimRequest, Clock, Completion, StoreError, TransactionClaim};
 
 /// How many transactional requests the writer has committed, and in how many
 /// commits: `requests / commits` is the mean batch size.
 /// Made by [`SqliteStore::group_commit_stats`](super::SqliteStore::group_commit_stats).
+/// `#[non_exhaustive]`: more figures may come; read the fields.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GroupCommitStats {
     /// Commits of the writer's transaction that succeeded.
     pub commits: u64,
@@ -174,7 +176,7 @@ enum Deferred {
     /// The request's writes and record; answered `Stored`.
     Commit(tokio::sync::oneshot::Sender<Result<Completion, StoreError>>),
     /// A refusal (replay, 422) read from a record written in this batch.
-    Refusal(ClaimReply, Found),
+    Refusal(ClaimReply, Refused),
     /// A write of separate mode.
     Write(Answer),
 }
@@ -308,8 +310,8 @@ fn serve_request(
         }
     };
     let taken_over = match found {
-        Found::Claim(Claim::Acquired { taken_over }) => taken_over,
-        refused => {
+        Found::Acquired { taken_over } => taken_over,
+        Found::Refused(refused) => {
             // Nothing was written. The record it read may be one this batch
             // wrote: answer only once the batch is durable.
             let _ = tx.execute_batch(RELEASE);
