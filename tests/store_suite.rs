@@ -1,4 +1,4 @@
-//! One conformance suite for every store (DESIGN §3 and §8): each test is a
+//! One conformance suite for every store (docs/contract.md §3 and §8): each test is a
 //! generic function, and `store_suite!` runs all of them against one store.
 
 use std::sync::Arc;
