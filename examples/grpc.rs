@@ -3,23 +3,23 @@
 //! gets the first answer.
 //!
 //! ```text
-//! cargo run --example grpc -- [--listen ADDR]          # serve, default 127.0.0.1:50051
-//! cargo run --example grpc -- charge [--to URL] [--key KEY] [--caller NAME] ACCOUNT AMOUNT_CENTS
+//! cargo run --example grpc --features client -- [--listen ADDR]   # serve, default 127.0.0.1:50051
+//! cargo run --example grpc --features client -- charge [--to URL] [--key KEY] [--caller NAME] ACCOUNT AMOUNT_CENTS
 //! ```
 //!
 //! `tests/grpc.rs` includes this file and drives it with a real tonic client
 //! over HTTP/2. With the server running:
 //!
 //! ```text
-//! $ cargo run -q --example grpc -- charge --key k1 --caller alice acct-1 500
+//! $ cargo run -q --example grpc --features client -- charge --key k1 --caller alice acct-1 500
 //! ChargeReply { charge_id: "ch_1", account: "acct-1", amount_cents: 500 }
-//! $ cargo run -q --example grpc -- charge --key k1 --caller alice acct-1 500
+//! $ cargo run -q --example grpc --features client -- charge --key k1 --caller alice acct-1 500
 //! ChargeReply { charge_id: "ch_1", account: "acct-1", amount_cents: 500 } (replayed)
-//! $ cargo run -q --example grpc -- charge --key k1 --caller alice acct-1 700
+//! $ cargo run -q --example grpc --features client -- charge --key k1 --caller alice acct-1 700
 //! FailedPrecondition: this idempotency key was first used with a different method, path, query or body; use a new key for a new operation
-//! $ cargo run -q --example grpc -- charge --key k2 --caller alice unavailable 100
+//! $ cargo run -q --example grpc --features client -- charge --key k2 --caller alice unavailable 100
 //! Unavailable: the payment provider is unavailable; nothing was charged
-//! $ cargo run -q --example grpc -- charge --key k2 --caller alice unavailable 100
+//! $ cargo run -q --example grpc --features client -- charge --key k2 --caller alice unavailable 100
 //! Unavailable: the payment provider is unavailable; nothing was charged
 //! ```
 //!

@@ -95,7 +95,10 @@
 
 #![deny(unsafe_code, unreachable_pub)]
 #![warn(missing_docs)]
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+// docs.rs (`--cfg docsrs`, nightly): each feature-gated item is marked with
+// the feature it needs. `doc_cfg` does this by itself now that `doc_auto_cfg`
+// has been merged into it (naming `doc_auto_cfg` is error E0557 on nightly).
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(feature = "admin")]
 pub mod admin;
@@ -131,13 +134,19 @@ pub use layer::IdempotencyLayer;
 pub use response::{StoredBody, StoredResponse};
 /// The rusqlite this crate is built with, for the SQL a handler runs through
 /// [`store::SqliteTransaction::run`] (its types must be this version's).
+///
+/// Only with the `sqlite` feature. rusqlite is below 1.0: a release of this
+/// crate that moves to a newer rusqlite is a breaking release.
+#[cfg(feature = "sqlite")]
 pub use rusqlite;
 pub use service::{Idempotency, ResponseFuture};
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
 #[cfg(feature = "redis")]
 pub use store::RedisStore;
-pub use store::{MemoryStore, SqliteStore, Store, StoreError};
+#[cfg(feature = "sqlite")]
+pub use store::SqliteStore;
+pub use store::{MemoryStore, Store, StoreError};
 /// The tokio-postgres this crate is built with, for the statements a handler
 /// runs through [`store::PostgresTransaction::client`].
 #[cfg(feature = "postgres")]

@@ -245,7 +245,7 @@ async fn sqlite_locked_transactional() {
 
 /// The lock appears while the handler runs (separate mode): the claim
 /// committed, the completion fails. The caller still gets the handler's
-/// answer; the record stays in flight (DESIGN §3: never deleted, the effect
+/// answer; the record stays in flight (docs/contract.md §3: never deleted, the effect
 /// happened), so a retry gets 409 until the lease ends, then runs again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_lock_between_claim_and_completion() {

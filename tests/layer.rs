@@ -1,4 +1,4 @@
-//! The layer's behaviour over real sockets (DESIGN §3–§7): an axum app on
+//! The layer's behaviour over real sockets (docs/contract.md §3–§7): an axum app on
 //! loopback, a raw HTTP/1.1 client, and counts of the handler's executions.
 
 mod common;

@@ -1,4 +1,4 @@
-//! Model-based property tests of the record state machine (DESIGN.md §3, the
+//! Model-based property tests of the record state machine (docs/contract.md §3, the
 //! table in the `store` module docs), on every store.
 //!
 //! `sequences_*`: proptest generates sequences of up to 30 operations over 3
@@ -258,7 +258,7 @@ struct Model {
 }
 
 impl Model {
-    /// The table of DESIGN.md §3, read top to bottom.
+    /// The table of docs/contract.md §3, read top to bottom.
     fn decide(&self, key: usize, fingerprint: u8) -> Outcome {
         match &self.records[key] {
             None => Outcome::Acquired { taken_over: false },

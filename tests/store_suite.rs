@@ -1,4 +1,4 @@
-//! One conformance suite for every store (DESIGN §3 and §8): the checks of
+//! One conformance suite for every store (docs/contract.md §3 and §8): the checks of
 //! `tower_idempotency::test_util` (feature `test-util`), run against each
 //! store of this crate by `store_suite!`, and the tests of one store each.
 

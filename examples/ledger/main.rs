@@ -11,7 +11,7 @@
 //! listener: stuck records, counts, purge. It has no authentication: give it
 //! a loopback address, never the public one.
 //!
-//! The contract it keeps is `shared/conformance/LEDGER.md`; `check_ledger.py`
+//! The contract it keeps is `examples/ledger/README.md`; `check_ledger.py`
 //! drives it over real HTTP.
 
 mod db;

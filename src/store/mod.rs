@@ -75,6 +75,7 @@ use crate::response::StoredResponse;
 /// without one with a 500 problem (the handler would otherwise write outside
 /// the idempotency transaction); `Option<T>` is `None` for requests that
 /// passed through without a key.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 macro_rules! transaction_extractor {
     ($transaction:ty) => {
         /// Extracts the request's transaction in a handler behind a
@@ -110,6 +111,7 @@ macro_rules! transaction_extractor {
         }
     };
 }
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use transaction_extractor;
 
 mod clock;
@@ -119,6 +121,7 @@ mod memory;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(feature = "sqlite")]
 mod sqlite;
 
 #[cfg(feature = "redis")]
@@ -130,6 +133,7 @@ pub(crate) use decide::{Decision, Existing, Kind, decide, retry_after_secs};
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use postgres::{PostgresStore, PostgresStoreBuilder, PostgresTransaction, TransactionClient};
+#[cfg(feature = "sqlite")]
 pub use sqlite::{
     GroupCommitStats, SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous,
 };
@@ -596,7 +600,7 @@ pub enum TransactionClaim<T> {
 }
 
 /// The 500 problem of a transaction extractor on a request that has none.
-#[cfg(feature = "axum")]
+#[cfg(all(feature = "axum", any(feature = "sqlite", feature = "postgres")))]
 fn missing_transaction() -> http::Response<axum_core::body::Body> {
     let body = r#"{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"this handler needs an idempotency transaction, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)"}"#;
     let mut response = http::Response::new(axum_core::body::Body::from(body));
