@@ -43,6 +43,14 @@ impl ManualClock {
         self.0
             .fetch_add(duration_ms(by), std::sync::atomic::Ordering::SeqCst);
     }
+
+    /// Sets the clock to `ms` (Unix milliseconds), forward or back: for
+    /// tests of a wall clock that steps back (NTP, a restored VM, an
+    /// operator), which the stores must survive (see
+    /// [`crate::store::ClaimRequest::lease`]).
+    pub fn set(&self, ms: i64) {
+        self.0.store(ms, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Clock for ManualClock {

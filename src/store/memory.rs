@@ -101,7 +101,7 @@ impl Store for MemoryStore {
             lease_until: record.lease_until,
             expires_at: record.expires_at,
         };
-        match decide(&existing, &req.fingerprint, now) {
+        match decide(&existing, &req.fingerprint, now, req.lease) {
             Decision::Replace { taken_over } => {
                 *record = fresh;
                 Ok(Claim::Acquired { taken_over })

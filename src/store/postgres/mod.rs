@@ -356,7 +356,7 @@ impl PostgresStore {
             lease_until: old_lease,
             expires_at: old_expiry,
         };
-        let taken_over = match decide(&existing, &req.fingerprint, now) {
+        let taken_over = match decide(&existing, &req.fingerprint, now, req.lease) {
             Decision::Replace { taken_over } => taken_over,
             Decision::Mismatch => return Ok(Claim::Mismatch),
             Decision::Replay => {

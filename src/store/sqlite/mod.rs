@@ -266,23 +266,30 @@ impl SqliteStore {
     /// What the committed record says, read without the write lock: a
     /// replay, a 422 or a 409 that needs no writer. `None`: the writer decides.
     async fn committed_refusal(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
-        let (scope, key, fingerprint) = (req.scope.clone(), req.key.clone(), req.fingerprint);
+        let (scope, key, fingerprint, lease) = (
+            req.scope.clone(),
+            req.key.clone(),
+            req.fingerprint,
+            req.lease,
+        );
         let found = self
             .with_conn(move |conn, clock| {
                 let Some(record) = read_record(conn, &scope, &key)? else {
                     return Ok(None);
                 };
                 let existing = record.existing();
-                Ok(match decide(&existing, &fingerprint, clock.now_ms()) {
-                    Decision::Replace { .. } => None,
-                    Decision::Mismatch => Some(Found::Claim(Claim::Mismatch)),
-                    Decision::Replay => Some(Found::Completed(
-                        record.response.clone().unwrap_or_default(),
-                    )),
-                    Decision::InFlight(lease_remaining) => {
-                        Some(Found::Claim(Claim::InFlight { lease_remaining }))
-                    }
-                })
+                Ok(
+                    match decide(&existing, &fingerprint, clock.now_ms(), lease) {
+                        Decision::Replace { .. } => None,
+                        Decision::Mismatch => Some(Found::Claim(Claim::Mismatch)),
+                        Decision::Replay => Some(Found::Completed(
+                            record.response.clone().unwrap_or_default(),
+                        )),
+                        Decision::InFlight(lease_remaining) => {
+                            Some(Found::Claim(Claim::InFlight { lease_remaining }))
+                        }
+                    },
+                )
             })
             .await?;
         found.map(Found::decode).transpose()
