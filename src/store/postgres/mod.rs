@@ -62,6 +62,10 @@ pub struct PostgresStore {
     pool: Pool,
     sql: Arc<Sql>,
     offset: Option<Arc<dyn Clock>>,
+    /// The longest a transactional request holds its transaction.
+    max_hold: Duration,
+    /// Transactions rolled back past their max hold time.
+    held_too_long: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -80,6 +84,7 @@ pub struct PostgresStoreBuilder {
     pool_size: usize,
     wait_timeout: Duration,
     offset: Option<Arc<dyn Clock>>,
+    max_hold: Duration,
 }
 
 /// The statements, with the table name in them.
@@ -197,6 +202,16 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// The longest a transactional request may hold its transaction (and
+    /// its pooled connection) open (default 30 s); the layer's lease caps it
+    /// further. Past it the transaction is rolled back, the key given back,
+    /// and the request answered 503 with `Retry-After`: see
+    /// [`PostgresTransaction`], "Max hold time".
+    pub fn max_hold(mut self, hold: Duration) -> Self {
+        self.max_hold = hold;
+        self
+    }
+
     /// For tests of leases and TTLs: a [`Clock`] whose reading, in
     /// milliseconds, is added to the server's clock. Leave it unset in
     /// production.
@@ -251,6 +266,8 @@ impl PostgresStoreBuilder {
             pool,
             sql: Arc::new(sql),
             offset: self.offset,
+            max_hold: self.max_hold,
+            held_too_long: Arc::default(),
         })
     }
 }
@@ -279,7 +296,7 @@ impl PostgresStore {
         Self::builder(url).open().await
     }
 
-    /// Options: table, pool size, wait timeout, test time offset.
+    /// Options: table, pool size, wait timeout, max hold time, test time offset.
     pub fn builder(url: &str) -> PostgresStoreBuilder {
         PostgresStoreBuilder {
             url: url.to_owned(),
@@ -287,7 +304,16 @@ impl PostgresStore {
             pool_size: 16,
             wait_timeout: Duration::from_secs(5),
             offset: None,
+            max_hold: Duration::from_secs(30),
         }
+    }
+
+    /// Transactional requests rolled back because they held their
+    /// transaction past their max hold time (see [`PostgresTransaction`],
+    /// "Max hold time"), since the store opened.
+    pub fn transactions_held_too_long(&self) -> u64 {
+        self.held_too_long
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The pool, for the application's own queries.
