@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Object;
-use tokio_postgres::NoTls;
 
 use super::{PostgresStore, unavailable};
 use crate::response::StoredResponse;
@@ -15,6 +14,7 @@ use crate::store::{
     Claim, ClaimRequest, Completion, FencingToken, Store, StoreError, TransactionClaim,
     TransactionalStore,
 };
+use hold::Fate;
 
 /// An open PostgreSQL transaction in which the layer has claimed the
 /// request's key. The handler runs its own statements on it through
@@ -60,9 +60,11 @@ use crate::store::{
 #[derive(Clone)]
 pub struct PostgresTransaction {
     connection: Arc<tokio::sync::Mutex<Option<TxConnection>>>,
-    /// `Some(hold)` once the store rolled it back past its max hold time;
-    /// the sender is dropped when the transaction has ended.
-    ended: tokio::sync::watch::Receiver<Option<Duration>>,
+    /// Who ends it: the layer, or the max-hold timer.
+    fate: Arc<Fate>,
+    /// Its sender is dropped once the transaction has ended and its key is
+    /// given back (if it is to be).
+    ended: tokio::sync::watch::Receiver<()>,
 }
 
 /// A pooled connection inside an open transaction. Dropped before its
@@ -77,7 +79,7 @@ struct TxConnection {
     /// The max-hold timer, stopped when the transaction ends first.
     timer: Option<tokio::task::AbortHandle>,
     /// Dropped when the transaction has ended: `closed` resolves.
-    ended: Option<tokio::sync::watch::Sender<Option<Duration>>>,
+    ended: Option<tokio::sync::watch::Sender<()>>,
 }
 
 impl TxConnection {
@@ -129,6 +131,8 @@ fn transaction_over() -> StoreError {
     unavailable("the idempotency transaction has already been committed or rolled back")
 }
 
+mod hold;
+
 fn held_too_long(hold: Duration) -> StoreError {
     unavailable(format!(
         "the idempotency transaction was rolled back: it was held past its max hold time ({} ms)",
@@ -146,6 +150,9 @@ impl PostgresTransaction {
     /// (committed, rolled back, or rolled back past its max hold time).
     pub async fn client(&self) -> Result<TransactionClient<'_>, StoreError> {
         let guard = self.connection.lock().await;
+        if self.fate.expired() {
+            return Err(self.over());
+        }
         tokio::sync::MutexGuard::try_map(guard, |connection| {
             connection.as_mut().and_then(|c| c.client.as_mut())
         })
@@ -164,9 +171,10 @@ impl PostgresTransaction {
 
     /// The error of a call after the transaction ended.
     fn over(&self) -> StoreError {
-        match *self.ended.borrow() {
-            Some(hold) => held_too_long(hold),
-            None => transaction_over(),
+        if self.fate.expired() {
+            held_too_long(self.fate.hold)
+        } else {
+            transaction_over()
         }
     }
 
@@ -222,7 +230,7 @@ impl TransactionalStore for PostgresStore {
         let claim = ReleaseOnDrop::new(self.clone(), scope.clone(), key.clone(), token);
         // Phase two: the handler's writes and the completion, in one
         // transaction that commits only if the record still carries our token.
-        let (ended, watch) = tokio::sync::watch::channel(None);
+        let (ended, watch) = tokio::sync::watch::channel(());
         let connection = TxConnection {
             client: Some(self.client().await?),
             scope,
@@ -243,9 +251,10 @@ impl TransactionalStore for PostgresStore {
         let cancel = connection.client()?.cancel_token();
         let transaction = PostgresTransaction {
             connection: Arc::new(tokio::sync::Mutex::new(Some(connection))),
+            fate: Arc::new(Fate::new(hold)),
             ended: watch,
         };
-        let timer = tokio::spawn(self.clone().end_past(hold, transaction.clone(), cancel));
+        let timer = tokio::spawn(self.clone().end_past(transaction.clone(), cancel));
         // Unless the timer has already ended it (a zero hold).
         if let Some(connection) = transaction.connection.lock().await.as_mut() {
             connection.timer = Some(timer.abort_handle());
@@ -262,7 +271,15 @@ impl TransactionalStore for PostgresStore {
         transaction: &PostgresTransaction,
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
-        let connection = transaction.take().await.ok_or_else(|| transaction.over())?;
+        let mut connection = transaction.take().await.ok_or_else(|| transaction.over())?;
+        // `closed` resolves once the key is given back, if it is.
+        let ended = connection.ended.take();
+        if !transaction.fate.end() {
+            // The max hold time passed first: roll back, as its timer would.
+            self.roll_back_and_release(connection).await;
+            drop(ended);
+            return Err(transaction.over());
+        }
         // Cancelled from here on, the connection closes (its `Drop`): the
         // server rolls back, and the key waits for its lease.
         let blob = response.encode();
@@ -287,12 +304,10 @@ impl TransactionalStore for PostgresStore {
             Err(e) => Some(unavailable(e)),
         };
         if let Some(e) = failure {
-            roll_back(connection).await;
             // Nothing was committed: give the key back (token-checked, so a
             // request that took it over keeps it).
-            if let Err(release) = self.release(scope, key, token).await {
-                tracing::error!(error = %release, "releasing a rolled-back key failed; it stays in flight until its lease ends");
-            }
+            self.roll_back_and_release(connection).await;
+            drop(ended);
             return Err(e);
         }
         match connection.client()?.batch_execute("COMMIT").await {
@@ -320,43 +335,9 @@ impl TransactionalStore for PostgresStore {
 }
 
 impl PostgresStore {
-    /// The max-hold timer: once `hold` has passed, cancels a statement still
-    /// running on the transaction, rolls it back, gives the key back, and
-    /// then lets `closed` resolve. Aborted when the transaction ends first.
-    async fn end_past(
-        self,
-        hold: Duration,
-        transaction: PostgresTransaction,
-        cancel: tokio_postgres::CancelToken,
-    ) {
-        tokio::time::sleep(hold).await;
-        let mut guard = match transaction.connection.try_lock() {
-            Ok(guard) => guard,
-            Err(_) => {
-                // The handler is using the connection: stop its statement.
-                if let Err(e) = cancel.cancel_query(NoTls).await {
-                    tracing::warn!(error = %e, "cancelling a statement past the max hold time failed");
-                }
-                transaction.connection.lock().await
-            }
-        };
-        let Some(mut connection) = guard.take() else {
-            return;
-        };
-        drop(guard);
-        // This task ends the transaction itself: dropping the connection
-        // must not abort it halfway.
-        connection.timer = None;
-        let ended = connection.ended.take();
-        if let Some(ended) = &ended {
-            ended.send_replace(Some(hold));
-        }
-        self.held_too_long
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        tracing::warn!(
-            max_hold_ms = hold.as_millis() as u64,
-            "an idempotency transaction was held past its max hold time; rolled back"
-        );
+    /// Rolls back (`roll_back`), then gives the key back (token-checked,
+    /// so a request that took it over keeps it).
+    async fn roll_back_and_release(&self, connection: TxConnection) {
         let (scope, key, token) = (
             connection.scope.clone(),
             connection.key.clone(),
@@ -366,7 +347,6 @@ impl PostgresStore {
         if let Err(e) = self.release(scope, key, token).await {
             tracing::error!(error = %e, "releasing a rolled-back key failed; it stays in flight until its lease ends");
         }
-        drop(ended);
     }
 
     /// Rolls the transaction back and gives the key back, in a task of its
@@ -379,14 +359,12 @@ impl PostgresStore {
         let (store, transaction) = (self.clone(), transaction.clone());
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => Some(handle.spawn(async move {
-                if let Some(connection) = transaction.take().await {
-                    let (scope, key, token) =
-                        (connection.scope.clone(), connection.key.clone(), connection.token);
-                    roll_back(connection).await;
+                if let Some(mut connection) = transaction.take().await {
+                    transaction.fate.end();
+                    let ended = connection.ended.take();
                     // Give the key back, so a retry runs at once.
-                    if let Err(e) = store.release(scope, key, token).await {
-                        tracing::error!(error = %e, "releasing a rolled-back key failed; it stays in flight until its lease ends");
-                    }
+                    store.roll_back_and_release(connection).await;
+                    drop(ended);
                 }
             })),
             Err(_) => {
