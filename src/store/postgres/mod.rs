@@ -3,7 +3,7 @@
 //!
 //! * `transaction.rs`: [`PostgresTransaction`] and the
 //!   [`TransactionalStore`](crate::store::TransactionalStore) impl
-//!   (transactional mode).
+//!   (transactional mode); `transaction/hold.rs`: its max hold time.
 //! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
 
 use std::str::FromStr;
@@ -41,6 +41,10 @@ pub use transaction::{PostgresTransaction, TransactionClient};
 ///   key in flight until its lease ends; the retry then runs once. A rollback
 ///   (a response not stored, an error, a panic, a dropped request) also gives
 ///   the key back at once.
+/// * A transactional request holds its transaction (and a pooled
+///   connection) at most [`PostgresStoreBuilder::max_hold`] (default 30 s)
+///   or its lease, whichever is shorter; past it the store rolls it back and
+///   the request gets 503 (see [`PostgresTransaction`], "Max hold time").
 /// * Connections come from a deadpool pool (default 16); a connection that
 ///   cannot be had in time, or a server that cannot be reached, is
 ///   [`StoreError::Unavailable`]: the layer answers 503.
@@ -189,7 +193,8 @@ impl PostgresStoreBuilder {
     }
 
     /// Connections kept (default 16). In transactional mode each request
-    /// holds one for its handler's whole run.
+    /// holds one for its handler's whole run, at most
+    /// [`PostgresStoreBuilder::max_hold`].
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size.max(1);
         self
