@@ -51,8 +51,9 @@
 //!   stores written in Rust), `clock.rs` ([`store::Clock`]), and one file or
 //!   folder per store: `memory.rs` ([`MemoryStore`]), `sqlite/`
 //!   ([`SqliteStore`]: `builder.rs`, `claim.rs`, `writer.rs` for group
-//!   commit, `transaction.rs`, `inspect.rs`), `postgres/` (`PostgresStore`:
-//!   `transaction.rs`, `inspect.rs`) and `redis/` (`RedisStore`: its Lua
+//!   commit and max hold time, `transaction.rs`, `inspect.rs`), `postgres/`
+//!   (`PostgresStore`: `transaction.rs` with `transaction/hold.rs` for its
+//!   max hold time, `inspect.rs`) and `redis/` (`RedisStore`: its Lua
 //!   scripts as `.lua` files, `inspect.rs`).
 //! * `fencing.rs`: [`store::FencingToken`] and its generator.
 //! * `config.rs`: what a layer is configured with, and the `DEFAULT_*`

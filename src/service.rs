@@ -380,7 +380,7 @@ where
         }
         Ok(Err(Refusal::InFlight { lease_remaining })) => {
             telemetry::claim("in_flight");
-            let retry_after_secs = retry_after_secs(lease_remaining);
+            let retry_after_secs = retry_after_secs(lease_remaining, settings.lease);
             let rejection = Rejection::InFlight { retry_after_secs };
             return Ok(reject(settings, Outcome::InFlight, rejection));
         }

@@ -576,8 +576,8 @@ fn free_port() -> u16 {
 }
 
 /// Runs `program` to its end and fails the test, with its output, unless it
-/// succeeded.
-#[cfg(any(feature = "postgres", feature = "redis"))]
+/// succeeded. (Only the PostgreSQL tests start programs.)
+#[cfg(feature = "postgres")]
 fn run(program: &str, args: &[&str]) {
     let out = std::process::Command::new(program)
         .args(args)

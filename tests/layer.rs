@@ -443,6 +443,115 @@ async fn lease_taken_over_fences_the_first_holder() {
     assert_eq!(h.runs(), 2);
 }
 
+/// The wall clock steps back while a request holds its key (lease 60 s).
+/// A small step leaves a lease shorter than one lease: 409 with exactly the
+/// seconds left. A step of an hour leaves a deadline further ahead than one
+/// lease: the retry takes the key over and runs, instead of meeting 409
+/// (`Retry-After: 3659`) for an hour.
+#[tokio::test]
+async fn a_clock_stepped_back_never_holds_a_key_past_one_lease() {
+    let (store, clock) = memory();
+    let (addr, h) = start(layer(store).lease(Duration::from_secs(60))).await;
+    let mut entered = h.watch();
+    clock.set(START_MS + 3_600_000);
+    let first = tokio::spawn(async move {
+        send(
+            addr,
+            "POST",
+            "/charges",
+            &[("idempotency-key", b"k"), ("x-gate", b"one")],
+            b"",
+        )
+        .await
+    });
+    assert_eq!(entered.recv().await.unwrap(), "one");
+    // 30 s on, then 20 s back: 50 s of the lease left.
+    clock.set(START_MS + 3_630_000);
+    clock.set(START_MS + 3_610_000);
+    let busy = post_key(addr, "/charges", "k", b"").await;
+    assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
+    assert_eq!(busy.header_str("retry-after"), Some("50"));
+    // An hour back: the deadline is 1 h 50 s ahead, past one lease.
+    clock.set(START_MS + 10_000);
+    let second = tokio::spawn(async move {
+        send(
+            addr,
+            "POST",
+            "/charges",
+            &[("idempotency-key", b"k"), ("x-gate", b"two")],
+            b"",
+        )
+        .await
+    });
+    assert_eq!(entered.recv().await.unwrap(), "two");
+    h.open("two");
+    let second = second.await.unwrap();
+    assert_eq!(
+        (second.status, &second.body[..]),
+        (201, &b"{\"charge\":1}"[..])
+    );
+    h.open("one");
+    assert_eq!(first.await.unwrap().status, 201);
+    let replay = post_key(addr, "/charges", "k", b"").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, second.body);
+    assert_eq!(h.runs(), 2);
+}
+
+/// A store that claims with a lease of 1 h 1 min whatever the layer asks
+/// (a store shared with a layer of a longer lease, or one that trusts a
+/// deadline the clock stepped back from): it answers 409 with 3659 s left.
+#[derive(Clone)]
+struct HourLongLease(MemoryStore);
+
+impl Store for HourLongLease {
+    async fn claim(&self, mut request: ClaimRequest) -> Result<Claim, StoreError> {
+        request.lease = Duration::from_secs(3660);
+        self.0.claim(request).await
+    }
+    async fn complete(
+        &self,
+        id: RecordId,
+        t: FencingToken,
+        r: StoredResponse,
+    ) -> Result<Completion, StoreError> {
+        self.0.complete(id, t, r).await
+    }
+    async fn release(&self, id: RecordId, t: FencingToken) -> Result<bool, StoreError> {
+        self.0.release(id, t).await
+    }
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        self.0.purge_expired().await
+    }
+}
+
+/// `Retry-After` is never more than the layer's lease (RFC 9110 §10.2.3
+/// delay-seconds), whatever lease the store reports left.
+#[tokio::test]
+async fn retry_after_is_at_most_the_layers_lease() {
+    let (store, clock) = memory();
+    let (addr, h) = start(layer(HourLongLease(store)).lease(Duration::from_secs(60))).await;
+    let mut entered = h.watch();
+    let first = tokio::spawn(async move {
+        send(
+            addr,
+            "POST",
+            "/charges",
+            &[("idempotency-key", b"k"), ("x-gate", b"one")],
+            b"",
+        )
+        .await
+    });
+    assert_eq!(entered.recv().await.unwrap(), "one");
+    clock.advance(Duration::from_secs(1));
+    let busy = post_key(addr, "/charges", "k", b"").await;
+    assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
+    assert_eq!(busy.header_str("retry-after"), Some("60"));
+    h.open("one");
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(h.runs(), 1);
+}
+
 // ------------------------------------------------------------ release
 
 /// A client that goes away mid-handler does not cut the handler from its

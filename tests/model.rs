@@ -4,7 +4,9 @@
 //! `sequences_*`: proptest generates sequences of up to 30 operations over 3
 //! keys and 2 fingerprints (claims by fresh holders, completions and
 //! releases by any holder not crashed, stale ones included, crashes, clock
-//! advances that straddle the 10 s lease and the 100 s TTL, purges). A small
+//! advances that straddle the 10 s lease and the 100 s TTL, clock steps back
+//! (a wall clock set back by NTP or an operator) of a few seconds to an
+//! hour, purges). A small
 //! reference model, written from the contract and not from any store,
 //! predicts every result exactly: the claim's outcome down to the bytes of
 //! the response replayed and the milliseconds of lease left, `Stored` or
@@ -12,14 +14,18 @@
 //! every fenced completion or refused release, the key is probed with
 //! claims that change nothing, to show that the record is as before. Each
 //! case ends by moving past every TTL and purging: the count is the number of
-//! records the model holds, which also empties the store.
+//! records the model holds, which also empties the store (it moves past the
+//! latest instant the clock showed, so records claimed before a step back
+//! are past their TTL too).
 //!
 //! `concurrent_*`: 8 claimers on one key released together by a
 //! `tokio::sync::Barrier` on a multi-thread runtime, with random fingerprints.
-//! Each case plays 6 rounds on one store, one from each state of the key
+//! Each case plays 7 rounds on one store, one from each state of the key
 //! when the claimers arrive: absent; in flight, 5 s into its lease; in
 //! flight, its lease over this very millisecond (exactly one takes it over);
-//! completed; past its TTL this very millisecond, in flight or completed.
+//! in flight, the clock stepped back 5 s after its claim (its deadline is
+//! past one lease ahead: exactly one takes it over); completed; past its TTL
+//! this very millisecond, in flight or completed.
 //! Exactly one claimer acquires where the key is free, and the others meet
 //! `InFlight` (same fingerprint as the winner) or `Mismatch`; afterwards
 //! only the winner's token completes, and the replay is the winner's.
@@ -49,8 +55,8 @@
 //! # Cases, seeds and regressions
 //!
 //! Cases per run: memory and SQLite 256 sequences and 32 concurrent cases
-//! (192 rounds) each; PostgreSQL and Redis 48 sequences and 12 concurrent
-//! cases (72 rounds) each. `PROPTEST_CASES=n` runs `n` cases of every test
+//! (224 rounds) each; PostgreSQL and Redis 48 sequences and 12 concurrent
+//! cases (84 rounds) each. `PROPTEST_CASES=n` runs `n` cases of every test
 //! instead. Each run draws new random seeds. A failing case is shrunk to a
 //! minimal one, printed, and its seed appended to
 //! `tests/model.proptest-regressions`; commit that file: proptest runs the
@@ -68,8 +74,8 @@ use tokio::sync::Barrier;
 use tower_idempotency::StoredResponse;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, MemoryStore, RecordId, Refusal, SqliteStore,
-    Store, StoreError, Synchronous,
+    Claim, ClaimRequest, Clock, Completion, FencingToken, MemoryStore, RecordId, Refusal,
+    SqliteStore, Store, StoreError, Synchronous,
 };
 use tower_idempotency::test_util::ManualClock;
 
@@ -88,6 +94,12 @@ const STEPS_MS: &[i64] = &[
 /// Extra steps for the stores on a `ManualClock` alone: 1 ms on either side
 /// of each deadline.
 const PRECISE_STEPS_MS: &[i64] = &[1, 9_999, 10_001, 99_999];
+/// Steps back for every store, on the same 5 s grid: within one lease, one
+/// lease, and an hour.
+const STEPS_BACK_MS: &[i64] = &[5_000, 10_000, 3_600_000];
+/// Extra steps back for the stores on a `ManualClock` alone: 1 ms, and 1 ms
+/// short of a lease.
+const PRECISE_STEPS_BACK_MS: &[i64] = &[1, 9_999];
 
 /// The largest wall-clock time a case on a networked store may take: the
 /// grid of its clock steps (see the module docs).
@@ -253,22 +265,28 @@ struct Holder {
 #[derive(Debug, Default)]
 struct Model {
     now: i64,
+    /// The latest `now` so far (the clock may step back).
+    latest: i64,
     records: [Option<Record>; KEYS.len()],
     holders: Vec<Holder>,
 }
 
 impl Model {
-    /// The table of docs/contract.md §3, read top to bottom.
+    /// The table of docs/contract.md §3, read top to bottom. A lease is alive while
+    /// its deadline is ahead and no further ahead than one lease: a deadline
+    /// further ahead is one the clock stepped back from, and counts as over.
     fn decide(&self, key: usize, fingerprint: u8) -> Outcome {
         match &self.records[key] {
             None => Outcome::Acquired { taken_over: false },
             Some(r) if r.expires_at <= self.now => Outcome::Acquired { taken_over: false },
             Some(r) if r.fingerprint != fingerprint => Outcome::Mismatch,
             Some(r) if r.completed => Outcome::Completed(r.holder),
-            Some(r) if r.lease_until > self.now => Outcome::InFlight {
-                ms: r.lease_until - self.now,
-                since: r.since,
-            },
+            Some(r) if r.lease_until > self.now && r.lease_until - self.now <= LEASE_MS => {
+                Outcome::InFlight {
+                    ms: r.lease_until - self.now,
+                    since: r.since,
+                }
+            }
             Some(_) => Outcome::Acquired { taken_over: true },
         }
     }
@@ -370,10 +388,12 @@ enum Op {
     Crash(Index),
     /// The clock moves on by this many ms.
     Advance(i64),
+    /// The clock steps back by this many ms.
+    StepBack(i64),
     Purge,
 }
 
-fn op(steps: Vec<i64>) -> impl Strategy<Value = Op> {
+fn op(steps: Vec<i64>, back: Vec<i64>) -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0..KEYS.len(), 0..FINGERPRINTS)
             .prop_map(|(key, fingerprint)| Op::Claim { key, fingerprint }),
@@ -381,16 +401,19 @@ fn op(steps: Vec<i64>) -> impl Strategy<Value = Op> {
         1 => any::<Index>().prop_map(Op::Release),
         1 => any::<Index>().prop_map(Op::Crash),
         3 => prop::sample::select(steps).prop_map(Op::Advance),
+        1 => prop::sample::select(back).prop_map(Op::StepBack),
         1 => Just(Op::Purge),
     ]
 }
 
 fn ops(kind: Kind) -> impl Strategy<Value = Vec<Op>> {
     let mut steps = STEPS_MS.to_vec();
+    let mut back = STEPS_BACK_MS.to_vec();
     if kind.exact_clock {
         steps.extend_from_slice(PRECISE_STEPS_MS);
+        back.extend_from_slice(PRECISE_STEPS_BACK_MS);
     }
-    prop::collection::vec(op(steps), 1..=30)
+    prop::collection::vec(op(steps, back), 1..=30)
 }
 
 /// Compares a claim's result with the model's outcome.
@@ -509,7 +532,12 @@ async fn run_sequence<S: Store>(
             }
             Op::Advance(ms) => {
                 model.now += ms;
+                model.latest = model.latest.max(model.now);
                 clock.advance(Duration::from_millis(*ms as u64));
+            }
+            Op::StepBack(ms) => {
+                model.now -= ms;
+                clock.set(clock.now_ms() - ms);
             }
             Op::Purge => {
                 let actual = store_ok(store.purge_expired().await, &what)?;
@@ -526,8 +554,11 @@ async fn run_sequence<S: Store>(
             );
         }
     }
-    model.now += TTL_MS;
-    clock.advance(Duration::from_millis(TTL_MS as u64));
+    // Past every TTL: records claimed before a step back expire after the
+    // latest instant, not after `now`.
+    let forward = model.latest - model.now + TTL_MS;
+    model.now += forward;
+    clock.advance(Duration::from_millis(forward as u64));
     let held = model.records.iter().flatten().count() as u64;
     let purged = store_ok(store.purge_expired().await, "final purge")?;
     prop_assert_eq!(purged, held, "{}: final purge past every TTL", kind.name);
@@ -544,6 +575,9 @@ enum Prior {
     InFlight,
     /// In flight with fingerprint 0, its lease over this very millisecond.
     LeaseJustOver,
+    /// In flight with fingerprint 0, the clock stepped back 5 s right after
+    /// its claim: its deadline is one lease and 5 s ahead.
+    SteppedBack,
     /// Completed with fingerprint 0, 5 s after its claim.
     Completed,
     /// Fingerprint 0, its TTL over this very millisecond.
@@ -554,10 +588,11 @@ enum Prior {
 
 /// Every case runs one round from each, in this order, on one store (each
 /// round leaves it empty).
-const PRIORS: [Prior; 6] = [
+const PRIORS: [Prior; 7] = [
     Prior::Absent,
     Prior::InFlight,
     Prior::LeaseJustOver,
+    Prior::SteppedBack,
     Prior::Completed,
     Prior::TtlJustOver { completed: false },
     Prior::TtlJustOver { completed: true },
@@ -629,8 +664,12 @@ async fn run_round<S: Store>(
         Prior::InFlight | Prior::Completed => 5_000,
         Prior::LeaseJustOver => LEASE_MS,
         Prior::TtlJustOver { .. } => TTL_MS,
+        Prior::SteppedBack => 0,
     };
     clock.advance(Duration::from_millis(advance as u64));
+    if let Prior::SteppedBack = prior {
+        clock.set(clock.now_ms() - 5_000);
+    }
 
     let barrier = Arc::new(Barrier::new(CLAIMERS));
     let tasks: Vec<_> = fingerprints
@@ -656,7 +695,7 @@ async fn run_round<S: Store>(
     // Who may win, and what the others meet.
     let (expect_winner, taken_over) = match prior {
         Prior::Absent | Prior::TtlJustOver { .. } => (true, false),
-        Prior::LeaseJustOver => (true, true),
+        Prior::LeaseJustOver | Prior::SteppedBack => (true, true),
         Prior::InFlight | Prior::Completed => (false, false),
     };
     prop_assert_eq!(

@@ -377,3 +377,135 @@ async fn a_failed_commit_gives_the_key_back() {
     assert_eq!((db.count("items").await, db.count("records").await), (0, 0));
     db.drop_tables().await;
 }
+
+/// A handler that holds its transaction past the store's max hold time
+/// (200 ms, shorter than the 60 s lease): the store rolls it back, gives
+/// the key and the connection back, the handler's later `client()` fails,
+/// and the request gets 503 with `Retry-After`; the retry runs afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503() {
+    let db = Db::new().await;
+    let store = PostgresStore::builder(&url())
+        .table(db.table.clone())
+        .max_hold(Duration::from_millis(200))
+        .open()
+        .await
+        .unwrap();
+    let table = db.table.clone();
+    let (handed, mut handed_rx) = tokio::sync::mpsc::channel(1);
+    let (late, mut late_rx) = tokio::sync::mpsc::channel(1);
+    let go_on = Arc::new(tokio::sync::Notify::new());
+    let wake = go_on.clone();
+    let h = Harness::default();
+    let app = Router::new()
+        .route(
+            "/held",
+            post(
+                move |State((h, _)): State<(Harness, String)>,
+                      tx: PostgresTransaction,
+                      headers: HeaderMap| async move {
+                    let insert = format!("INSERT INTO {table}_items (note) VALUES ('x')");
+                    tx.client()
+                        .await
+                        .unwrap()
+                        .execute(&insert, &[])
+                        .await
+                        .unwrap();
+                    h.runs.fetch_add(1, Ordering::SeqCst);
+                    if headers.contains_key("x-hold") {
+                        handed.send(tx.clone()).await.unwrap();
+                        wake.notified().await;
+                        let again = tx.client().await.map(drop).map_err(|e| e.to_string());
+                        late.send(again).await.unwrap();
+                    }
+                    (StatusCode::CREATED, "held")
+                },
+            ),
+        )
+        .route_layer(IdempotencyLayer::new(store.clone(), GlobalScope).transactional())
+        .with_state((h.clone(), db.table.clone()));
+    let addr = serve(app).await;
+    let first = tokio::spawn(async move {
+        send(
+            addr,
+            "POST",
+            "/held",
+            &[("idempotency-key", b"k"), ("x-hold", b"1")],
+            b"{}",
+        )
+        .await
+    });
+    let tx = handed_rx.recv().await.unwrap();
+    // The store's rollback signal (30 s: a guard against a hang).
+    tokio::time::timeout(Duration::from_secs(30), tx.closed())
+        .await
+        .expect("the store ends a transaction held past its max hold time");
+    assert_eq!(store.transactions_held_too_long(), 1);
+    assert_eq!((db.count("items").await, db.count("records").await), (0, 0));
+    go_on.notify_one();
+    let again = late_rx.recv().await.unwrap().unwrap_err();
+    assert!(again.contains("max hold time (200 ms)"), "{again}");
+    let first = first.await.unwrap();
+    assert_eq!(first.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!(first.header_str("retry-after"), Some("1"));
+    let retry = send(addr, "POST", "/held", &[("idempotency-key", b"k")], b"{}").await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!((db.count("items").await, db.count("records").await), (1, 1));
+    assert_eq!(h.runs(), 2);
+    assert_eq!(store.transactions_held_too_long(), 1);
+    db.drop_tables().await;
+}
+
+/// A statement still running when the max hold time (200 ms) passes is
+/// cancelled: the handler's `pg_sleep(30)` fails at once instead of holding
+/// the connection for 30 s, and the request gets 503 with nothing kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_running_past_the_max_hold_is_cancelled() {
+    let db = Db::new().await;
+    let store = PostgresStore::builder(&url())
+        .table(db.table.clone())
+        .max_hold(Duration::from_millis(200))
+        .open()
+        .await
+        .unwrap();
+    let table = db.table.clone();
+    let (slept, mut slept_rx) = tokio::sync::mpsc::channel(1);
+    let app = Router::new()
+        .route(
+            "/sleeps",
+            post(move |tx: PostgresTransaction| async move {
+                let client = tx.client().await.unwrap();
+                client
+                    .execute(
+                        &format!("INSERT INTO {table}_items (note) VALUES ('x')"),
+                        &[],
+                    )
+                    .await
+                    .unwrap();
+                let sleep = client.execute("SELECT pg_sleep(30)", &[]).await;
+                // The SQLSTATE of the failure: 57014 is query_canceled.
+                let code = sleep.map_err(|e| e.code().map(|c| c.code().to_owned()));
+                slept.send((code, tx.clone())).await.unwrap();
+                (StatusCode::CREATED, "slept")
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(store.clone(), GlobalScope).transactional())
+        .with_state((Harness::default(), db.table.clone()));
+    let addr = serve(app).await;
+    let r = send(addr, "POST", "/sleeps", &[("idempotency-key", b"k")], b"{}").await;
+    assert_eq!(r.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!(r.header_str("retry-after"), Some("1"));
+    let (sleep, tx) = slept_rx.recv().await.unwrap();
+    assert_eq!(
+        sleep.unwrap_err().as_deref(),
+        Some("57014"),
+        "the statement was cancelled"
+    );
+    // Ended, and the key given back (30 s: a guard against a hang).
+    tokio::time::timeout(Duration::from_secs(30), tx.closed())
+        .await
+        .expect("the transaction ends");
+    assert_eq!(store.transactions_held_too_long(), 1);
+    assert_eq!((db.count("items").await, db.count("records").await), (0, 0));
+    db.drop_tables().await;
+}

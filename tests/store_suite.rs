@@ -4,18 +4,19 @@
 
 use std::time::Duration;
 
+use tower_idempotency::store::{Claim, FencingToken, RecordId, Store};
 use tower_idempotency::store::{MemoryStore, SqliteStore};
 use tower_idempotency::test_util::suite::{
     inspect_is_exact_on_a_manual_clock, two_handles_one_winner,
 };
-use tower_idempotency::test_util::{ManualClock, START_MS, TTL, acquire, store_suite};
+use tower_idempotency::test_util::{ManualClock, START_MS, TTL, acquire, claim_of, store_suite};
 // The tests of the networked stores only.
 #[cfg(any(feature = "postgres", feature = "redis"))]
-use tower_idempotency::{store::FencingToken, test_util::ClockOffset};
+use tower_idempotency::test_util::ClockOffset;
 #[cfg(feature = "redis")]
 use tower_idempotency::{
-    store::{Claim, Completion, Inspect, RecordId, Refusal, Store},
-    test_util::{LEASE, claim_of, claim_ttl, counts, id, response},
+    store::{Completion, Inspect, Refusal},
+    test_util::{LEASE, claim_ttl, counts, id, response},
 };
 
 async fn memory(clock: ManualClock) -> (MemoryStore, ()) {
@@ -477,6 +478,112 @@ async fn redis_inspect_walks_every_scan_page() {
     let _: () = ::redis::cmd("DEL")
         .arg(format!("{prefix}1:s:string"))
         .arg(format!("{prefix}1:s:foreign"))
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+}
+
+// ------------------------------------------- a lease deadline stepped ahead
+
+/// The system clock, and a record whose `lease_until` was moved 1 h ahead
+/// in the store itself (what a wall clock stepping back looks like to the
+/// next claim): with a 60 s lease the claim takes the record over; the
+/// record's own deadline is `poke`d by each store's raw access.
+async fn raw_deadline_an_hour_ahead_is_taken_over<S, P, F>(store: S, poke: P)
+where
+    S: Store,
+    P: FnOnce() -> F,
+    F: std::future::Future<Output = u64>,
+{
+    let first = acquire(&store, "k").await;
+    assert_eq!(poke().await, 1, "one record's lease_until moved");
+    let second = FencingToken::random();
+    assert_eq!(
+        store.claim(claim_of("s", "k", 1, second)).await.unwrap(),
+        Claim::Acquired { taken_over: true }
+    );
+    assert!(!store.release(RecordId::new("s", "k"), first).await.unwrap());
+    assert!(
+        store
+            .release(RecordId::new("s", "k"), second)
+            .await
+            .unwrap()
+    );
+}
+
+#[tokio::test]
+async fn sqlite_lease_until_an_hour_ahead_in_the_file_is_taken_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("stepped.sqlite3");
+    let store = SqliteStore::open(&path).await.unwrap();
+    raw_deadline_an_hour_ahead_is_taken_over(store, || async {
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute(
+            "UPDATE idempotency_records SET lease_until = lease_until + 3600000",
+            [],
+        )
+        .unwrap() as u64
+    })
+    .await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn postgres_lease_until_an_hour_ahead_in_the_table_is_taken_over() {
+    let table = format!("idem_test_{:016x}", FencingToken::random().0);
+    let _drop = DropTable(table.clone());
+    let store = tower_idempotency::PostgresStore::builder(&postgres_url())
+        .table(table.clone())
+        .open()
+        .await
+        .unwrap();
+    let pool = store.pool().clone();
+    raw_deadline_an_hour_ahead_is_taken_over(store, || async move {
+        let client = pool.get().await.unwrap();
+        client
+            .execute(
+                &format!("UPDATE {table} SET lease_until = lease_until + 3600000"),
+                &[],
+            )
+            .await
+            .unwrap()
+    })
+    .await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_lease_until_an_hour_ahead_in_the_hash_is_taken_over() {
+    use tower_idempotency::store::RedisStore;
+    let prefix = redis_support::unique_prefix("stepped");
+    let store = RedisStore::builder(redis_support::url())
+        .prefix(prefix.clone())
+        .open()
+        .await
+        .unwrap();
+    let client = ::redis::Client::open(redis_support::url()).unwrap();
+    let mut raw = client.get_multiplexed_async_connection().await.unwrap();
+    let record = format!("{prefix}1:s:k");
+    let poke_raw = raw.clone();
+    raw_deadline_an_hour_ahead_is_taken_over(store, || async move {
+        let mut raw = poke_raw;
+        let exists: u64 = ::redis::cmd("EXISTS")
+            .arg(&record)
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        let _: i64 = ::redis::cmd("HINCRBY")
+            .arg(&record)
+            .arg("lease_until")
+            .arg(3_600_000)
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        exists
+    })
+    .await;
+    let _: () = ::redis::cmd("DEL")
+        .arg(format!("{prefix}1:s:k"))
         .query_async(&mut raw)
         .await
         .unwrap();

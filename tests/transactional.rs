@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use axum::Extension;
 use axum::Router;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, request::Parts};
@@ -15,7 +16,7 @@ use axum::routing::{get, post};
 use common::{Harness, eventually, send, serve};
 use tokio::sync::Barrier;
 use tower_idempotency::problem::types;
-use tower_idempotency::store::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::{SqliteStore, SqliteStoreBuilder, SqliteTransaction};
 use tower_idempotency::{IdempotencyLayer, scope::GlobalScope};
 
 const SCHEMA: &str = "
@@ -62,6 +63,45 @@ async fn item(State(h): State<Harness>, tx: SqliteTransaction, headers: HeaderMa
         .into_response()
 }
 
+/// What the `/held` handler shares with its test.
+#[derive(Clone)]
+struct Held {
+    /// The handler's transaction, sent once it has written its item.
+    handed: tokio::sync::mpsc::Sender<SqliteTransaction>,
+    /// The test wakes the handler with it.
+    go_on: Arc<tokio::sync::Notify>,
+    /// What the handler's second write, after it woke, returned.
+    late: tokio::sync::mpsc::Sender<Result<(), String>>,
+}
+
+/// Writes an item and counts the run; with `x-hold`, hands its transaction
+/// to the test, waits to be woken, and tries a second write. Answers 201.
+async fn held_item(
+    State(h): State<Harness>,
+    Extension(held): Extension<Held>,
+    tx: SqliteTransaction,
+    headers: HeaderMap,
+) -> Response {
+    tx.run(|t| t.execute("INSERT INTO items (note) VALUES ('held')", []))
+        .await
+        .unwrap()
+        .unwrap();
+    h.runs.fetch_add(1, Ordering::SeqCst);
+    if headers.contains_key("x-hold") {
+        held.handed.send(tx.clone()).await.unwrap();
+        held.go_on.notified().await;
+        let late = tx
+            .run(|t| t.execute("INSERT INTO items (note) VALUES ('late')", []))
+            .await;
+        let late = late.map(|inserted| assert_eq!(inserted.unwrap(), 1));
+        held.late
+            .send(late.map_err(|e| e.to_string()))
+            .await
+            .unwrap();
+    }
+    (StatusCode::CREATED, "held").into_response()
+}
+
 /// Transactions a handler kept after its request ended.
 static KEPT: std::sync::Mutex<Vec<SqliteTransaction>> = std::sync::Mutex::new(Vec::new());
 
@@ -70,33 +110,50 @@ struct Fixture {
     addr: std::net::SocketAddr,
     h: Harness,
     store: SqliteStore,
+    /// The `/held` handler's ends.
+    handed: tokio::sync::mpsc::Receiver<SqliteTransaction>,
+    go_on: Arc<tokio::sync::Notify>,
+    late: tokio::sync::mpsc::Receiver<Result<(), String>>,
 }
 
 impl Fixture {
     async fn start(busy_timeout: Duration) -> Fixture {
+        Fixture::start_with(|b| b.busy_timeout(busy_timeout)).await
+    }
+
+    async fn start_with(options: impl FnOnce(SqliteStoreBuilder) -> SqliteStoreBuilder) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("app.sqlite3");
-        let store = SqliteStore::builder(&path)
-            .busy_timeout(busy_timeout)
-            .open()
-            .await
-            .unwrap();
+        let store = options(SqliteStore::builder(&path)).open().await.unwrap();
         rusqlite::Connection::open(&path)
             .unwrap()
             .execute_batch(SCHEMA)
             .unwrap();
         let h = Harness::default();
         let layer = IdempotencyLayer::new(store.clone(), |p: &Parts| user(p)).transactional();
+        let (handed, handed_rx) = tokio::sync::mpsc::channel(1);
+        let (late, late_rx) = tokio::sync::mpsc::channel(1);
+        let go_on = Arc::new(tokio::sync::Notify::new());
+        let held = Held {
+            handed,
+            go_on: go_on.clone(),
+            late,
+        };
         let app = Router::new()
             .route("/items", post(item))
+            .route("/held", post(held_item))
             .route_layer(layer)
             .route("/ping", get(|| async { "pong" }))
+            .layer(Extension(held))
             .with_state(h.clone());
         Fixture {
             addr: serve(app).await,
             dir,
             h,
             store,
+            handed: handed_rx,
+            go_on,
+            late: late_rx,
         }
     }
 
@@ -486,4 +543,84 @@ async fn a_failed_batch_commit_fails_every_member_and_keeps_nothing() {
     let retry = f.post(b"a", &[]).await;
     assert_eq!((retry.status, retry.replayed()), (201, false));
     assert_eq!((f.items(), f.records(), f.h.runs()), (1, 1, 3));
+}
+
+// ------------------------------------------------------------ bounds
+
+/// A handler that holds the writer past the store's max hold time (200 ms,
+/// shorter than the 60 s lease): the writer rolls its savepoint back, the
+/// handler's later SQL fails, the request gets 503 with `Retry-After`, and
+/// nothing of it stays; the retry runs afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503() {
+    let mut f = Fixture::start_with(|b| {
+        b.busy_timeout(Duration::from_secs(5))
+            .max_hold(Duration::from_millis(200))
+    })
+    .await;
+    let addr = f.addr;
+    let first = tokio::spawn(async move {
+        send(
+            addr,
+            "POST",
+            "/held",
+            &[("idempotency-key", b"k"), ("x-hold", b"1")],
+            b"{}",
+        )
+        .await
+    });
+    let tx = f.handed.recv().await.unwrap();
+    // The store's rollback signal: the writer ended the transaction (30 s:
+    // a guard against a hang, far past the 200 ms it takes).
+    tokio::time::timeout(Duration::from_secs(30), tx.closed())
+        .await
+        .expect("the writer ends a transaction held past its max hold time");
+    assert_eq!(f.store.transactions_held_too_long(), 1);
+    assert_eq!((f.items(), f.records()), (0, 0));
+    f.go_on.notify_one();
+    let late = f.late.recv().await.unwrap().unwrap_err();
+    assert!(late.contains("max hold time (200 ms)"), "{late}");
+    let first = first.await.unwrap();
+    assert_eq!(first.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!(first.header_str("retry-after"), Some("1"));
+    assert_eq!((f.items(), f.records(), f.h.runs()), (0, 0, 1));
+    // The same request (the fingerprint ignores headers) runs again.
+    let retry = send(addr, "POST", "/held", &[("idempotency-key", b"k")], b"{}").await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!((f.items(), f.records(), f.h.runs()), (1, 1, 2));
+    assert_eq!(f.store.transactions_held_too_long(), 1);
+}
+
+/// A writer queue of one job: one request holds the writer, one waits in
+/// the queue, and the next is answered 503 with `Retry-After` at once
+/// (its busy timeout is 30 s), without running or writing anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_writer_queue_answers_503_at_once_and_writes_nothing() {
+    let f = Fixture::start_with(|b| b.busy_timeout(Duration::from_secs(30)).writer_queue(1)).await;
+    let mut entered = f.h.watch();
+    let first = spawn_post(&f, b"a", &[("x-gate", b"a")]);
+    assert_eq!(entered.recv().await.unwrap(), "a");
+    let queued = spawn_post(&f, b"b", &[]);
+    let store = f.store.clone();
+    eventually(Duration::from_secs(10), || {
+        store.transactions_waiting() == 1
+    })
+    .await;
+    let refused = f.post(b"c", &[]).await;
+    assert_eq!(refused.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!(refused.header_str("retry-after"), Some("1"));
+    assert_eq!(f.h.runs(), 1, "only the holder has run");
+    f.h.open("a");
+    for client in [first, queued] {
+        let answer = client.await.unwrap();
+        assert_eq!((answer.status, answer.replayed()), (201, false));
+    }
+    assert_eq!((f.items(), f.records(), f.h.runs()), (2, 2, 2));
+    assert_eq!(
+        f.count("SELECT count(*) FROM idempotency_records WHERE key = 'c'"),
+        0
+    );
+    let retry = f.post(b"c", &[]).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!((f.items(), f.records(), f.h.runs()), (3, 3, 3));
 }

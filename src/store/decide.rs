@@ -32,18 +32,37 @@ pub(crate) enum Decision {
     InFlight(Duration),
 }
 
-pub(crate) fn decide(existing: &Existing<'_>, fingerprint: &Fingerprint, now: i64) -> Decision {
+/// `lease` is the claiming request's lease ([`ClaimRequest::lease`](super::ClaimRequest::lease)):
+/// a lease deadline further ahead than `now + lease` cannot have been set by
+/// a claim at or before `now` with that lease, so the clock has stepped back
+/// since (NTP, a VM restored, an operator): the lease counts as over and the
+/// claim takes the record over, instead of leaving the key in flight for as
+/// long as the clock stepped.
+pub(crate) fn decide(
+    existing: &Existing<'_>,
+    fingerprint: &Fingerprint,
+    now: i64,
+    lease: Duration,
+) -> Decision {
     if existing.expires_at <= now {
         Decision::Replace { taken_over: false }
     } else if existing.fingerprint != fingerprint.0 {
         Decision::Mismatch
     } else if existing.completed {
         Decision::Replay
-    } else if existing.lease_until > now {
+    } else if lease_alive(existing.lease_until, now, lease) {
         Decision::InFlight(Duration::from_millis((existing.lease_until - now) as u64))
     } else {
         Decision::Replace { taken_over: true }
     }
+}
+
+/// Whether an in-flight record's lease holds at `now` against a claim with
+/// `lease`: its deadline is ahead, and not further ahead than `lease` (a
+/// deadline past `now + lease` is one the clock stepped back from).
+/// `RedisStore`'s claim script applies the same rule.
+pub(crate) fn lease_alive(lease_until: i64, now: i64, lease: Duration) -> bool {
+    lease_until > now && lease_until - now <= super::duration_ms(lease)
 }
 
 /// The kind of a record at `now` (Unix ms), for the stores that count in Rust.
@@ -70,8 +89,65 @@ impl Kind {
     }
 }
 
-/// Seconds for `Retry-After` from a remaining lease: whole seconds not past
-/// the lease's end, and at least 1.
-pub(crate) fn retry_after_secs(remaining: Duration) -> u64 {
-    remaining.as_secs().max(1)
+/// Seconds for `Retry-After` (RFC 9110 §10.2.3, delay-seconds) from a
+/// remaining lease: whole seconds not past the lease's end, at least 1, and
+/// at most the layer's `lease` (rounded up to whole seconds): a store that
+/// reports more than a whole lease left (a clock stepped back) never makes a
+/// client wait longer than one lease.
+pub(crate) fn retry_after_secs(remaining: Duration, lease: Duration) -> u64 {
+    let lease_secs = lease.as_secs() + u64::from(lease.subsec_nanos() > 0);
+    remaining.as_secs().min(lease_secs).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_secs(60);
+
+    fn in_flight(lease_until: i64) -> Existing<'static> {
+        Existing {
+            fingerprint: &[7; 32],
+            completed: false,
+            lease_until,
+            expires_at: i64::MAX,
+        }
+    }
+
+    #[test]
+    fn a_deadline_past_one_lease_ahead_is_taken_over() {
+        let fingerprint = Fingerprint([7; 32]);
+        let now = 1_000_000;
+        let decide_at = |lease_until| decide(&in_flight(lease_until), &fingerprint, now, LEASE);
+        assert_eq!(
+            decide_at(now + 60_000),
+            Decision::InFlight(Duration::from_secs(60))
+        );
+        assert_eq!(
+            decide_at(now + 60_001),
+            Decision::Replace { taken_over: true }
+        );
+        assert_eq!(
+            decide_at(now + 3_660_000),
+            Decision::Replace { taken_over: true }
+        );
+        assert_eq!(decide_at(now), Decision::Replace { taken_over: true });
+        assert_eq!(
+            decide_at(now + 1),
+            Decision::InFlight(Duration::from_millis(1))
+        );
+    }
+
+    #[test]
+    fn retry_after_is_within_one_lease() {
+        assert_eq!(retry_after_secs(Duration::from_secs(3659), LEASE), 60);
+        assert_eq!(retry_after_secs(Duration::from_millis(59_999), LEASE), 59);
+        assert_eq!(retry_after_secs(Duration::from_millis(1), LEASE), 1);
+        assert_eq!(retry_after_secs(Duration::ZERO, LEASE), 1);
+        assert_eq!(
+            retry_after_secs(Duration::from_secs(9), Duration::from_millis(1500)),
+            2
+        );
+        assert_eq!(retry_after_secs(Duration::from_secs(9), Duration::ZERO), 1);
+    }
 }

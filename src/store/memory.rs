@@ -206,7 +206,7 @@ impl Store for MemoryStore {
             lease_until: record.lease_until,
             expires_at: record.expires_at,
         };
-        match decide(&existing, &req.fingerprint, now) {
+        match decide(&existing, &req.fingerprint, now, req.lease) {
             Decision::Replace { taken_over } => {
                 records.earliest_expiry = records.earliest_expiry.min(fresh.expires_at);
                 *record = fresh;

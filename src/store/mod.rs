@@ -49,6 +49,15 @@
 //! | in flight, lease alive | nothing | [`Claim::Refused`]`(`[`Refusal::InFlight`]`)` |
 //! | in flight, lease over | takes it over with the new token and lease | [`Claim::Acquired`] `{ taken_over: true }` |
 //!
+//! "Lease alive" means `now < lease_until <= now + lease`, with `lease` the
+//! claiming request's [`ClaimRequest::lease`]. A deadline further ahead than
+//! one lease cannot come from a claim made at or before `now`: the store's
+//! clock stepped back after the claim (NTP, a restored VM, an operator), and
+//! trusting it would keep the key in flight for as long as the step. Such a
+//! lease counts as over. So a claim with a shorter lease takes over a record
+//! claimed with a longer one while more than the shorter lease of it
+//! remains: layers that share a store's keys should share one lease.
+//!
 //! [`Store::complete`] and [`Store::release`] act only while the record still
 //! carries the caller's token, so a holder whose lease was taken over cannot
 //! overwrite or delete the new holder's record.
@@ -155,7 +164,11 @@ pub struct ClaimRequest {
     pub fingerprint: Fingerprint,
     /// The token the new or taken-over record will carry.
     pub token: FencingToken,
-    /// How long an in-flight claim holds before another request may take it over.
+    /// How long an in-flight claim holds before another request may take it
+    /// over. Also the longest lease this claim believes in: an in-flight
+    /// record whose lease deadline is further ahead than `now + lease` (the
+    /// store's clock stepped back since it was claimed) is taken over as if
+    /// its lease had ended, on every store.
     pub lease: Duration,
     /// How long the record is kept, counted from the claim.
     pub ttl: Duration,
@@ -394,6 +407,12 @@ pub trait Store: Clone + Send + Sync + 'static {
 ///
 /// Both calls read every record (no store keeps an index on the lease): they
 /// are for an operator's occasional look, not for each request.
+///
+/// A record whose lease deadline the clock stepped back from (further ahead
+/// than one lease) counts as in flight here, not stuck: records keep their
+/// deadline, not the lease that set it, and `Inspect` is not given a lease,
+/// so it cannot tell such a deadline from a long lease. The next claim of
+/// its key still takes it over (see [`ClaimRequest::lease`]).
 ///
 /// # Example
 ///

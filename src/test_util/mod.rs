@@ -90,6 +90,14 @@ impl ManualClock {
     pub fn advance(&self, by: Duration) {
         self.0.fetch_add(duration_ms(by), Ordering::SeqCst);
     }
+
+    /// Sets the clock to `ms` (ms since the Unix epoch), forward or back: for
+    /// tests of a wall clock that steps back (NTP, a restored VM, an
+    /// operator), which every store must survive (see
+    /// [`ClaimRequest::lease`](crate::store::ClaimRequest::lease)).
+    pub fn set(&self, ms: i64) {
+        self.0.store(ms, Ordering::SeqCst);
+    }
 }
 
 impl Clock for ManualClock {
@@ -161,6 +169,7 @@ macro_rules! __store_suite {
                 scopes_never_meet,
                 concurrent_claims_have_one_winner,
                 omitted_body_round_trips,
+                stepped_back_clock_lease_is_taken_over,
             );
         }
     };
@@ -182,6 +191,7 @@ macro_rules! __store_suite {
                 scopes_never_meet,
                 concurrent_claims_have_one_winner,
                 omitted_body_round_trips,
+                stepped_back_clock_lease_is_taken_over,
                 counts_sort_every_record_into_one_kind,
                 stuck_lists_ended_leases_oldest_first,
             );

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Barrier;
 
 use super::{
-    LEASE, ManualClock, TTL, acquire, claim_of, claim_ttl, complete, counts, id, response,
+    LEASE, ManualClock, START_MS, TTL, acquire, claim_of, claim_ttl, complete, counts, id, response,
 };
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredBody;
@@ -441,4 +441,32 @@ pub async fn two_handles_one_winner<S: Store>(one: S, two: S) {
         }
         assert_eq!(acquired, 1, "round {round}");
     }
+}
+
+/// A wall clock stepped back by an hour after the claim: the record's lease
+/// deadline is an hour ahead, further than one lease, so it counts as over
+/// and the next claim takes it over; the first holder is fenced.
+pub async fn stepped_back_clock_lease_is_taken_over<S: Store>(store: S, clock: ManualClock) {
+    clock.set(START_MS + 3_600_000);
+    let first = acquire(&store, "k").await;
+    clock.set(START_MS);
+    let second = FencingToken::random();
+    let claim = store.claim(claim_of("s", "k", 1, second)).await.unwrap();
+    assert_eq!(claim, Claim::Acquired { taken_over: true });
+    let again = store
+        .claim(claim_of("s", "k", 1, FencingToken::random()))
+        .await
+        .unwrap();
+    let Claim::Refused(Refusal::InFlight { lease_remaining }) = again else {
+        panic!("expected in flight, got {again:?}");
+    };
+    assert!(lease_remaining <= LEASE, "{lease_remaining:?}");
+    assert_eq!(
+        complete(&store, "k", first, b"first").await,
+        Completion::Fenced
+    );
+    assert_eq!(
+        complete(&store, "k", second, b"second").await,
+        Completion::Stored
+    );
 }

@@ -3,7 +3,7 @@
 //!
 //! * `transaction.rs`: [`PostgresTransaction`] and the
 //!   [`TransactionalStore`](crate::store::TransactionalStore) impl
-//!   (transactional mode).
+//!   (transactional mode); `transaction/hold.rs`: its max hold time.
 //! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
 
 use std::str::FromStr;
@@ -41,6 +41,10 @@ pub use transaction::{PostgresTransaction, TransactionClient};
 ///   key in flight until its lease ends; the retry then runs once. A rollback
 ///   (a response not stored, an error, a panic, a dropped request) also gives
 ///   the key back at once.
+/// * A transactional request holds its transaction (and a pooled
+///   connection) at most [`PostgresStoreBuilder::max_hold`] (default 30 s)
+///   or its lease, whichever is shorter; past it the store rolls it back and
+///   the request gets 503 (see [`PostgresTransaction`], "Max hold time").
 /// * Connections come from a deadpool pool (default 16); a connection that
 ///   cannot be had in time, or a server that cannot be reached, is
 ///   [`StoreError::Unavailable`]: the layer answers 503.
@@ -62,6 +66,10 @@ pub struct PostgresStore {
     pool: Pool,
     sql: Arc<Sql>,
     offset: Option<Arc<dyn Clock>>,
+    /// The longest a transactional request holds its transaction.
+    max_hold: Duration,
+    /// Transactions rolled back past their max hold time.
+    held_too_long: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -80,6 +88,7 @@ pub struct PostgresStoreBuilder {
     pool_size: usize,
     wait_timeout: Duration,
     offset: Option<Arc<dyn Clock>>,
+    max_hold: Duration,
 }
 
 /// The statements, with the table name in them.
@@ -184,7 +193,8 @@ impl PostgresStoreBuilder {
     }
 
     /// Connections kept (default 16). In transactional mode each request
-    /// holds one for its handler's whole run.
+    /// holds one for its handler's whole run, at most
+    /// [`PostgresStoreBuilder::max_hold`].
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size.max(1);
         self
@@ -194,6 +204,16 @@ impl PostgresStoreBuilder {
     /// [`StoreError::Unavailable`] (default 5 s).
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = timeout;
+        self
+    }
+
+    /// The longest a transactional request may hold its transaction (and
+    /// its pooled connection) open (default 30 s); the layer's lease caps it
+    /// further. Past it the transaction is rolled back, the key given back,
+    /// and the request answered 503 with `Retry-After`: see
+    /// [`PostgresTransaction`], "Max hold time".
+    pub fn max_hold(mut self, hold: Duration) -> Self {
+        self.max_hold = hold;
         self
     }
 
@@ -255,6 +275,8 @@ impl PostgresStoreBuilder {
             pool,
             sql: Arc::new(sql),
             offset: self.offset,
+            max_hold: self.max_hold,
+            held_too_long: Arc::default(),
         })
     }
 }
@@ -283,7 +305,7 @@ impl PostgresStore {
         Self::builder(url).open().await
     }
 
-    /// Options: table, pool size, wait timeout, test time offset.
+    /// Options: table, pool size, wait timeout, max hold time, test time offset.
     pub fn builder(url: &str) -> PostgresStoreBuilder {
         PostgresStoreBuilder {
             url: url.to_owned(),
@@ -291,7 +313,16 @@ impl PostgresStore {
             pool_size: 16,
             wait_timeout: Duration::from_secs(5),
             offset: None,
+            max_hold: Duration::from_secs(30),
         }
+    }
+
+    /// Transactional requests rolled back because they held their
+    /// transaction past their max hold time (see [`PostgresTransaction`],
+    /// "Max hold time"), since the store opened.
+    pub fn transactions_held_too_long(&self) -> u64 {
+        self.held_too_long
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The pool, for the application's own queries.
@@ -360,7 +391,7 @@ impl PostgresStore {
             lease_until: old_lease,
             expires_at: old_expiry,
         };
-        let taken_over = match decide(&existing, &req.fingerprint, now) {
+        let taken_over = match decide(&existing, &req.fingerprint, now, req.lease) {
             Decision::Replace { taken_over } => taken_over,
             Decision::Mismatch => return Ok(Refusal::Mismatch.into()),
             Decision::Replay => {

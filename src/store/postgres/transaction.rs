@@ -3,15 +3,18 @@
 //! [`TransactionalStore`] impl that claims, commits and rolls back.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use deadpool_postgres::Object;
 
 use super::{PostgresStore, unavailable};
 use crate::response::StoredResponse;
+use crate::store::duration_ms;
 use crate::store::{
     Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, TransactionClaim,
     TransactionalStore,
 };
+use hold::Fate;
 
 /// An open PostgreSQL transaction in which the layer has claimed the
 /// request's key. The handler runs its own statements on it through
@@ -21,6 +24,24 @@ use crate::store::{
 /// It reaches the handler as a request extension
 /// (`req.extensions().get::<PostgresTransaction>()`) and, with the `axum`
 /// feature, as an extractor.
+///
+/// # Max hold time
+///
+/// The transaction holds a pooled connection, and the row locks of the
+/// handler's writes, until the layer commits or rolls back. So it is held
+/// at most [`PostgresStoreBuilder::max_hold`](super::PostgresStoreBuilder::max_hold)
+/// (default 30 s) or the layer's lease, whichever is shorter (past its
+/// lease another request may take the key over anyway, and this commit
+/// would be fenced). Past that, the store cancels a statement still running
+/// on it, rolls it back, gives the key back and the connection to the pool;
+/// [`PostgresTransaction::closed`] resolves, the handler's later
+/// [`PostgresTransaction::client`] calls fail with
+/// [`StoreError::Unavailable`], and the layer answers the request 503 with
+/// `Retry-After` (or passes on a response its policy does not store). A
+/// handler that keeps a [`TransactionClient`] borrowed without running a
+/// statement delays that rollback until it lets go; as a backstop the
+/// transaction sets PostgreSQL's `idle_in_transaction_session_timeout` to
+/// the hold time plus 1 s, after which the server ends the session.
 ///
 /// # Example
 ///
@@ -39,6 +60,11 @@ use crate::store::{
 #[derive(Clone)]
 pub struct PostgresTransaction {
     connection: Arc<tokio::sync::Mutex<Option<TxConnection>>>,
+    /// Who ends it: the layer, or the max-hold timer.
+    fate: Arc<Fate>,
+    /// Its sender is dropped once the transaction has ended and its key is
+    /// given back (if it is to be).
+    ended: tokio::sync::watch::Receiver<()>,
 }
 
 /// A pooled connection inside an open transaction. Dropped before its
@@ -50,6 +76,10 @@ struct TxConnection {
     scope: String,
     key: String,
     token: FencingToken,
+    /// The max-hold timer, stopped when the transaction ends first.
+    timer: Option<tokio::task::AbortHandle>,
+    /// Dropped when the transaction has ended: `closed` resolves.
+    ended: Option<tokio::sync::watch::Sender<()>>,
 }
 
 impl TxConnection {
@@ -68,6 +98,9 @@ impl Drop for TxConnection {
     fn drop(&mut self) {
         if let Some(client) = self.client.take() {
             drop(Object::take(client));
+        }
+        if let Some(timer) = self.timer.take() {
+            timer.abort();
         }
     }
 }
@@ -98,20 +131,51 @@ fn transaction_over() -> StoreError {
     unavailable("the idempotency transaction has already been committed or rolled back")
 }
 
+mod hold;
+
+fn held_too_long(hold: Duration) -> StoreError {
+    unavailable(format!(
+        "the idempotency transaction was rolled back: it was held past its max hold time ({} ms)",
+        hold.as_millis()
+    ))
+}
+
 impl PostgresTransaction {
     /// The transaction's connection, for the handler's statements. Calls
     /// from clones of this handle take turns.
     ///
     /// # Errors
     ///
-    /// [`StoreError::Unavailable`] when the transaction has already ended.
+    /// [`StoreError::Unavailable`] when the transaction has already ended
+    /// (committed, rolled back, or rolled back past its max hold time).
     pub async fn client(&self) -> Result<TransactionClient<'_>, StoreError> {
         let guard = self.connection.lock().await;
+        if self.fate.expired() {
+            return Err(self.over());
+        }
         tokio::sync::MutexGuard::try_map(guard, |connection| {
             connection.as_mut().and_then(|c| c.client.as_mut())
         })
         .map(|guard| TransactionClient { guard })
-        .map_err(|_| transaction_over())
+        .map_err(|_| self.over())
+    }
+
+    /// Resolves once the transaction has ended: committed, rolled back, or
+    /// rolled back by the store past its max hold time (see "Max hold
+    /// time"; then the key has been given back too). A handler doing long
+    /// work can `select!` on it to stop early.
+    pub async fn closed(&self) {
+        let mut ended = self.ended.clone();
+        while ended.changed().await.is_ok() {}
+    }
+
+    /// The error of a call after the transaction ended.
+    fn over(&self) -> StoreError {
+        if self.fate.expired() {
+            held_too_long(self.fate.hold)
+        } else {
+            transaction_over()
+        }
     }
 
     async fn take(&self) -> Option<TxConnection> {
@@ -137,7 +201,7 @@ impl TransactionalStore for PostgresStore {
         &self,
         req: ClaimRequest,
     ) -> Result<TransactionClaim<PostgresTransaction>, StoreError> {
-        let (scope, key, token) = (req.scope.clone(), req.key.clone(), req.token);
+        let (scope, key, token, lease) = (req.scope.clone(), req.key.clone(), req.token, req.lease);
         // Phase one: the claim commits on its own, so that every other
         // server sees the key in flight, with its fingerprint and lease.
         // It runs in a task of its own: if this request is cancelled while
@@ -166,22 +230,38 @@ impl TransactionalStore for PostgresStore {
         let claim = ReleaseOnDrop::new(self.clone(), scope.clone(), key.clone(), token);
         // Phase two: the handler's writes and the completion, in one
         // transaction that commits only if the record still carries our token.
+        let (ended, watch) = tokio::sync::watch::channel(());
         let connection = TxConnection {
             client: Some(self.client().await?),
             scope,
             key,
             token,
+            timer: None,
+            ended: Some(ended),
         };
+        let hold = self.max_hold.min(lease);
+        let backstop_ms = duration_ms(hold).saturating_add(1_000);
         connection
             .client()?
-            .batch_execute("BEGIN")
+            .batch_execute(&format!(
+                "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {backstop_ms}"
+            ))
             .await
             .map_err(unavailable)?;
+        let cancel = connection.client()?.cancel_token();
+        let transaction = PostgresTransaction {
+            connection: Arc::new(tokio::sync::Mutex::new(Some(connection))),
+            fate: Arc::new(Fate::new(hold)),
+            ended: watch,
+        };
+        let timer = tokio::spawn(self.clone().end_past(transaction.clone(), cancel));
+        // Unless the timer has already ended it (a zero hold).
+        if let Some(connection) = transaction.connection.lock().await.as_mut() {
+            connection.timer = Some(timer.abort_handle());
+        }
         claim.disarm();
         Ok(TransactionClaim::Acquired {
-            transaction: PostgresTransaction {
-                connection: Arc::new(tokio::sync::Mutex::new(Some(connection))),
-            },
+            transaction,
             taken_over,
         })
     }
@@ -191,7 +271,15 @@ impl TransactionalStore for PostgresStore {
         transaction: &PostgresTransaction,
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
-        let connection = transaction.take().await.ok_or_else(transaction_over)?;
+        let mut connection = transaction.take().await.ok_or_else(|| transaction.over())?;
+        // `closed` resolves once the key is given back, if it is.
+        let ended = connection.ended.take();
+        if !transaction.fate.end() {
+            // The max hold time passed first: roll back, as its timer would.
+            self.roll_back_and_release(connection).await;
+            drop(ended);
+            return Err(transaction.over());
+        }
         // Cancelled from here on, the connection closes (its `Drop`): the
         // server rolls back, and the key waits for its lease.
         let blob = response.encode();
@@ -216,12 +304,10 @@ impl TransactionalStore for PostgresStore {
             Err(e) => Some(unavailable(e)),
         };
         if let Some(e) = failure {
-            roll_back(connection).await;
             // Nothing was committed: give the key back (token-checked, so a
             // request that took it over keeps it).
-            if let Err(release) = self.release(RecordId::new(scope, key), token).await {
-                tracing::error!(error = %release, "releasing a rolled-back key failed; it stays in flight until its lease ends");
-            }
+            self.roll_back_and_release(connection).await;
+            drop(ended);
             return Err(e);
         }
         match connection.client()?.batch_execute("COMMIT").await {
@@ -249,6 +335,20 @@ impl TransactionalStore for PostgresStore {
 }
 
 impl PostgresStore {
+    /// Rolls back (`roll_back`), then gives the key back (token-checked,
+    /// so a request that took it over keeps it).
+    async fn roll_back_and_release(&self, connection: TxConnection) {
+        let (scope, key, token) = (
+            connection.scope.clone(),
+            connection.key.clone(),
+            connection.token,
+        );
+        roll_back(connection).await;
+        if let Err(e) = self.release(RecordId::new(scope, key), token).await {
+            tracing::error!(error = %e, "releasing a rolled-back key failed; it stays in flight until its lease ends");
+        }
+    }
+
     /// Rolls the transaction back and gives the key back, in a task of its
     /// own. Without a runtime, dropping the connection closes it, which
     /// rolls the transaction back; the claim then waits for its lease.
@@ -259,14 +359,12 @@ impl PostgresStore {
         let (store, transaction) = (self.clone(), transaction.clone());
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => Some(handle.spawn(async move {
-                if let Some(connection) = transaction.take().await {
-                    let (scope, key, token) =
-                        (connection.scope.clone(), connection.key.clone(), connection.token);
-                    roll_back(connection).await;
+                if let Some(mut connection) = transaction.take().await {
+                    transaction.fate.end();
+                    let ended = connection.ended.take();
                     // Give the key back, so a retry runs at once.
-                    if let Err(e) = store.release(RecordId::new(scope, key), token).await {
-                        tracing::error!(error = %e, "releasing a rolled-back key failed; it stays in flight until its lease ends");
-                    }
+                    store.roll_back_and_release(connection).await;
+                    drop(ended);
                 }
             })),
             Err(_) => {

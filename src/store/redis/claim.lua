@@ -46,7 +46,9 @@ local lease_until = tonumber(r[3])
 if not lease_until then
   return {'corrupt', 'lease_until is missing or not a number'}
 end
-if lease_until > now then
+-- A deadline further ahead than this claim's lease (ARGV[4]) is one the
+-- clock stepped back from: the lease counts as over (decide.rs, lease_alive).
+if lease_until > now and lease_until - now <= tonumber(ARGV[4]) then
   return {'in_flight', lease_until - now}
 end
 return acquire(1)

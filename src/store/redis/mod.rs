@@ -127,7 +127,10 @@ fn script(body: &str) -> Script {
 /// record whose `expires_at` has passed before Redis removed it, and a
 /// [`super::spawn_purge_task`] is not needed. Lookups check `expires_at`
 /// themselves and never rely on the native expiry. (A test's
-/// [`RedisStoreBuilder::time_offset`] is added to the server's time.)
+/// [`RedisStoreBuilder::time_offset`] is added to the server's time.) If the
+/// server's clock steps back, a record whose `lease_until` is then further
+/// ahead than the claiming request's lease counts as over, as on every
+/// store (see [`ClaimRequest::lease`]).
 ///
 /// # Durability
 ///

@@ -8,7 +8,7 @@ use std::time::Duration;
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::TransactionBehavior;
 
-use super::{SqliteStore, blocking};
+use super::{Limits, SqliteStore, blocking};
 use crate::store::{Clock, StoreError, SystemClock, duration_ms};
 
 /// The schema version this crate writes, kept in `PRAGMA user_version`.
@@ -56,6 +56,8 @@ pub struct SqliteStoreBuilder {
     pool_size: u32,
     clock: Arc<dyn Clock>,
     group_commit: usize,
+    max_hold: Duration,
+    writer_queue: usize,
     on_connect: Option<ConnectHook>,
 }
 
@@ -96,6 +98,28 @@ impl SqliteStoreBuilder {
     /// request is waiting for the writer.
     pub fn group_commit(mut self, requests: usize) -> Self {
         self.group_commit = requests.max(1);
+        self
+    }
+
+    /// The longest a transactional request may hold the store's writer
+    /// (default 30 s); the layer's lease caps it further. Past it the
+    /// request's writes and claim are rolled back and it is answered 503
+    /// with `Retry-After`: see [`SqliteTransaction`](super::SqliteTransaction),
+    /// "Max hold time". While one request holds the writer, every other
+    /// write of the store waits (at most the busy timeout), so keep it short.
+    pub fn max_hold(mut self, hold: Duration) -> Self {
+        self.max_hold = hold;
+        self
+    }
+
+    /// At most this many jobs (claims, completions, releases, transactional
+    /// requests) wait for the writer (default 1024; at least 1). A claim
+    /// that finds the queue full fails at once with
+    /// [`StoreError::Unavailable`] (the layer answers 503 with
+    /// `Retry-After`) instead of waiting; a completion or release waits for
+    /// room, at most the busy timeout.
+    pub fn writer_queue(mut self, jobs: usize) -> Self {
+        self.writer_queue = jobs.max(1);
         self
     }
 
@@ -188,7 +212,11 @@ impl SqliteStoreBuilder {
             clock: self.clock,
             path: Arc::new(path),
             busy_timeout,
-            group_commit: self.group_commit,
+            limits: Limits {
+                batch: self.group_commit,
+                max_hold: self.max_hold,
+                queue: self.writer_queue,
+            },
             writer: Arc::new(std::sync::OnceLock::new()),
         })
     }
@@ -223,7 +251,7 @@ impl SqliteStore {
     }
 
     /// Options: busy timeout, `synchronous`, pool size, clock, group commit,
-    /// a hook run on each new connection.
+    /// max hold time, writer queue, a hook run on each new connection.
     pub fn builder(path: impl AsRef<Path>) -> SqliteStoreBuilder {
         SqliteStoreBuilder {
             path: path.as_ref().to_owned(),
@@ -232,6 +260,8 @@ impl SqliteStore {
             pool_size: 8,
             clock: Arc::new(SystemClock),
             group_commit: 32,
+            max_hold: Duration::from_secs(30),
+            writer_queue: 1024,
             on_connect: None,
         }
     }

@@ -119,7 +119,7 @@ pub(super) fn claim_in(
         return Err(rusqlite::Error::QueryReturnedNoRows);
     };
     let existing = record.existing();
-    let taken_over = match decide(&existing, &req.fingerprint, now) {
+    let taken_over = match decide(&existing, &req.fingerprint, now, req.lease) {
         Decision::Replace { taken_over } => taken_over,
         Decision::Mismatch => return Ok(Found::Refused(Refused::Mismatch)),
         Decision::Replay => {

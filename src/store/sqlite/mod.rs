@@ -31,7 +31,7 @@ use claim::{Refused, claim_in, complete_in, read_record};
 pub use transaction::SqliteTransaction;
 use transaction::{Command, transaction_over};
 pub use writer::GroupCommitStats;
-use writer::{ABANDONED, Begin, WAITING, Work, WriteJob, Writer};
+use writer::{ABANDONED, Begin, Limits, WAITING, Work, WriteJob, Writer};
 
 /// Records in one SQLite file, in WAL mode.
 ///
@@ -51,6 +51,13 @@ use writer::{ABANDONED, Begin, WAITING, Work, WriteJob, Writer};
 ///   at most the busy timeout (default 5 s); past it the call fails with
 ///   [`StoreError::Unavailable`], which the layer answers with 503. A write
 ///   whose caller gave up never runs.
+/// * The writer's queue is bounded
+///   ([`SqliteStoreBuilder::writer_queue`], default 1024 jobs): a claim that
+///   finds it full fails at once with [`StoreError::Unavailable`] (503 with
+///   `Retry-After`); a completion or release waits for room, at most the
+///   busy timeout. A transactional request holds the writer at most
+///   [`SqliteStoreBuilder::max_hold`] (default 30 s) or its lease, whichever
+///   is shorter (see [`SqliteTransaction`], "Max hold time").
 /// * The schema is created or migrated when the store opens.
 /// * Connections enforce foreign keys (`PRAGMA foreign_keys = ON`), which
 ///   matters for the handler's own tables in transactional mode.
@@ -76,7 +83,7 @@ pub struct SqliteStore {
     clock: Arc<dyn Clock>,
     path: Arc<PathBuf>,
     busy_timeout: Duration,
-    group_commit: usize,
+    limits: Limits,
     writer: Arc<std::sync::OnceLock<Writer>>,
 }
 
@@ -129,9 +136,11 @@ impl Store for SqliteStore {
         if let Some(refused) = self.committed_refusal(&req).await? {
             return Ok(Claim::Refused(refused));
         }
-        self.write(move |tx, clock| claim_in(tx, &req, clock.now_ms()))
-            .await?
-            .decode()
+        self.write_with(Admission::Refuse, move |tx, clock| {
+            claim_in(tx, &req, clock.now_ms())
+        })
+        .await?
+        .decode()
     }
 
     async fn complete(
@@ -177,21 +186,33 @@ impl SqliteStore {
         if let Some(writer) = self.writer.get() {
             return Ok(writer);
         }
-        let writer = Writer::start(self.pool.clone(), self.clock.clone(), self.group_commit)?;
+        let writer = Writer::start(self.pool.clone(), self.clock.clone(), self.limits)?;
         // Another thread may have won the race; its writer is used and this
         // one's thread ends when its queue is dropped here.
         Ok(self.writer.get_or_init(|| writer))
     }
 
-    /// Runs a short write in the writer's next batch and returns its result
-    /// once the batch has committed: the claims, completions and releases
-    /// of concurrent requests share one commit.
+    /// A write that finishes what a claim began (a completion, a release):
+    /// it waits for room in a full queue.
     async fn write<T, F>(&self, write: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&rusqlite::Transaction<'_>, &dyn Clock) -> rusqlite::Result<T> + Send + 'static,
     {
+        self.write_with(Admission::Wait, write).await
+    }
+
+    /// Runs a short write in the writer's next batch and returns its result
+    /// once the batch has committed: the claims, completions and releases
+    /// of concurrent requests share one commit. Queueing and the answer
+    /// together take at most the busy timeout.
+    async fn write_with<T, F>(&self, admission: Admission, write: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&rusqlite::Transaction<'_>, &dyn Clock) -> rusqlite::Result<T> + Send + 'static,
+    {
         use std::sync::atomic::Ordering::SeqCst;
+        let deadline = tokio::time::Instant::now() + self.busy_timeout;
         let (reply, mut answer) = tokio::sync::oneshot::channel();
         let state = Arc::new(std::sync::atomic::AtomicU8::new(WAITING));
         let job = WriteJob {
@@ -199,8 +220,12 @@ impl SqliteStore {
             reply,
             state: state.clone(),
         };
-        self.send(Work::Write(Box::new(job)))?;
-        match tokio::time::timeout(self.busy_timeout, &mut answer).await {
+        let work = Work::Write(Box::new(job));
+        match admission {
+            Admission::Refuse => self.send(work)?,
+            Admission::Wait => self.send_waiting(work, deadline).await?,
+        }
+        match tokio::time::timeout_at(deadline, &mut answer).await {
             Ok(answer) => answer.map_err(|_| transaction_over())?,
             Err(_) => match state.compare_exchange(WAITING, ABANDONED, SeqCst, SeqCst) {
                 Ok(_) => Err(self.busy()),
@@ -217,14 +242,56 @@ impl SqliteStore {
         ))
     }
 
-    /// Queues work for the writer.
+    /// Queues new work (a claim) for the writer, or fails at once when its
+    /// queue is full.
     fn send(&self, work: Work) -> Result<(), StoreError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        use tokio::sync::mpsc::error::TrySendError;
+        let writer = self.writer()?;
+        writer.counters.waiting.fetch_add(1, Relaxed);
+        writer.queue.try_send(work).map_err(|e| {
+            writer.counters.waiting.fetch_sub(1, Relaxed);
+            match e {
+                TrySendError::Full(_) => self.queue_full(),
+                TrySendError::Closed(_) => writer_stopped(),
+            }
+        })
+    }
+
+    /// Queues work that finishes a claim, waiting for room until `deadline`.
+    async fn send_waiting(
+        &self,
+        work: Work,
+        deadline: tokio::time::Instant,
+    ) -> Result<(), StoreError> {
         use std::sync::atomic::Ordering::Relaxed;
         let writer = self.writer()?;
         writer.counters.waiting.fetch_add(1, Relaxed);
-        writer.queue.send(work).map_err(|_| {
-            writer.counters.waiting.fetch_sub(1, Relaxed);
-            StoreError::unavailable("the SQLite writer thread has stopped")
+        let sent = tokio::time::timeout_at(deadline, writer.queue.send(work)).await;
+        let failed = match sent {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(_)) => writer_stopped(),
+            Err(_) => self.busy(),
+        };
+        writer.counters.waiting.fetch_sub(1, Relaxed);
+        Err(failed)
+    }
+
+    fn queue_full(&self) -> StoreError {
+        StoreError::unavailable(format!(
+            "the SQLite writer's queue is full ({} jobs wait); refused at once",
+            self.limits.queue
+        ))
+    }
+
+    /// Transactional requests the writer has rolled back because they held
+    /// it past their max hold time (see [`SqliteTransaction`], "Max hold
+    /// time"), since the store opened.
+    pub fn transactions_held_too_long(&self) -> u64 {
+        self.writer.get().map_or(0, |w| {
+            w.counters
+                .held_too_long
+                .load(std::sync::atomic::Ordering::Relaxed)
         })
     }
 
@@ -262,25 +329,47 @@ impl SqliteStore {
     /// What the committed record says, read without the write lock: a
     /// replay, a 422 or a 409 that needs no writer. `None`: the writer decides.
     async fn committed_refusal(&self, req: &ClaimRequest) -> Result<Option<Refusal>, StoreError> {
-        let (scope, key, fingerprint) = (req.scope.clone(), req.key.clone(), req.fingerprint);
+        let (scope, key, fingerprint, lease) = (
+            req.scope.clone(),
+            req.key.clone(),
+            req.fingerprint,
+            req.lease,
+        );
         let found = self
             .with_conn(move |conn, clock| {
                 let Some(record) = read_record(conn, &scope, &key)? else {
                     return Ok(None);
                 };
                 let existing = record.existing();
-                Ok(match decide(&existing, &fingerprint, clock.now_ms()) {
-                    Decision::Replace { .. } => None,
-                    Decision::Mismatch => Some(Refused::Mismatch),
-                    Decision::Replay => Some(Refused::Completed(
-                        record.response.clone().unwrap_or_default(),
-                    )),
-                    Decision::InFlight(lease_remaining) => Some(Refused::InFlight(lease_remaining)),
-                })
+                Ok(
+                    match decide(&existing, &fingerprint, clock.now_ms(), lease) {
+                        Decision::Replace { .. } => None,
+                        Decision::Mismatch => Some(Refused::Mismatch),
+                        Decision::Replay => Some(Refused::Completed(
+                            record.response.clone().unwrap_or_default(),
+                        )),
+                        Decision::InFlight(lease_remaining) => {
+                            Some(Refused::InFlight(lease_remaining))
+                        }
+                    },
+                )
             })
             .await?;
         found.map(Refused::decode).transpose()
     }
+}
+
+/// What a write does when the writer's queue is full.
+#[derive(Clone, Copy)]
+enum Admission {
+    /// New work (a claim): fail at once, so the layer answers 503.
+    Refuse,
+    /// Work that finishes a claim: wait for room, at most the busy timeout.
+    Wait,
+}
+
+fn writer_stopped() -> StoreError {
+    StoreError::unavailable("the SQLite writer thread has stopped")
 }
 
 impl TransactionalStore for SqliteStore {
@@ -310,8 +399,8 @@ impl TransactionalStore for SqliteStore {
         transaction
             .commands
             .send(Command::Commit { response, reply })
-            .map_err(|_| transaction_over())?;
-        answer.await.map_err(|_| transaction_over())?
+            .map_err(|_| transaction.over())?;
+        answer.await.map_err(|_| transaction.over())?
     }
 
     fn rollback(&self, transaction: &SqliteTransaction) {

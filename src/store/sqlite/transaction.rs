@@ -1,6 +1,8 @@
 //! [`SqliteTransaction`]: the handler's handle on its request's savepoint in
 //! the writer's transaction, and the commands it sends the writer.
 
+use std::time::Duration;
+
 use crate::store::{Completion, StoreError};
 
 /// An open SQLite transaction in which the layer has claimed the request's
@@ -30,7 +32,24 @@ use crate::store::{Completion, StoreError};
 /// panic, a dropped request) rolls back only its savepoint.
 ///
 /// Async worker threads never block on the transaction. A request waits for
-/// the writer at most the store's busy timeout, then gets 503.
+/// the writer at most the store's busy timeout, then gets 503; when
+/// [`SqliteStoreBuilder::writer_queue`](super::SqliteStoreBuilder::writer_queue)
+/// requests already wait, a new claim gets 503 at once.
+///
+/// # Max hold time
+///
+/// While a handler runs, its request holds the writer, and every other
+/// write of the store waits. So a request holds it at most
+/// [`SqliteStoreBuilder::max_hold`](super::SqliteStoreBuilder::max_hold)
+/// (default 30 s) or the layer's lease, whichever is shorter (a holder past
+/// its lease has lost its key by the contract of [`crate::store`]). Past
+/// that, the writer rolls the request's savepoint back (its SQL and its
+/// claim), [`SqliteTransaction::closed`] resolves, the handler's later
+/// [`SqliteTransaction::run`] calls fail with [`StoreError::Unavailable`],
+/// and the layer answers the request 503 with `Retry-After` (or passes on a
+/// response its policy does not store); a retry runs afresh. The time is
+/// checked between the handler's calls: one `run` closure is not
+/// interrupted.
 ///
 /// It reaches the handler as a request extension
 /// (`req.extensions().get::<SqliteTransaction>()`) and, with the `axum`
@@ -57,6 +76,17 @@ use crate::store::{Completion, StoreError};
 #[derive(Clone)]
 pub struct SqliteTransaction {
     pub(super) commands: std::sync::mpsc::Sender<Command>,
+    /// Why the transaction ended; its sender is dropped when it ends.
+    pub(super) ended: tokio::sync::watch::Receiver<Ended>,
+}
+
+/// How a transaction ended, as far as its handle can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ended {
+    /// Still open, or committed or rolled back by the layer.
+    Open,
+    /// Rolled back by the writer: it held the writer this long.
+    HeldTooLong(Duration),
 }
 
 impl std::fmt::Debug for SqliteTransaction {
@@ -80,6 +110,17 @@ pub(super) fn transaction_over() -> StoreError {
     StoreError::unavailable("the idempotency transaction has already been committed or rolled back")
 }
 
+/// The error of a call on a transaction that has ended.
+pub(super) fn ended(state: Ended) -> StoreError {
+    match state {
+        Ended::Open => transaction_over(),
+        Ended::HeldTooLong(hold) => StoreError::unavailable(format!(
+            "the idempotency transaction was rolled back: it held the SQLite writer past its max hold time ({} ms)",
+            hold.as_millis()
+        )),
+    }
+}
+
 impl SqliteTransaction {
     /// Runs `f` on the writer's thread and returns its result. `f` must not
     /// commit, roll back or end the transaction itself (the layer does);
@@ -88,7 +129,8 @@ impl SqliteTransaction {
     /// # Errors
     ///
     /// [`StoreError::Unavailable`] when the transaction has already ended
-    /// (committed, rolled back, or its thread died).
+    /// (committed, rolled back, rolled back past its max hold time, or its
+    /// thread died).
     pub async fn run<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         F: FnOnce(&rusqlite::Transaction<'_>) -> T + Send + 'static,
@@ -100,8 +142,22 @@ impl SqliteTransaction {
         });
         self.commands
             .send(Command::Run(job))
-            .map_err(|_| transaction_over())?;
-        answer.await.map_err(|_| transaction_over())
+            .map_err(|_| self.over())?;
+        answer.await.map_err(|_| self.over())
+    }
+
+    /// Resolves once the transaction has ended for this request: committed
+    /// into the writer's batch, rolled back, or rolled back by the writer
+    /// past its max hold time (see "Max hold time"). A handler doing long
+    /// work can `select!` on it to stop early.
+    pub async fn closed(&self) {
+        let mut ended = self.ended.clone();
+        while ended.changed().await.is_ok() {}
+    }
+
+    /// The error of a call after the transaction ended.
+    pub(super) fn over(&self) -> StoreError {
+        ended(*self.ended.borrow())
     }
 }
 

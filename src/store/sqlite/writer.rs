@@ -1,15 +1,17 @@
 //! The writer thread: one connection holding SQLite's write lock, fed by a
-//! bounded wait (the busy timeout) on its queue. It runs every write of a
-//! store, one savepoint per request, and commits them in batches (group
-//! commit, see [`SqliteTransaction`]).
+//! bounded queue (its capacity, and a wait of at most the busy timeout). It
+//! runs every write of a store, one savepoint per request, and commits them
+//! in batches (group commit, see [`SqliteTransaction`]). A transactional
+//! request holds it at most its max hold time.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::TransactionBehavior;
 
 use super::claim::{Found, Refused, claim_in, complete_in};
-use super::transaction::{Command, SqliteTransaction};
+use super::transaction::{Command, Ended, SqliteTransaction};
 use crate::store::{ClaimRequest, Clock, Completion, StoreError, TransactionClaim};
 
 /// How many transactional requests the writer has committed, and in how many
@@ -143,7 +145,8 @@ fn batch_failed(why: &str) -> StoreError {
 
 /// The writer's side of a store: its queue, and what it reports.
 pub(super) struct Writer {
-    pub(super) queue: std::sync::mpsc::Sender<Work>,
+    /// Bounded: at most the builder's `writer_queue` jobs wait in it.
+    pub(super) queue: tokio::sync::mpsc::Sender<Work>,
     pub(super) counters: Arc<WriterCounters>,
 }
 
@@ -152,20 +155,32 @@ pub(super) struct WriterCounters {
     pub(super) waiting: std::sync::atomic::AtomicUsize,
     pub(super) commits: std::sync::atomic::AtomicU64,
     pub(super) requests: std::sync::atomic::AtomicU64,
+    /// Transactional requests rolled back for holding the writer past their
+    /// max hold time.
+    pub(super) held_too_long: std::sync::atomic::AtomicU64,
+}
+
+/// How the writer runs: its batch size, and how long one transactional
+/// request may hold it.
+#[derive(Clone, Copy)]
+pub(super) struct Limits {
+    pub(super) batch: usize,
+    pub(super) max_hold: Duration,
+    pub(super) queue: usize,
 }
 
 impl Writer {
     pub(super) fn start(
         pool: r2d2::Pool<SqliteConnectionManager>,
         clock: Arc<dyn Clock>,
-        batch: usize,
+        limits: Limits,
     ) -> Result<Writer, StoreError> {
-        let (queue, inbox) = std::sync::mpsc::channel();
+        let (queue, mut inbox) = tokio::sync::mpsc::channel(limits.queue.max(1));
         let counters = Arc::new(WriterCounters::default());
         let report = counters.clone();
         std::thread::Builder::new()
             .name("tower-idempotency-sqlite-writer".into())
-            .spawn(move || write_batches(&pool, &*clock, &inbox, batch, &report))
+            .spawn(move || write_batches(&pool, &*clock, &mut inbox, limits, &report))
             .map_err(StoreError::unavailable)?;
         Ok(Writer { queue, counters })
     }
@@ -186,15 +201,15 @@ enum Deferred {
 fn write_batches(
     pool: &r2d2::Pool<SqliteConnectionManager>,
     clock: &dyn Clock,
-    inbox: &std::sync::mpsc::Receiver<Work>,
-    batch: usize,
+    inbox: &mut tokio::sync::mpsc::Receiver<Work>,
+    limits: Limits,
     counters: &WriterCounters,
 ) {
     use std::sync::atomic::Ordering::Relaxed;
     // The next request whose caller still waits.
-    let next = |wait: bool| loop {
+    let mut next = |wait: bool| loop {
         let work = if wait {
-            inbox.recv().ok()?
+            inbox.blocking_recv()?
         } else {
             inbox.try_recv().ok()?
         };
@@ -223,7 +238,9 @@ fn write_batches(
         let mut members = 0;
         while let Some(item) = work.take() {
             match item {
-                Work::Request(begin) => serve_request(&tx, clock, begin, &mut deferred),
+                Work::Request(begin) => {
+                    serve_request(&tx, clock, begin, limits.max_hold, &mut deferred, counters);
+                }
                 Work::Write(write) => {
                     if let Some(answer) = write.run(&tx, clock) {
                         deferred.push(Deferred::Write(answer));
@@ -233,7 +250,7 @@ fn write_batches(
             members += 1;
             // SQLite itself rolls the whole transaction back on some errors
             // (a full disk, an I/O error): the batch is over.
-            if tx.is_autocommit() || members >= batch {
+            if tx.is_autocommit() || members >= limits.batch {
                 break;
             }
             work = next(false);
@@ -290,13 +307,19 @@ fn roll_back_request(tx: &rusqlite::Transaction<'_>) {
 }
 
 /// One request inside the writer's transaction: its claim, then its
-/// handler's jobs until the layer commits or rolls back.
+/// handler's jobs until the layer commits or rolls back, or until it has
+/// held the writer for `max_hold` or its lease, whichever is shorter: then
+/// its savepoint is rolled back, and its later SQL and its commit fail.
 fn serve_request(
     tx: &rusqlite::Transaction<'_>,
     clock: &dyn Clock,
     Begin { req, reply }: Begin,
+    max_hold: Duration,
     deferred: &mut Vec<Deferred>,
+    counters: &WriterCounters,
 ) {
+    let hold = max_hold.min(req.lease);
+    let deadline = Instant::now().checked_add(hold);
     if let Err(e) = tx.execute_batch(SAVEPOINT) {
         let _ = reply.send(Err(StoreError::unavailable(e)));
         return;
@@ -327,7 +350,12 @@ fn serve_request(
         }
     };
     let (commands, inbox) = std::sync::mpsc::channel();
-    let transaction = SqliteTransaction { commands };
+    // Dropped when this function returns: the handle's `closed` resolves.
+    let (ended, watch) = tokio::sync::watch::channel(Ended::Open);
+    let transaction = SqliteTransaction {
+        commands,
+        ended: watch,
+    };
     let acquired = TransactionClaim::Acquired {
         transaction,
         taken_over,
@@ -338,7 +366,30 @@ fn serve_request(
         return;
     }
     // Every handle gone without a commit: roll back.
-    while let Ok(command) = inbox.recv() {
+    loop {
+        let command = match deadline {
+            Some(deadline) => {
+                inbox.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            }
+            None => inbox
+                .recv()
+                .map_err(|_| std::sync::mpsc::RecvTimeoutError::Disconnected),
+        };
+        let command = match command {
+            Ok(command) => command,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                counters
+                    .held_too_long
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(
+                    max_hold_ms = hold.as_millis() as u64,
+                    "an idempotency transaction held the SQLite writer past its max hold time; rolled back"
+                );
+                ended.send_replace(Ended::HeldTooLong(hold));
+                break;
+            }
+        };
         match command {
             Command::Run(job) => job(tx),
             Command::Commit { response, reply } => {
