@@ -250,7 +250,14 @@ where
     ResBody::Error: Send,
 {
     let (parts, body) = req.into_parts();
-    let scope = config.scope.scope(&parts);
+    // No principal: 401 before the body is read or the store is touched.
+    let Some(scope) = config.scope.scope(&parts) else {
+        return Ok(reject(
+            &config.settings,
+            Outcome::Rejected,
+            Rejection::Unauthenticated,
+        ));
+    };
     let span = telemetry::request_span(&scope, &key);
     async move {
         let settings = &config.settings;

@@ -1,0 +1,309 @@
+//! What handlers and their apps get from the layer: scopes that refuse, and
+//! the order of the layer against authentication.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{HeaderName, StatusCode, request::Parts};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::post;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use tower_idempotency::store::{Inspect, MemoryStore, RecordCounts};
+use tower_idempotency::{IdempotencyLayer, scope};
+
+/// The principal the authentication middleware inserts.
+#[derive(Clone)]
+struct User(String);
+
+impl fmt::Display for User {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// `Authorization: Bearer <name>` becomes the principal `User(name)`;
+/// anything else is answered 401 by the middleware itself.
+async fn authenticate(mut request: Request, next: Next) -> Response {
+    let user = request
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer "))
+        .map(|name| User(name.to_owned()));
+    match user {
+        Some(user) => {
+            request.extensions_mut().insert(user);
+            next.run(request).await
+        }
+        None => {
+            let mut response = Response::new(Body::from("who are you?"));
+            *response.status_mut() = StatusCode::UNAUTHORIZED;
+            response
+        }
+    }
+}
+
+/// A handler that counts its runs and answers with its caller's secret.
+fn statement(runs: Arc<AtomicUsize>) -> Router {
+    Router::new().route(
+        "/statements",
+        post(move |request: Request| async move {
+            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            let user = request
+                .extensions()
+                .get::<User>()
+                .map_or("nobody".to_owned(), |u| u.0.clone());
+            (StatusCode::CREATED, format!("run {n}: {user}'s balance"))
+        }),
+    )
+}
+
+fn post_as(user: &str, key: &str) -> Request {
+    Request::post("/statements")
+        .header("authorization", format!("Bearer {user}"))
+        .header("idempotency-key", key)
+        .body(Body::from("month=11"))
+        .unwrap()
+}
+
+async fn call(app: &Router, request: Request) -> (StatusCode, Option<String>, Bytes) {
+    let response = app.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let replayed = response
+        .headers()
+        .get("idempotent-replayed")
+        .map(|v| v.to_str().unwrap().to_owned());
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, replayed, body)
+}
+
+const UNAUTHENTICATED: &str = concat!(
+    r#"{"type":"https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/#unauthenticated","#,
+    r#""title":"Authentication required","status":401,"#,
+    r#""detail":"this request has an idempotency key but no authenticated principal to scope it to; the request was not processed"}"#
+);
+
+fn nothing_recorded() -> RecordCounts {
+    RecordCounts::default()
+}
+
+/// A request body that records whether anyone read it.
+struct Watched(Arc<AtomicUsize>);
+
+impl http_body::Body for Watched {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Poll::Ready(None)
+    }
+}
+
+#[tokio::test]
+async fn a_request_without_a_principal_gets_401_before_its_body_or_the_store() {
+    let store = MemoryStore::new();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = statement(runs.clone()).route_layer(IdempotencyLayer::new(
+        store.clone(),
+        scope::extension::<User>(),
+    ));
+    let reads = Arc::new(AtomicUsize::new(0));
+    let request = Request::post("/statements")
+        .header("idempotency-key", "k-1")
+        .body(Body::new(Watched(reads.clone())))
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json"
+    );
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, UNAUTHENTICATED);
+    assert_eq!(reads.load(Ordering::SeqCst), 0, "the body was not read");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(store.counts().await.unwrap(), nothing_recorded());
+}
+
+#[tokio::test]
+async fn a_header_scope_refuses_a_request_without_the_header() {
+    let store = MemoryStore::new();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(
+        store.clone(),
+        scope::header(HeaderName::from_static("x-user-id")),
+    );
+    let app = statement(runs.clone()).route_layer(layer);
+    let (status, _, body) = call(&app, post_as("alice", "k-1")).await;
+    assert_eq!(
+        (status, &body[..]),
+        (StatusCode::UNAUTHORIZED, UNAUTHENTICATED.as_bytes())
+    );
+    let mut with_header = post_as("alice", "k-1");
+    with_header
+        .headers_mut()
+        .insert("x-user-id", "alice".parse().unwrap());
+    let (status, replayed, body) = call(&app, with_header).await;
+    assert_eq!(
+        (status, replayed, &body[..]),
+        (StatusCode::CREATED, None, &b"run 1: nobody's balance"[..])
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn on_rejection_can_add_www_authenticate_to_the_401() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(MemoryStore::new(), scope::extension::<User>()).on_rejection(
+        |rejection| {
+            let mut response = rejection.to_problem();
+            if rejection.status() == StatusCode::UNAUTHORIZED {
+                response
+                    .headers_mut()
+                    .insert("www-authenticate", "Bearer".parse().unwrap());
+            }
+            response
+        },
+    );
+    let app = statement(runs.clone()).route_layer(layer);
+    let request = Request::post("/statements")
+        .header("idempotency-key", "k-1")
+        .body(Body::empty())
+        .unwrap();
+    let response = app.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(response.headers()["www-authenticate"], "Bearer");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn scope_from_fn_needs_no_annotation() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(
+        MemoryStore::new(),
+        scope::from_fn(|parts| {
+            parts
+                .extensions
+                .get::<User>()
+                .map(|u| format!("user:{}", u.0))
+        }),
+    );
+    let app = statement(runs.clone())
+        .route_layer(layer)
+        .route_layer(middleware::from_fn(authenticate));
+    assert_eq!(
+        call(&app, post_as("alice", "k-1")).await.0,
+        StatusCode::CREATED
+    );
+    let (status, replayed, body) = call(&app, post_as("alice", "k-1")).await;
+    assert_eq!(
+        (status, replayed.as_deref(), &body[..]),
+        (
+            StatusCode::CREATED,
+            Some("true"),
+            &b"run 1: alice's balance"[..]
+        )
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// The right order: idempotency added first (inner), authentication after
+/// it (outer, runs first). Each user's key space is their own.
+#[tokio::test]
+async fn inside_authentication_each_principal_has_its_own_keys() {
+    let store = MemoryStore::new();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = statement(runs.clone())
+        .route_layer(IdempotencyLayer::new(
+            store.clone(),
+            scope::extension::<User>(),
+        ))
+        .route_layer(middleware::from_fn(authenticate));
+    let alice = call(&app, post_as("alice", "k-1")).await;
+    assert_eq!(
+        (alice.0, alice.1, &alice.2[..]),
+        (StatusCode::CREATED, None, &b"run 1: alice's balance"[..])
+    );
+    let again = call(&app, post_as("alice", "k-1")).await;
+    assert_eq!(
+        (again.0, again.1.as_deref(), &again.2[..]),
+        (
+            StatusCode::CREATED,
+            Some("true"),
+            &b"run 1: alice's balance"[..]
+        )
+    );
+    let bob = call(&app, post_as("bob", "k-1")).await;
+    assert_eq!(
+        (bob.0, bob.1, &bob.2[..]),
+        (StatusCode::CREATED, None, &b"run 2: bob's balance"[..])
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert_eq!(store.counts().await.unwrap().completed, 2);
+}
+
+/// The wrong order: authentication added first (inner), so it runs AFTER
+/// the idempotency layer, whose scope then never sees a principal. Every
+/// request with a key gets 401; nothing runs, nothing is stored, and bob
+/// can never receive alice's response.
+#[tokio::test]
+async fn outside_authentication_the_layer_refuses_and_cannot_leak() {
+    let store = MemoryStore::new();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = statement(runs.clone())
+        .route_layer(middleware::from_fn(authenticate))
+        .route_layer(IdempotencyLayer::new(
+            store.clone(),
+            scope::extension::<User>(),
+        ));
+    for user in ["alice", "bob", "alice"] {
+        let (status, replayed, body) = call(&app, post_as(user, "k-1")).await;
+        assert_eq!(
+            (status, replayed, &body[..]),
+            (StatusCode::UNAUTHORIZED, None, UNAUTHENTICATED.as_bytes()),
+            "{user}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(store.counts().await.unwrap(), nothing_recorded());
+}
+
+/// Why a scope must refuse rather than fall back: the same wrong order with
+/// a scope that falls back to a shared value replays alice's response to bob.
+#[tokio::test]
+async fn a_fallback_scope_in_the_wrong_order_leaks_which_is_why_scopes_refuse() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let fallback = |parts: &Parts| {
+        parts
+            .extensions
+            .get::<User>()
+            .map_or_else(|| "anonymous".to_owned(), |u| u.0.clone())
+    };
+    let app = statement(runs.clone())
+        .route_layer(middleware::from_fn(authenticate))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new(), fallback));
+    let alice = call(&app, post_as("alice", "k-1")).await;
+    let bob = call(&app, post_as("bob", "k-1")).await;
+    assert_eq!(&alice.2[..], b"run 1: alice's balance");
+    assert_eq!(
+        (bob.0, bob.1.as_deref(), &bob.2[..]),
+        (
+            StatusCode::CREATED,
+            Some("true"),
+            &b"run 1: alice's balance"[..]
+        ),
+        "bob got alice's response"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
