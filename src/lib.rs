@@ -105,6 +105,8 @@ mod body;
 #[cfg(feature = "client")]
 pub mod client;
 mod config;
+#[cfg(feature = "axum")]
+mod extract;
 mod fencing;
 pub mod fingerprint;
 pub mod key;

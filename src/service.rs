@@ -31,7 +31,7 @@ use tracing::Instrument;
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::{Config, Settings};
 use crate::fingerprint::Fingerprinter;
-use crate::key::parse_key;
+use crate::key::{ClaimedKey, parse_key};
 use crate::mode::{Hold, Mode, Separate};
 use crate::policy::StorePolicy;
 use crate::problem::Rejection;
@@ -249,7 +249,7 @@ where
     ResBody: Body + Send + 'static,
     ResBody::Error: Send,
 {
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     // No principal: 401 before the body is read or the store is touched.
     let Some(scope) = config.scope.scope(&parts) else {
         return Ok(reject(
@@ -272,6 +272,9 @@ where
                 return Ok(reject(settings, Outcome::Rejected, rejection));
             }
         };
+        parts
+            .extensions
+            .insert(ClaimedKey::new(key.clone(), scope.clone()));
         let claim = ClaimRequest {
             scope,
             key,

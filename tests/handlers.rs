@@ -1,5 +1,5 @@
 //! What handlers and their apps get from the layer: scopes that refuse, and
-//! the order of the layer against authentication.
+//! the order of the layer against authentication, the claimed key.
 
 use std::fmt;
 use std::sync::Arc;
@@ -16,6 +16,7 @@ use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use tower::ServiceExt;
+use tower_idempotency::key::ClaimedKey;
 use tower_idempotency::store::{Inspect, MemoryStore, RecordCounts};
 use tower_idempotency::{IdempotencyLayer, scope};
 
@@ -306,4 +307,67 @@ async fn a_fallback_scope_in_the_wrong_order_leaks_which_is_why_scopes_refuse() 
         "bob got alice's response"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Answers with the key and scope the layer claimed, as the handler sees them.
+async fn forward(claimed: ClaimedKey) -> String {
+    format!("scope={} key={}", claimed.scope(), claimed.key())
+}
+
+async fn forward_if_any(claimed: Option<ClaimedKey>) -> String {
+    claimed.map_or_else(|| "no key".to_owned(), |c| format!("key={}", c.key()))
+}
+
+#[tokio::test]
+async fn the_handler_sees_the_claimed_key_and_scope() {
+    let app = Router::new()
+        .route("/charges", post(forward))
+        .route("/optional", post(forward_if_any))
+        .route_layer(IdempotencyLayer::new(
+            MemoryStore::new(),
+            scope::extension::<User>(),
+        ))
+        .route_layer(middleware::from_fn(authenticate));
+    let request = |path: &str, key: Option<&str>| {
+        let mut request = Request::post(path).header("authorization", "Bearer alice");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        request.body(Body::empty()).unwrap()
+    };
+    // The quoted (RFC 8941) form: the handler gets the key unquoted and unescaped.
+    let (status, _, body) = call(&app, request("/charges", Some(r#""order \"17\"""#))).await;
+    assert_eq!(
+        (status, &body[..]),
+        (StatusCode::OK, &br#"scope=alice key=order "17""#[..])
+    );
+    let (status, _, body) = call(&app, request("/optional", Some("ord-18"))).await;
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"key=ord-18"[..]));
+    let (status, _, body) = call(&app, request("/optional", None)).await;
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"no key"[..]));
+}
+
+#[tokio::test]
+async fn a_claimed_key_extractor_without_a_key_is_a_500_problem() {
+    let app = Router::new()
+        .route("/charges", post(forward))
+        .route_layer(IdempotencyLayer::new(
+            MemoryStore::new(),
+            scope::GlobalScope,
+        ));
+    let request = Request::post("/charges").body(Body::empty()).unwrap();
+    let response = app.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json"
+    );
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(
+        body,
+        concat!(
+            r#"{"type":"about:blank","title":"Internal Server Error","status":500,"#,
+            r#""detail":"this handler needs the request's idempotency key, and the request has none: put the route behind an IdempotencyLayer with require_key(true), or take Option<ClaimedKey>"}"#
+        )
+    );
 }
