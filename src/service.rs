@@ -33,7 +33,7 @@ use crate::config::{Config, Settings};
 use crate::fingerprint::Fingerprinter;
 use crate::key::{ClaimedKey, parse_key};
 use crate::mode::{Hold, Mode, Separate};
-use crate::policy::StorePolicy;
+use crate::policy::{DoNotStore, StorePolicy};
 use crate::problem::Rejection;
 use crate::record::store_response;
 use crate::response::{StoredBody, StoredResponse};
@@ -415,9 +415,11 @@ where
             return Err(e);
         }
     };
-    if !config
-        .policy
-        .should_store(response.status(), response.headers())
+    // The handler's `DoNotStore` ("nothing happened") overrides the policy.
+    if response.extensions().get::<DoNotStore>().is_some()
+        || !config
+            .policy
+            .should_store(response.status(), response.headers())
     {
         release(hold).await;
         let (mut parts, body) = response.into_parts();
