@@ -131,7 +131,6 @@ async fn a_marked_refusal_rolls_the_transaction_back() {
         let written = body.clone();
         tx.run(move |t| t.execute("INSERT INTO attempts (body) VALUES (?1)", [written]))
             .await
-            .unwrap()
             .unwrap();
         answer(&runs, &body, true)
     };

@@ -1,5 +1,6 @@
 //! What handlers and their apps get from the layer: scopes that refuse, and
-//! the order of the layer against authentication, the claimed key.
+//! the order of the layer against authentication, the claimed key, errors
+//! that answer as problems.
 
 use std::fmt;
 use std::sync::Arc;
@@ -8,16 +9,19 @@ use std::task::{Context, Poll};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::Request;
-use axum::http::{HeaderName, StatusCode, request::Parts};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, StatusCode, request::Parts};
 use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use tower::ServiceExt;
+use tower_idempotency::StoreError;
 use tower_idempotency::key::ClaimedKey;
-use tower_idempotency::store::{Inspect, MemoryStore, RecordCounts};
+use tower_idempotency::store::{
+    Inspect, MemoryStore, RecordCounts, SqliteStore, SqliteTransaction, TransactionError,
+};
 use tower_idempotency::{IdempotencyLayer, scope};
 
 /// The principal the authentication middleware inserts.
@@ -370,4 +374,140 @@ async fn a_claimed_key_extractor_without_a_key_is_a_500_problem() {
             r#""detail":"this handler needs the request's idempotency key, and the request has none: put the route behind an IdempotencyLayer with require_key(true), or take Option<ClaimedKey>"}"#
         )
     );
+}
+
+#[tokio::test]
+async fn a_store_error_answers_as_the_layers_problem() {
+    let problem = |e: StoreError| async move {
+        let response = e.into_response();
+        let status = response.status();
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json"
+        );
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (
+            status.as_u16(),
+            retry_after,
+            String::from_utf8(body.to_vec()).unwrap(),
+        )
+    };
+    assert_eq!(
+        problem(StoreError::unavailable("locked")).await,
+        (503, Some("1".into()), STORE_UNAVAILABLE.into())
+    );
+    assert_eq!(
+        problem(StoreError::config("bad table name")).await,
+        (
+            500,
+            None,
+            concat!(
+                r#"{"type":"https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/#store-misconfigured","#,
+                r#""title":"Idempotency store misconfigured","status":500,"#,
+                r#""detail":"the idempotency store is misconfigured; the request was not processed"}"#
+            )
+            .into()
+        )
+    );
+    let full = StoreError::Full {
+        capacity: 3,
+        retry_after: std::time::Duration::from_secs(4),
+    };
+    assert_eq!(
+        problem(full).await,
+        (
+            503,
+            Some("4".into()),
+            concat!(
+                r#"{"type":"https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/#store-full","#,
+                r#""title":"Idempotency store full","status":503,"#,
+                r#""detail":"the idempotency store has no room for a new key; the request was not processed; retry in 4 s"}"#
+            )
+            .into()
+        )
+    );
+}
+
+const STORE_UNAVAILABLE: &str = concat!(
+    r#"{"type":"https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/#store-unavailable","#,
+    r#""title":"Idempotency store unavailable","status":503,"#,
+    r#""detail":"the idempotency store could not be reached; the request was not processed"}"#
+);
+
+/// A transactional handler that uses `?` on `run`: `x-bad-sql` makes its
+/// statement fail.
+async fn credit(
+    State(runs): State<Arc<AtomicUsize>>,
+    tx: SqliteTransaction,
+    headers: HeaderMap,
+) -> Result<String, TransactionError> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    let table = if headers.contains_key("x-bad-sql") {
+        "no_such_table"
+    } else {
+        "accounts"
+    };
+    let balance: i64 = tx
+        .run(move |t| {
+            t.execute(
+                &format!("UPDATE {table} SET balance = balance + 5 WHERE id = 1"),
+                [],
+            )?;
+            t.query_row("SELECT balance FROM accounts WHERE id = 1", [], |r| {
+                r.get(0)
+            })
+        })
+        .await?;
+    Ok(format!("balance {balance}"))
+}
+
+#[tokio::test]
+async fn a_failed_statement_is_a_500_problem_and_gives_the_key_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bank.sqlite3");
+    let store = SqliteStore::open(&path).await.unwrap();
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute_batch(
+            "CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL);
+             INSERT INTO accounts VALUES (1, 100);",
+        )
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route("/credits", post(credit))
+        .route_layer(IdempotencyLayer::new(store, scope::GlobalScope).transactional())
+        .with_state(runs.clone());
+    let request = |bad: bool| {
+        let mut request = Request::post("/credits").header("idempotency-key", "k-1");
+        if bad {
+            request = request.header("x-bad-sql", "1");
+        }
+        request.body(Body::empty()).unwrap()
+    };
+    let (status, replayed, body) = call(&app, request(true)).await;
+    assert_eq!(
+        (status, replayed, &body[..]),
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            &br#"{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"a database statement failed while this request was processed"}"#[..]
+        )
+    );
+    // The 500 was not stored: the same key runs again.
+    let (status, replayed, body) = call(&app, request(false)).await;
+    assert_eq!(
+        (status, replayed, &body[..]),
+        (StatusCode::OK, None, &b"balance 105"[..])
+    );
+    let (status, replayed, body) = call(&app, request(false)).await;
+    assert_eq!(
+        (status, replayed.as_deref(), &body[..]),
+        (StatusCode::OK, Some("true"), &b"balance 105"[..])
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
