@@ -244,7 +244,7 @@ impl Rejection {
                 "the first request with this idempotency key has not finished; retry in {retry_after_secs} s"
             ),
             Rejection::StoreUnavailable { .. } => {
-                "the idempotency store could not be reached; the request was not processed".into()
+                "the idempotency store is busy or unreachable and did not answer in time; the request was not processed; retry with the same key".into()
             }
             Rejection::ResponseNotStored => {
                 "the request with this idempotency key completed, but its response was too large to keep for replay; it will not be run again".into()

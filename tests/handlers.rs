@@ -435,7 +435,7 @@ async fn a_store_error_answers_as_the_layers_problem() {
 const STORE_UNAVAILABLE: &str = concat!(
     r#"{"type":"https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/#store-unavailable","#,
     r#""title":"Idempotency store unavailable","status":503,"#,
-    r#""detail":"the idempotency store could not be reached; the request was not processed"}"#
+    r#""detail":"the idempotency store is busy or unreachable and did not answer in time; the request was not processed; retry with the same key"}"#
 );
 
 /// A transactional handler that uses `?` on `run`: `x-bad-sql` makes its
