@@ -66,6 +66,9 @@
 //! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
 //!   [`problem`]: one rule each.
 //! * [`telemetry`]: the tracing span and the metrics (feature `metrics`).
+//! * `extract.rs` (feature `axum`): [`StoreError`] as a response, and the
+//!   logged 500 answer of an extractor ([`key::ClaimedKey`], the stores'
+//!   transactions) on a route configured without what it needs.
 //! * `admin` (feature `admin`): an axum router for operators over a store's
 //!   [`store::Inspect`]: stuck records, counts, purge.
 //! * `test_util/` (feature `test-util`): the store contract as a test suite
