@@ -121,6 +121,10 @@
 //! retryable code; `DATA_LOSS` would suggest corruption, `NOT_FOUND` that the
 //! key is unknown.
 //!
+//! **No principal: `UNAUTHENTICATED`.** The scope found no caller in the
+//! request (see `tower_idempotency::scope`): the call did not run; the client
+//! authenticates and calls again with the same key.
+//!
 //! # Which answers are stored: [`GrpcStorePolicy`]
 //!
 //! gRPC answers errors with HTTP 200: `DefaultStorePolicy`, which looks at the
@@ -373,6 +377,7 @@ pub fn grpc_rejection(rejection: &Rejection) -> http::Response<Bytes> {
         | Rejection::StoreUnavailable { retry_after_secs }
         | Rejection::StoreFull { retry_after_secs } => (Code::Unavailable, Some(*retry_after_secs)),
         Rejection::ResponseNotStored => (Code::AlreadyExists, None),
+        Rejection::Unauthenticated => (Code::Unauthenticated, None),
         // `Rejection` is non-exhaustive: a variant added later is a failure
         // of unknown kind until it is mapped here.
         _ => (Code::Unknown, None),

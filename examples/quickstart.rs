@@ -1,12 +1,19 @@
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use axum::http::{StatusCode, request::Parts};
+use axum::http::StatusCode;
 use axum::{Router, extract::Request, middleware::Next, response::Response, routing::post};
-use tower_idempotency::{IdempotencyLayer, SqliteStore};
+use tower_idempotency::{IdempotencyLayer, SqliteStore, scope};
 
-/// The caller, as your authentication established it.
+/// The caller, as your authentication established it; its `Display` is the scope.
 #[derive(Clone)]
 struct Caller(String);
+
+impl fmt::Display for Caller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "user:{}", self.0)
+    }
+}
 
 /// A stand-in for real authentication: trusts `x-user-id` and refuses a request
 /// without it (401), so no request reaches the layer without a caller.
@@ -20,24 +27,14 @@ async fn authenticate(mut request: Request, next: Next) -> Result<Response, Stat
     Ok(next.run(request).await)
 }
 
-/// The scope: keys belong to the authenticated caller, never to a shared value.
-fn caller_scope(parts: &Parts) -> String {
-    match parts.extensions.get::<Caller>() {
-        Some(Caller(id)) => format!("user:{id}"),
-        // Not reached behind `authenticate`; were it, a scope of its own that no
-        // other request shares, so it could replay nothing.
-        None => format!(
-            "none:{:016x}",
-            tower_idempotency::store::FencingToken::random().0
-        ),
-    }
-}
-
 static ORDERS: AtomicU64 = AtomicU64::new(0);
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let store = SqliteStore::open("quickstart.sqlite3").await?;
+    // Keys belong to the authenticated caller; a request with a key and no
+    // `Caller` would get 401, never a shared scope.
+    let idempotency = IdempotencyLayer::new(store, scope::extension::<Caller>()).require_key(true);
     let app = Router::new()
         .route(
             "/orders",
@@ -46,8 +43,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 (StatusCode::CREATED, format!("order {n}\n"))
             }),
         )
-        .route_layer(IdempotencyLayer::new(store, caller_scope).require_key(true))
-        .route_layer(axum::middleware::from_fn(authenticate)); // outside: runs first
+        .route_layer(idempotency) // added first: inside, runs second
+        .route_layer(axum::middleware::from_fn(authenticate)); // added last: outside, runs first
     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
     println!("listening on http://127.0.0.1:3000");
     axum::serve(listener, app).await?;

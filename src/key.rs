@@ -187,6 +187,77 @@ fn parse_bare(value: &[u8]) -> Result<String, KeyError> {
     String::from_utf8(value.to_vec()).map_err(|_| KeyError::NotPrintableAscii)
 }
 
+/// The idempotency key of the request the handler is serving, and the scope
+/// it belongs to: what the layer claimed. The layer inserts it into the
+/// request's extensions before the inner service runs, so a handler that
+/// forwards the key (to a payment provider, say) does not parse the header
+/// again. With the `axum` feature it is an extractor: `ClaimedKey` answers a
+/// request without one with a 500 problem (the route is not behind the layer,
+/// or its key is optional); `Option<ClaimedKey>` is `None` for requests that
+/// passed through without a key.
+///
+/// ```
+/// use tower_idempotency::key::ClaimedKey;
+///
+/// async fn charge(claimed: ClaimedKey) -> String {
+///     // E.g. the provider's own Idempotency-Key, derived from ours.
+///     format!("{}/{}", claimed.scope(), claimed.key())
+/// }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimedKey {
+    key: String,
+    scope: String,
+}
+
+impl ClaimedKey {
+    pub(crate) fn new(key: String, scope: String) -> Self {
+        ClaimedKey { key, scope }
+    }
+
+    /// The parsed key, unquoted (what [`parse_key`] returns).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The scope the key belongs to (see [`crate::scope`]; `""` for
+    /// [`GlobalScope`](crate::scope::GlobalScope)).
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<S: Sync> axum_core::extract::FromRequestParts<S> for ClaimedKey {
+    type Rejection = http::Response<axum_core::body::Body>;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        parts.extensions.get::<ClaimedKey>().cloned().ok_or_else(|| {
+            crate::extract::misconfigured(
+                &LOGGED,
+                "this handler needs the request's idempotency key, and the request has none: put the route behind an IdempotencyLayer with require_key(true), or take Option<ClaimedKey>",
+            )
+        })
+    }
+}
+
+/// `Option<_>`: `None` for requests that passed through without a key.
+#[cfg(feature = "axum")]
+impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for ClaimedKey {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<ClaimedKey>().cloned())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

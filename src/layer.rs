@@ -97,8 +97,13 @@ impl<St, Sc, F, P, M> std::fmt::Debug for IdempotencyLayer<St, Sc, F, P, M> {
 }
 
 impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
-    /// A layer over `store` whose keys belong to `scope` (a closure over the
-    /// request head, or [`crate::scope::GlobalScope`] after reading its warning).
+    /// A layer over `store` whose keys belong to `scope`: one of
+    /// [`crate::scope`]'s ready scopes (`scope::extension::<User>()`,
+    /// `scope::header(..)`, `scope::from_fn(..)`), a closure over the
+    /// request head, or [`crate::scope::GlobalScope`] after reading its
+    /// warning. A request with a key whose scope finds no principal is
+    /// answered 401. Put the layer inside the authentication middleware (see
+    /// [`crate::scope#put-the-layer-inside-authentication`]).
     ///
     /// Defaults: header `Idempotency-Key`; methods POST and PATCH; a key is
     /// optional; lease [`DEFAULT_LEASE`]; TTL [`DEFAULT_TTL`]; request and

@@ -14,7 +14,7 @@
 //! use axum::{Router, routing::post, http::{Request, StatusCode}, body::Body};
 //! use std::sync::{Arc, atomic::{AtomicUsize, Ordering}};
 //! use tower::ServiceExt;
-//! use tower_idempotency::{IdempotencyLayer, MemoryStore};
+//! use tower_idempotency::{IdempotencyLayer, MemoryStore, scope};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
 //! let charges = Arc::new(AtomicUsize::new(0));
@@ -24,10 +24,12 @@
 //!         let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
 //!         (StatusCode::CREATED, format!("charge {n}"))
 //!     }))
-//!     // Keys belong to the caller named by `x-user` (use your real principal).
-//!     .route_layer(IdempotencyLayer::new(MemoryStore::new(), |parts: &http::request::Parts| {
-//!         parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
-//!     }));
+//!     // Keys belong to the caller named by `x-user`, which the authentication
+//!     // in front sets; a request without it gets 401 (see `scope`).
+//!     .route_layer(IdempotencyLayer::new(
+//!         MemoryStore::new(),
+//!         scope::header(http::HeaderName::from_static("x-user")),
+//!     ));
 //!
 //! let charge = || Request::post("/charges")
 //!     .header("idempotency-key", "\"order-17\"")
@@ -65,6 +67,9 @@
 //! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
 //!   [`problem`]: one rule each.
 //! * [`telemetry`]: the tracing span and the metrics (feature `metrics`).
+//! * `extract.rs` (feature `axum`): [`StoreError`] as a response, and the
+//!   logged 500 answer of an extractor ([`key::ClaimedKey`], the stores'
+//!   transactions) on a route configured without what it needs.
 //! * `admin` (feature `admin`): an axum router for operators over a store's
 //!   [`store::Inspect`]: stuck records, counts, purge.
 //! * `test_util/` (feature `test-util`): the store contract as a test suite
@@ -107,6 +112,8 @@ mod body;
 #[cfg(feature = "client")]
 pub mod client;
 mod config;
+#[cfg(feature = "axum")]
+mod extract;
 mod fencing;
 pub mod fingerprint;
 pub mod key;

@@ -22,6 +22,35 @@
 //! service again at once. Release is meant for answers that say "nothing
 //! happened, try again": server errors and the transient client errors.
 //!
+//! # Validation failures: [`DoNotStore`]
+//!
+//! Every 4xx but the three transient ones is stored, so a client whose
+//! request was refused for its input must send its corrected request with a
+//! NEW key: the same key with the corrected body has another fingerprint
+//! and gets 422. Stripe saves no result when a request fails validation
+//! before the endpoint begins to execute, so the client may retry with the
+//! same key. A layer cannot see where validation ends, so here the handler
+//! says it: a response carrying the [`DoNotStore`] extension releases the key
+//! (in transactional mode, the transaction rolls back), whatever its status
+//! and whatever the policy says. The corrected request, with the same key,
+//! then runs.
+//!
+//! ```
+//! use axum::{Extension, http::StatusCode, response::IntoResponse};
+//! use tower_idempotency::policy::DoNotStore;
+//!
+//! async fn charge(body: String) -> axum::response::Response {
+//!     let Ok(amount) = body.parse::<u64>() else {
+//!         // Nothing happened: let the client fix the amount and retry with the same key.
+//!         return (StatusCode::UNPROCESSABLE_ENTITY, Extension(DoNotStore), "amount must be a number").into_response();
+//!     };
+//!     (StatusCode::CREATED, format!("charged {amount}")).into_response()
+//! }
+//! ```
+//!
+//! Mark only answers given before any effect: a marked answer is forgotten,
+//! and its retry runs the handler again.
+//!
 //! # Streams
 //!
 //! [`StorePolicy::should_store`] sees the response head only, before any of
@@ -46,6 +75,18 @@
 //! ```
 
 use http::{HeaderMap, StatusCode};
+
+/// A response extension by which a handler says "nothing happened, do not
+/// store this answer": the layer releases the key instead of completing the
+/// record (in transactional mode, the transaction rolls back), so a retry
+/// with the same key, e.g. with a corrected body, runs the handler again.
+/// It overrides the [`StorePolicy`]. See
+/// [the module docs](crate::policy#validation-failures-donotstore).
+///
+/// Insert it with `response.extensions_mut().insert(DoNotStore)`, or as
+/// `axum::Extension(DoNotStore)` in a handler's answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DoNotStore;
 
 /// Decides whether the inner service's response is stored (the record
 /// completes) or the record is released.

@@ -75,6 +75,16 @@
 //! Status 410. The request with this key completed, but its response was larger
 //! than the layer's response limit and was not kept. It will not run again.
 //!
+//! ## unauthenticated
+//!
+//! Status 401. The request carries an idempotency key but no principal that
+//! the layer's scope recognises (see [`crate::scope`]): it was not run,
+//! nothing was recorded and nothing was replayed. Authenticate and retry.
+//! If every request gets this, the idempotency layer probably runs before
+//! the authentication middleware instead of inside it. The default answer
+//! has no `WWW-Authenticate` field; add one with
+//! [`crate::IdempotencyLayer::on_rejection`].
+//!
 //! ## store-misconfigured
 //!
 //! Status 500. The store reported its own configuration as invalid
@@ -110,6 +120,7 @@ pub mod types {
     problem_type!(RESPONSE_NOT_STORED, "response-not-stored");
     problem_type!(STORE_FULL, "store-full");
     problem_type!(STORE_MISCONFIGURED, "store-misconfigured");
+    problem_type!(UNAUTHENTICATED, "unauthenticated");
 }
 
 /// Why the layer answered instead of the inner service.
@@ -157,6 +168,9 @@ pub enum Rejection {
     /// ([`crate::store::StoreError::Config`]); the request did not run and
     /// nothing was replayed. Retrying does not help.
     StoreMisconfigured,
+    /// 401: the request has a key but its scope found no principal (see
+    /// [`crate::scope`]); nothing was run, recorded or replayed.
+    Unauthenticated,
 }
 
 impl Rejection {
@@ -174,6 +188,7 @@ impl Rejection {
             }
             Rejection::ResponseNotStored => StatusCode::GONE,
             Rejection::StoreMisconfigured => StatusCode::INTERNAL_SERVER_ERROR,
+            Rejection::Unauthenticated => StatusCode::UNAUTHORIZED,
         }
     }
 
@@ -190,6 +205,7 @@ impl Rejection {
             Rejection::ResponseNotStored => types::RESPONSE_NOT_STORED,
             Rejection::StoreFull { .. } => types::STORE_FULL,
             Rejection::StoreMisconfigured => types::STORE_MISCONFIGURED,
+            Rejection::Unauthenticated => types::UNAUTHENTICATED,
         }
     }
 
@@ -206,6 +222,7 @@ impl Rejection {
             Rejection::ResponseNotStored => "Response not available for replay",
             Rejection::StoreFull { .. } => "Idempotency store full",
             Rejection::StoreMisconfigured => "Idempotency store misconfigured",
+            Rejection::Unauthenticated => "Authentication required",
         }
     }
 
@@ -227,7 +244,7 @@ impl Rejection {
                 "the first request with this idempotency key has not finished; retry in {retry_after_secs} s"
             ),
             Rejection::StoreUnavailable { .. } => {
-                "the idempotency store could not be reached; the request was not processed".into()
+                "the idempotency store is busy or unreachable and did not answer in time; the request was not processed; retry with the same key".into()
             }
             Rejection::ResponseNotStored => {
                 "the request with this idempotency key completed, but its response was too large to keep for replay; it will not be run again".into()
@@ -237,6 +254,9 @@ impl Rejection {
             ),
             Rejection::StoreMisconfigured => {
                 "the idempotency store is misconfigured; the request was not processed".into()
+            }
+            Rejection::Unauthenticated => {
+                "this request has an idempotency key but no authenticated principal to scope it to; the request was not processed".into()
             }
         }
     }
@@ -324,8 +344,9 @@ mod tests {
                 retry_after_secs: 7,
             },
             Rejection::StoreMisconfigured,
+            Rejection::Unauthenticated,
         ];
-        let expected = [400, 400, 413, 400, 422, 409, 503, 410, 503, 500];
+        let expected = [400, 400, 413, 400, 422, 409, 503, 410, 503, 500, 401];
         for (rejection, status) in all.iter().zip(expected) {
             let response = rejection.to_problem();
             assert_eq!(response.status(), status);

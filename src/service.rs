@@ -31,9 +31,9 @@ use tracing::Instrument;
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::{Config, Settings};
 use crate::fingerprint::Fingerprinter;
-use crate::key::parse_key;
+use crate::key::{ClaimedKey, parse_key};
 use crate::mode::{Hold, Mode, Separate};
-use crate::policy::StorePolicy;
+use crate::policy::{DoNotStore, StorePolicy};
 use crate::problem::Rejection;
 use crate::record::store_response;
 use crate::response::{StoredBody, StoredResponse};
@@ -249,8 +249,15 @@ where
     ResBody: Body + Send + 'static,
     ResBody::Error: Send,
 {
-    let (parts, body) = req.into_parts();
-    let scope = config.scope.scope(&parts);
+    let (mut parts, body) = req.into_parts();
+    // No principal: 401 before the body is read or the store is touched.
+    let Some(scope) = config.scope.scope(&parts) else {
+        return Ok(reject(
+            &config.settings,
+            Outcome::Rejected,
+            Rejection::Unauthenticated,
+        ));
+    };
     let span = telemetry::request_span(&scope, &key);
     async move {
         let settings = &config.settings;
@@ -265,6 +272,9 @@ where
                 return Ok(reject(settings, Outcome::Rejected, rejection));
             }
         };
+        parts
+            .extensions
+            .insert(ClaimedKey::new(key.clone(), scope.clone()));
         let claim = ClaimRequest {
             scope,
             key,
@@ -405,9 +415,11 @@ where
             return Err(e);
         }
     };
-    if !config
-        .policy
-        .should_store(response.status(), response.headers())
+    // The handler's `DoNotStore` ("nothing happened") overrides the policy.
+    if response.extensions().get::<DoNotStore>().is_some()
+        || !config
+            .policy
+            .should_store(response.status(), response.headers())
     {
         release(hold).await;
         let (mut parts, body) = response.into_parts();

@@ -181,7 +181,7 @@ async fn a_failing_store_is_a_503_problem() {
         .execute_batch("DROP TABLE idempotency_records")
         .unwrap();
     let addr = common::serve(admin::router(store)).await;
-    let body = r#"{"type":"https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/#store-unavailable","title":"Idempotency store unavailable","status":503,"detail":"the idempotency store could not be reached; the request was not processed"}"#;
+    let body = r#"{"type":"https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/#store-unavailable","title":"Idempotency store unavailable","status":503,"detail":"the idempotency store is busy or unreachable and did not answer in time; the request was not processed; retry with the same key"}"#;
     for (method, path) in [
         ("GET", "/records/stuck"),
         ("GET", "/records/counts"),

@@ -72,7 +72,6 @@ async fn charge_in_transaction(
 ) -> Response {
     tx.run(|t| t.execute("INSERT INTO effects (note) VALUES ('charged')", []))
         .await
-        .unwrap()
         .unwrap();
     charge(State(h), headers).await
 }

@@ -388,6 +388,7 @@ fn every_rejection_maps_to_a_trailers_only_status() {
             Some("1000"),
         ),
         (Rejection::ResponseNotStored, Code::AlreadyExists, None),
+        (Rejection::Unauthenticated, Code::Unauthenticated, None),
         (
             Rejection::StoreFull {
                 retry_after_secs: 30,

@@ -39,10 +39,9 @@ async fn item(State(h): State<Harness>, tx: SqliteTransaction, headers: HeaderMa
         if violate {
             t.execute("INSERT INTO children (parent) VALUES (999)", [])?;
         }
-        Ok::<_, rusqlite::Error>(())
+        Ok(())
     })
     .await
-    .unwrap()
     .unwrap();
     if headers.contains_key("x-keep-clone") {
         KEPT.lock().unwrap().push(tx.clone());
@@ -84,7 +83,6 @@ async fn held_item(
 ) -> Response {
     tx.run(|t| t.execute("INSERT INTO items (note) VALUES ('held')", []))
         .await
-        .unwrap()
         .unwrap();
     h.runs.fetch_add(1, Ordering::SeqCst);
     if headers.contains_key("x-hold") {
@@ -93,7 +91,7 @@ async fn held_item(
         let late = tx
             .run(|t| t.execute("INSERT INTO items (note) VALUES ('late')", []))
             .await;
-        let late = late.map(|inserted| assert_eq!(inserted.unwrap(), 1));
+        let late = late.map(|inserted| assert_eq!(inserted, 1));
         held.late
             .send(late.map_err(|e| e.to_string()))
             .await
@@ -266,7 +264,7 @@ async fn a_clone_kept_by_the_handler_does_not_keep_the_transaction_open() {
     assert_eq!((f.items(), f.h.runs()), (1, 2));
     let kept = KEPT.lock().unwrap().pop().unwrap();
     assert!(
-        kept.run(|_| ()).await.is_err(),
+        kept.run(|_| Ok(())).await.is_err(),
         "the kept transaction has ended"
     );
 }

@@ -287,18 +287,23 @@ fn app(state: AppState, writes: Router<AppState>) -> Router {
 /// Runs one write: inside the idempotency transaction, or in a transaction of
 /// its own. Either way the op failing rolls its writes back.
 async fn write(state: &AppState, tx: Tx, op: Op) -> Result<db::Json, ApiError> {
-    let store_error = |e: tower_idempotency::StoreError| LedgerError::Database(Box::new(e));
+    let sql_error =
+        |e: tower_idempotency::store::TransactionError| LedgerError::Database(Box::new(e));
     match (state.mode, tx) {
         (Mode::Separate, _) => Ok(state.db.in_transaction(op).await?),
         // An `Err` makes the handler answer 4xx/5xx; the layer then rolls the
         // transaction back or commits the refusal with its record.
+        // The op's own error (a ledger refusal) travels inside the `Ok`.
         (Mode::Transactional, Tx::Sqlite(tx)) => Ok(tx
-            .run(move |tx| op.on_sqlite(tx))
+            .run(move |tx| Ok(op.on_sqlite(tx)))
             .await
-            .map_err(store_error)??),
+            .map_err(sql_error)??),
         #[cfg(feature = "postgres")]
         (Mode::Transactional, Tx::Postgres(tx)) => {
-            let client = tx.client().await.map_err(store_error)?;
+            let client = tx
+                .client()
+                .await
+                .map_err(|e| LedgerError::Database(Box::new(e)))?;
             Ok(op.on_postgres(&*client).await?)
         }
         (Mode::Transactional, Tx::None) => Err(ApiError::Ledger(LedgerError::Database(

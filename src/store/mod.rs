@@ -82,14 +82,19 @@ use crate::response::StoredResponse;
 
 /// Makes a store's transaction type an axum extractor: `T` answers a request
 /// without one with a 500 problem (the handler would otherwise write outside
-/// the idempotency transaction); `Option<T>` is `None` for requests that
-/// passed through without a key.
+/// the idempotency transaction), and logs the misconfiguration once per
+/// process and type; `Option<T>` is `None` for requests that passed through
+/// without a key.
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 macro_rules! transaction_extractor {
     ($transaction:ty) => {
         /// Extracts the request's transaction in a handler behind a
-        /// [`crate::IdempotencyLayer::transactional`] layer; a request without
-        /// one is answered with a 500 problem.
+        /// [`crate::IdempotencyLayer::transactional`] layer. A request without
+        /// one (a route whose layer is not `.transactional()`, or has no
+        /// `require_key(true)`) is answered with a 500 problem saying so, and
+        /// the first such request of the process is logged at error level.
+        /// The compiler cannot catch this: the extractor does not see the
+        /// layer's type.
         #[cfg(feature = "axum")]
         impl<S: Sync> axum_core::extract::FromRequestParts<S> for $transaction {
             type Rejection = http::Response<axum_core::body::Body>;
@@ -98,11 +103,21 @@ macro_rules! transaction_extractor {
                 parts: &mut http::request::Parts,
                 _state: &S,
             ) -> Result<Self, Self::Rejection> {
+                static LOGGED: std::sync::Once = std::sync::Once::new();
                 parts
                     .extensions
                     .get::<$transaction>()
                     .cloned()
-                    .ok_or_else($crate::store::missing_transaction)
+                    .ok_or_else(|| {
+                        $crate::extract::misconfigured(
+                            &LOGGED,
+                            concat!(
+                                "this handler takes a ",
+                                stringify!($transaction),
+                                ", and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)"
+                            ),
+                        )
+                    })
             }
         }
 
@@ -145,6 +160,7 @@ pub use postgres::{PostgresStore, PostgresStoreBuilder, PostgresTransaction, Tra
 #[cfg(feature = "sqlite")]
 pub use sqlite::{
     GroupCommitStats, SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous,
+    TransactionError,
 };
 
 /// Everything [`Store::claim`] needs.
@@ -616,19 +632,6 @@ pub enum TransactionClaim<T> {
     },
     /// The claim was refused; no transaction is open.
     Refused(Refusal),
-}
-
-/// The 500 problem of a transaction extractor on a request that has none.
-#[cfg(all(feature = "axum", any(feature = "sqlite", feature = "postgres")))]
-fn missing_transaction() -> http::Response<axum_core::body::Body> {
-    let body = r#"{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"this handler needs an idempotency transaction, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)"}"#;
-    let mut response = http::Response::new(axum_core::body::Body::from(body));
-    *response.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
-    response.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/problem+json"),
-    );
-    response
 }
 
 /// Spawns a task on the current Tokio runtime that calls

@@ -28,8 +28,8 @@ mod writer;
 
 pub use builder::{SqliteStoreBuilder, Synchronous};
 use claim::{Refused, claim_in, complete_in, read_record};
-pub use transaction::SqliteTransaction;
 use transaction::{Command, transaction_over};
+pub use transaction::{SqliteTransaction, TransactionError};
 pub use writer::GroupCommitStats;
 use writer::{ABANDONED, Begin, Limits, WAITING, Work, WriteJob, Writer};
 

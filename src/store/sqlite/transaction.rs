@@ -58,18 +58,17 @@ use crate::store::{Completion, StoreError};
 /// # Example
 ///
 /// ```
-/// use tower_idempotency::store::SqliteTransaction;
+/// use tower_idempotency::store::{SqliteTransaction, TransactionError};
 ///
 /// // An axum handler behind `IdempotencyLayer::new(store, scope).transactional()`.
-/// async fn credit(tx: SqliteTransaction) -> Result<String, String> {
-///     let balance = tx
+/// // `TransactionError` answers as a problem (503 or 500), so `?` is enough.
+/// async fn credit(tx: SqliteTransaction) -> Result<String, TransactionError> {
+///     let balance: i64 = tx
 ///         .run(|tx| {
 ///             tx.execute("UPDATE accounts SET balance = balance + 5 WHERE id = 1", [])?;
-///             tx.query_row("SELECT balance FROM accounts WHERE id = 1", [], |r| r.get::<_, i64>(0))
+///             tx.query_row("SELECT balance FROM accounts WHERE id = 1", [], |r| r.get(0))
 ///         })
-///         .await
-///         .map_err(|e| e.to_string())?
-///         .map_err(|e: tower_idempotency::rusqlite::Error| e.to_string())?;
+///         .await?;
 ///     Ok(format!("balance {balance}"))
 /// }
 /// ```
@@ -126,14 +125,20 @@ impl SqliteTransaction {
     /// commit, roll back or end the transaction itself (the layer does);
     /// savepoints of its own are fine.
     ///
+    /// An `Err` from `f` does not roll anything back by itself: the handler
+    /// answers, and an answer the layer does not store (a 5xx, by default)
+    /// rolls the request's transaction back. A domain error that is not a
+    /// `rusqlite::Error` can travel inside `T` (`Ok(Err(..))`).
+    ///
     /// # Errors
     ///
-    /// [`StoreError::Unavailable`] when the transaction has already ended
-    /// (committed, rolled back, rolled back past its max hold time, or its
-    /// thread died).
-    pub async fn run<T, F>(&self, f: F) -> Result<T, StoreError>
+    /// [`TransactionError::Sql`] with the error `f` returned;
+    /// [`TransactionError::Store`] ([`StoreError::Unavailable`]) when the
+    /// transaction has already ended (committed, rolled back, rolled back
+    /// past its max hold time, or its thread died).
+    pub async fn run<T, F>(&self, f: F) -> Result<T, TransactionError>
     where
-        F: FnOnce(&rusqlite::Transaction<'_>) -> T + Send + 'static,
+        F: FnOnce(&rusqlite::Transaction<'_>) -> Result<T, rusqlite::Error> + Send + 'static,
         T: Send + 'static,
     {
         let (reply, answer) = tokio::sync::oneshot::channel();
@@ -143,7 +148,7 @@ impl SqliteTransaction {
         self.commands
             .send(Command::Run(job))
             .map_err(|_| self.over())?;
-        answer.await.map_err(|_| self.over())
+        Ok(answer.await.map_err(|_| self.over())??)
     }
 
     /// Resolves once the transaction has ended for this request: committed
@@ -158,6 +163,67 @@ impl SqliteTransaction {
     /// The error of a call after the transaction ended.
     pub(super) fn over(&self) -> StoreError {
         ended(*self.ended.borrow())
+    }
+}
+
+/// The error of [`SqliteTransaction::run`]: the transaction could not run the
+/// closure, or the closure's SQL failed.
+///
+/// With the `axum` feature it is a response: `Store` as the store's problem
+/// (503 `store-unavailable` with `Retry-After`), `Sql` as a 500 problem whose
+/// detail does not echo the SQL error (it is logged instead). So a handler
+/// can return `Result<_, TransactionError>` and use `?`.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum TransactionError {
+    /// The transaction has ended or its writer is gone: see [`StoreError`].
+    Store(StoreError),
+    /// The closure returned this error.
+    Sql(rusqlite::Error),
+}
+
+impl From<StoreError> for TransactionError {
+    fn from(e: StoreError) -> Self {
+        TransactionError::Store(e)
+    }
+}
+
+impl From<rusqlite::Error> for TransactionError {
+    fn from(e: rusqlite::Error) -> Self {
+        TransactionError::Sql(e)
+    }
+}
+
+impl std::fmt::Display for TransactionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TransactionError::Store(e) => e.fmt(f),
+            TransactionError::Sql(e) => write!(f, "SQL in the idempotency transaction failed: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for TransactionError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            TransactionError::Store(e) => Some(e),
+            TransactionError::Sql(e) => Some(e),
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+impl axum_core::response::IntoResponse for TransactionError {
+    fn into_response(self) -> axum_core::response::Response {
+        match self {
+            TransactionError::Store(e) => e.into_response(),
+            TransactionError::Sql(e) => {
+                tracing::error!(error = %e, "a handler's SQL failed; answering 500");
+                crate::extract::internal_error(
+                    "a database statement failed while this request was processed",
+                )
+            }
+        }
     }
 }
 
