@@ -156,21 +156,7 @@ macro_rules! __store_suite {
             #[allow(unused_imports)]
             use super::*;
 
-            $crate::__store_suite!(@tests $make;
-                new_key_is_acquired,
-                completed_record_is_replayed,
-                mismatch_is_checked_first,
-                in_flight_reports_remaining_lease,
-                expired_lease_is_taken_over_and_fenced,
-                release_needs_the_token,
-                completed_record_is_final,
-                record_past_ttl_is_new,
-                purge_removes_only_expired,
-                scopes_never_meet,
-                concurrent_claims_have_one_winner,
-                omitted_body_round_trips,
-                stepped_back_clock_lease_is_taken_over,
-            );
+            $crate::__store_suite!(@store $make;);
         }
     };
     ($module:ident, $make:expr, inspect $(,)?) => {
@@ -178,7 +164,15 @@ macro_rules! __store_suite {
             #[allow(unused_imports)]
             use super::*;
 
-            $crate::__store_suite!(@tests $make;
+            $crate::__store_suite!(@store $make;
+                counts_sort_every_record_into_one_kind,
+                stuck_lists_ended_leases_oldest_first,
+            );
+        }
+    };
+    // The `Store` checks, then `$extra`.
+    (@store $make:expr; $($extra:ident),* $(,)?) => {
+        $crate::__store_suite!(@tests $make;
                 new_key_is_acquired,
                 completed_record_is_replayed,
                 mismatch_is_checked_first,
@@ -192,10 +186,8 @@ macro_rules! __store_suite {
                 concurrent_claims_have_one_winner,
                 omitted_body_round_trips,
                 stepped_back_clock_lease_is_taken_over,
-                counts_sort_every_record_into_one_kind,
-                stuck_lists_ended_leases_oldest_first,
-            );
-        }
+                $($extra,)*
+        );
     };
     (@tests $make:expr; $($check:ident),* $(,)?) => {
         $(
