@@ -10,7 +10,7 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::tee::Tee;
+use crate::tee::{Tee, frame_to_bytes};
 
 pin_project! {
     /// The inner service's request body: the caller's body untouched when the
@@ -168,11 +168,6 @@ impl<B: Body> ResponseBody<B> {
             kind: ResponseKind::Teeing { tee },
         }
     }
-}
-
-/// A frame with its data as [`Bytes`].
-pub(crate) fn frame_to_bytes<D: Buf>(frame: Frame<D>) -> Frame<Bytes> {
-    frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
 }
 
 impl<B: Body> Body for ResponseBody<B> {

@@ -8,12 +8,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, Method, Response};
 
+use crate::body::ResponseBody;
 use crate::problem::Rejection;
 
-/// The default lease: how long an in-flight claim holds, 60 seconds.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
-/// The default record TTL, 24 hours (Stripe keeps keys at least 24 hours).
-pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// The default request body limit, 1 MiB.
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
 /// The default response body limit, 1 MiB.
@@ -50,5 +47,14 @@ impl Settings {
             Some(f) => f(rejection),
             None => rejection.to_problem(),
         }
+    }
+
+    /// [`Settings::rejection`] as the layer's response type.
+    pub(crate) fn rejection_response<B: http_body::Body>(
+        &self,
+        rejection: &Rejection,
+    ) -> Response<ResponseBody<B>> {
+        self.rejection(rejection)
+            .map(|body| ResponseBody::full(body, None))
     }
 }

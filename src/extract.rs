@@ -1,31 +1,13 @@
-//! The axum side of handlers (feature `axum`): [`StoreError`] as a
-//! response, and the answer of an extractor whose value the request lacks
+//! The axum side of handlers (feature `axum`): the [`ClaimedKey`]
+//! extractor, and the answer of an extractor whose value the request lacks
 //! because the route is configured wrong.
 
 use std::sync::Once;
 
 use axum_core::body::Body;
-use axum_core::response::IntoResponse;
 use http::{HeaderValue, Response, StatusCode, header};
 
-use crate::problem::Rejection;
-use crate::service::STORE_RETRY_AFTER_SECS;
-use crate::store::StoreError;
-
-/// The layer's own answer to a store failure, so a handler can use `?` on
-/// the store's calls ([`crate::store::SqliteTransaction::run`],
-/// `PostgresTransaction::client`): 503 `store-unavailable` with
-/// `Retry-After` (seconds), 503 `store-full` with the store's hint, or 500
-/// `store-misconfigured` for [`StoreError::Config`] (see [`crate::problem`]).
-/// The error itself is logged, not sent.
-impl IntoResponse for StoreError {
-    fn into_response(self) -> Response<Body> {
-        tracing::error!(error = %self, "a handler's store call failed; answering with a problem");
-        Rejection::store_failed(&self, STORE_RETRY_AFTER_SECS)
-            .to_problem()
-            .map(Body::from)
-    }
-}
+use crate::key::ClaimedKey;
 
 /// The 500 problem of an extractor that found nothing in the request, with
 /// `detail` saying how to fix the route. The server's fault, not the
@@ -56,4 +38,33 @@ pub(crate) fn internal_error(detail: &str) -> Response<Body> {
         HeaderValue::from_static("application/problem+json"),
     );
     response
+}
+
+impl<S: Sync> axum_core::extract::FromRequestParts<S> for ClaimedKey {
+    type Rejection = http::Response<axum_core::body::Body>;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        parts.extensions.get::<ClaimedKey>().cloned().ok_or_else(|| {
+            misconfigured(
+                &LOGGED,
+                "this handler needs the request's idempotency key, and the request has none: put the route behind an IdempotencyLayer with require_key(true), or take Option<ClaimedKey>",
+            )
+        })
+    }
+}
+
+/// `Option<_>`: `None` for requests that passed through without a key.
+impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for ClaimedKey {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<ClaimedKey>().cloned())
+    }
 }

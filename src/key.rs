@@ -227,37 +227,6 @@ impl ClaimedKey {
     }
 }
 
-#[cfg(feature = "axum")]
-impl<S: Sync> axum_core::extract::FromRequestParts<S> for ClaimedKey {
-    type Rejection = http::Response<axum_core::body::Body>;
-
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        _state: &S,
-    ) -> Result<Self, Self::Rejection> {
-        static LOGGED: std::sync::Once = std::sync::Once::new();
-        parts.extensions.get::<ClaimedKey>().cloned().ok_or_else(|| {
-            crate::extract::misconfigured(
-                &LOGGED,
-                "this handler needs the request's idempotency key, and the request has none: put the route behind an IdempotencyLayer with require_key(true), or take Option<ClaimedKey>",
-            )
-        })
-    }
-}
-
-/// `Option<_>`: `None` for requests that passed through without a key.
-#[cfg(feature = "axum")]
-impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for ClaimedKey {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        _state: &S,
-    ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<ClaimedKey>().cloned())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,16 +9,14 @@ use bytes::Bytes;
 use http::{HeaderName, Method, Response};
 use tower_layer::Layer;
 
-use crate::config::{
-    Config, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, DEFAULT_TTL,
-    Settings,
-};
+use crate::config::{Config, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, Settings};
 use crate::fingerprint::{DefaultFingerprinter, Fingerprinter};
 use crate::mode::{Separate, Transactional};
 use crate::policy::{DefaultStorePolicy, StorePolicy};
 use crate::problem::Rejection;
 use crate::scope::Scope;
 use crate::service::Idempotency;
+use crate::store::{DEFAULT_LEASE, DEFAULT_TTL};
 use crate::store::{Store, TransactionalStore};
 
 /// Applies idempotency keys to the requests of a service: the first request

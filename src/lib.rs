@@ -58,8 +58,9 @@
 //!   max hold time, `inspect.rs`) and `redis/` (`RedisStore`: its Lua
 //!   scripts as `.lua` files, `inspect.rs`).
 //! * `fencing.rs`: [`store::FencingToken`] and its generator.
-//! * `config.rs`: what a layer is configured with, and the `DEFAULT_*`
-//!   limits ([`DEFAULT_LEASE`], [`DEFAULT_TTL`], ...).
+//! * `config.rs`: what a layer is configured with, and the body limits
+//!   ([`DEFAULT_MAX_REQUEST_BODY`], [`DEFAULT_MAX_RESPONSE_BODY`]); the
+//!   record's [`DEFAULT_LEASE`] and [`DEFAULT_TTL`] are the store's.
 //! * [`IdempotencyLayer`] (in `layer.rs`): the configuration's builder.
 //! * [`Idempotency`] (in `service.rs`): the path a request walks; its
 //!   response's record in `record.rs` (streamed through `tee.rs`).
@@ -67,9 +68,10 @@
 //! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
 //!   [`problem`]: one rule each.
 //! * [`telemetry`]: the tracing span and the metrics (feature `metrics`).
-//! * `extract.rs` (feature `axum`): [`StoreError`] as a response, and the
-//!   logged 500 answer of an extractor ([`key::ClaimedKey`], the stores'
-//!   transactions) on a route configured without what it needs.
+//! * `extract.rs` (feature `axum`): the [`key::ClaimedKey`] extractor, and
+//!   the logged 500 answer of an extractor (it, the stores' transactions)
+//!   on a route configured without what it needs. [`StoreError`] answers as
+//!   a problem from [`problem`].
 //! * `admin` (feature `admin`): an axum router for operators over a store's
 //!   [`store::Inspect`]: stuck records, counts, purge.
 //! * `test_util/` (feature `test-util`): the store contract as a test suite
@@ -137,7 +139,7 @@ pub use body::{RequestBody, ResponseBody};
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
-pub use config::{DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, DEFAULT_TTL};
+pub use config::{DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY};
 pub use layer::IdempotencyLayer;
 pub use response::{StoredBody, StoredResponse};
 /// The rusqlite this crate is built with, for the SQL a handler runs through
@@ -154,6 +156,7 @@ pub use store::PostgresStore;
 pub use store::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
+pub use store::{DEFAULT_LEASE, DEFAULT_TTL};
 pub use store::{MemoryStore, Store, StoreError};
 /// The tokio-postgres this crate is built with, for the statements a handler
 /// runs through [`store::PostgresTransaction::client`].

@@ -123,6 +123,9 @@ pub mod types {
     problem_type!(UNAUTHENTICATED, "unauthenticated");
 }
 
+/// `Retry-After` on 503 when the store cannot answer, in seconds.
+pub(crate) const STORE_RETRY_AFTER_SECS: u64 = 1;
+
 /// Why the layer answered instead of the inner service.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -318,6 +321,22 @@ impl Rejection {
 impl std::fmt::Display for Rejection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}: {}", self.title(), self.detail())
+    }
+}
+
+/// The layer's own answer to a store failure, so a handler can use `?` on
+/// the store's calls ([`crate::store::SqliteTransaction::run`],
+/// `PostgresTransaction::client`): 503 `store-unavailable` with
+/// `Retry-After` (seconds), 503 `store-full` with the store's hint, or 500
+/// `store-misconfigured` for [`StoreError::Config`] (see [`crate::problem`]).
+/// The error itself is logged, not sent.
+#[cfg(feature = "axum")]
+impl axum_core::response::IntoResponse for StoreError {
+    fn into_response(self) -> axum_core::response::Response {
+        tracing::error!(error = %self, "a handler's store call failed; answering with a problem");
+        Rejection::store_failed(&self, STORE_RETRY_AFTER_SECS)
+            .to_problem()
+            .map(axum_core::body::Body::from)
     }
 }
 

@@ -12,17 +12,16 @@ use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tracing::Instrument;
 
-use crate::body::{ResponseBody, frame_to_bytes};
+use crate::body::ResponseBody;
 use crate::config::{Config, Settings};
 use crate::fingerprint::Fingerprinter;
 use crate::mode::Hold;
 use crate::policy::StorePolicy;
-use crate::problem::Rejection;
+use crate::problem::{Rejection, STORE_RETRY_AFTER_SECS};
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
-use crate::service::{STORE_RETRY_AFTER_SECS, rejection_response, release};
 use crate::store::Completion;
-use crate::tee::{self, Ending, Recorder};
+use crate::tee::{self, Ending, Recorder, frame_to_bytes};
 use crate::telemetry::{self, Operation, Outcome, timed};
 
 /// Reads the first response's body and completes the record.
@@ -119,7 +118,7 @@ where
     .is_err()
     {
         let retry_after_secs = STORE_RETRY_AFTER_SECS;
-        return rejection_response(settings, &Rejection::StoreUnavailable { retry_after_secs });
+        return settings.rejection_response(&Rejection::StoreUnavailable { retry_after_secs });
     }
     let body = if omitted {
         ResponseBody::then_rest(frames, body)
@@ -269,6 +268,17 @@ fn concat(frames: &VecDeque<Frame<Bytes>>, size: usize) -> Bytes {
                 out.extend_from_slice(chunk);
             }
             out.freeze()
+        }
+    }
+}
+
+/// Gives the key back (a retry runs again) and records it.
+pub(crate) async fn release<H: Hold>(hold: H) {
+    match timed(Operation::Release, hold.release()).await {
+        Ok(()) => telemetry::outcome(Outcome::Released),
+        Err(e) => {
+            telemetry::outcome(Outcome::StoreError);
+            tracing::error!(error = %e, "releasing the key failed; it stays in flight until its lease ends");
         }
     }
 }

@@ -34,17 +34,14 @@ use crate::fingerprint::Fingerprinter;
 use crate::key::{ClaimedKey, parse_key};
 use crate::mode::{Hold, Mode, Separate};
 use crate::policy::{DoNotStore, StorePolicy};
-use crate::problem::Rejection;
-use crate::record::store_response;
+use crate::problem::{Rejection, STORE_RETRY_AFTER_SECS};
+use crate::record::{release, store_response};
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
 use crate::store::{ClaimRequest, FencingToken, Refusal, Store, retry_after_secs};
 use crate::telemetry::{self, Operation, Outcome, timed};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// `Retry-After` on 503 when the store cannot answer, in seconds.
-pub(crate) const STORE_RETRY_AFTER_SECS: u64 = 1;
 
 /// The service made by [`crate::IdempotencyLayer`].
 ///
@@ -180,7 +177,7 @@ impl<Fut, B: Body, E> ResponseFuture<Fut, B, E> {
     fn rejected(settings: &Settings, rejection: &Rejection) -> Self {
         ResponseFuture {
             kind: Kind::Ready {
-                response: Some(rejection_response(settings, rejection)),
+                response: Some(settings.rejection_response(rejection)),
             },
         }
     }
@@ -216,15 +213,6 @@ where
             KindProj::Intercepted { future } => future.as_mut().poll(cx),
         }
     }
-}
-
-pub(crate) fn rejection_response<B: Body>(
-    settings: &Settings,
-    rejection: &Rejection,
-) -> Response<ResponseBody<B>> {
-    settings
-        .rejection(rejection)
-        .map(|body| ResponseBody::full(body, None))
 }
 
 /// One intercepted request, from its buffered body to its stored response.
@@ -353,7 +341,7 @@ fn reject<B: Body>(
     rejection: Rejection,
 ) -> Response<ResponseBody<B>> {
     telemetry::outcome(outcome);
-    rejection_response(settings, &rejection)
+    settings.rejection_response(&rejection)
 }
 
 /// The atomic claim, then the inner service, then the record's completion
@@ -428,17 +416,6 @@ where
     }
     hold.answered();
     Ok(store_response(hold, &config, lease_end, response).await)
-}
-
-/// Gives the key back (a retry runs again) and records it.
-pub(crate) async fn release<H: Hold>(hold: H) {
-    match timed(Operation::Release, hold.release()).await {
-        Ok(()) => telemetry::outcome(Outcome::Released),
-        Err(e) => {
-            telemetry::outcome(Outcome::StoreError);
-            tracing::error!(error = %e, "releasing the key failed; it stays in flight until its lease ends");
-        }
-    }
 }
 
 /// Buffers the request body up to `limit` bytes.

@@ -16,7 +16,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use tokio::sync::oneshot;
@@ -199,7 +199,7 @@ impl<B: Body> Tee<B> {
             }
             match ready!(self.body.as_mut().poll_frame(cx)) {
                 Some(Ok(frame)) => {
-                    let frame = crate::body::frame_to_bytes(frame);
+                    let frame = frame_to_bytes(frame);
                     match frame.data_ref() {
                         Some(data) => {
                             self.record(data);
@@ -256,4 +256,9 @@ impl<B: Body> Tee<B> {
         }
         hint
     }
+}
+
+/// A frame with its data as [`Bytes`].
+pub(crate) fn frame_to_bytes<D: Buf>(frame: Frame<D>) -> Frame<Bytes> {
+    frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
 }

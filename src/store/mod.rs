@@ -163,6 +163,11 @@ pub use sqlite::{
     TransactionError,
 };
 
+/// The default lease: how long an in-flight claim holds, 60 seconds.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+/// The default record TTL, 24 hours (Stripe keeps keys at least 24 hours).
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// Everything [`Store::claim`] needs.
 ///
 /// `#[non_exhaustive]`: the claim may grow inputs. Build one with
@@ -193,8 +198,8 @@ pub struct ClaimRequest {
 impl ClaimRequest {
     /// A claim of `id` by a request with `fingerprint`, whose record will
     /// carry `token`, with the layer's default lease
-    /// ([`DEFAULT_LEASE`](crate::DEFAULT_LEASE), 60 s) and TTL
-    /// ([`DEFAULT_TTL`](crate::DEFAULT_TTL), 24 h).
+    /// ([`DEFAULT_LEASE`], 60 s) and TTL
+    /// ([`DEFAULT_TTL`], 24 h).
     pub fn new(id: RecordId, fingerprint: Fingerprint, token: FencingToken) -> Self {
         let (scope, key) = id.into_parts();
         ClaimRequest {
@@ -202,8 +207,8 @@ impl ClaimRequest {
             key,
             fingerprint,
             token,
-            lease: crate::config::DEFAULT_LEASE,
-            ttl: crate::config::DEFAULT_TTL,
+            lease: DEFAULT_LEASE,
+            ttl: DEFAULT_TTL,
         }
     }
 

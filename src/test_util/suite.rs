@@ -2,7 +2,7 @@
 //! runs them (see the [module docs](super)); [`super::run`] runs one.
 //!
 //! Each takes a fresh, empty store and the [`ManualClock`] it was made on
-//! (reading [`START_MS`](super::START_MS)), and panics when the store breaks
+//! (reading [`START_MS`]), and panics when the store breaks
 //! the contract.
 
 use std::sync::Arc;
