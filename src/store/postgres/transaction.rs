@@ -46,14 +46,23 @@ use hold::Fate;
 /// # Example
 ///
 /// ```no_run
+/// use axum::http::StatusCode;
+/// use axum::response::{IntoResponse, Response};
 /// use tower_idempotency::store::PostgresTransaction;
 ///
-/// async fn credit(tx: PostgresTransaction) -> Result<String, String> {
-///     let client = tx.client().await.map_err(|e| e.to_string())?;
+/// // `accounts` is the application's own table, in the store's database.
+/// async fn credit(tx: PostgresTransaction) -> Result<String, Response> {
+///     // A StoreError answers as the layer's problem (503 with Retry-After).
+///     let client = tx.client().await.map_err(IntoResponse::into_response)?;
 ///     let row = client
 ///         .query_one("UPDATE accounts SET balance = balance + 5 WHERE id = 1 RETURNING balance", &[])
 ///         .await
-///         .map_err(|e| e.to_string())?;
+///         .map_err(|e| {
+///             // A 5xx is not stored: the transaction rolls back and the key
+///             // is free for a retry. Log the cause; do not send it.
+///             tracing::error!(error = %e, "crediting failed");
+///             StatusCode::INTERNAL_SERVER_ERROR.into_response()
+///         })?;
 ///     Ok(format!("balance {}", row.get::<_, i64>(0)))
 /// }
 /// ```

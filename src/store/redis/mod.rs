@@ -83,9 +83,10 @@ fn script(body: &str) -> Script {
 ///     .open()
 ///     .await?;
 /// // Separate mode (the default): the only mode Redis offers.
-/// let layer = IdempotencyLayer::new(store, |parts: &http::request::Parts| {
-///     parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
-/// });
+/// // Keys belong to the caller your gateway names in `x-user` (a request
+/// // without it gets 401: never a shared fallback scope).
+/// let user = http::HeaderName::from_static("x-user");
+/// let layer = IdempotencyLayer::new(store, tower_idempotency::scope::header(user));
 /// # Ok(()) }
 /// ```
 ///

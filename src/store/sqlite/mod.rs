@@ -72,9 +72,10 @@ use writer::{ABANDONED, Begin, Limits, WAITING, Work, WriteJob, Writer};
 /// # let path = dir.path().join("app.sqlite3");
 /// let store = SqliteStore::open(&path).await?;
 /// assert_eq!(store.purge_expired().await?, 0);
-/// let layer = IdempotencyLayer::new(store, |parts: &http::request::Parts| {
-///     parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
-/// });
+/// // Keys belong to the caller your gateway names in `x-user` (a request
+/// // without it gets 401: never a shared fallback scope).
+/// let user = http::HeaderName::from_static("x-user");
+/// let layer = IdempotencyLayer::new(store, tower_idempotency::scope::header(user));
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
