@@ -94,7 +94,9 @@ impl std::fmt::Debug for SqliteTransaction {
     }
 }
 
-pub(super) type Job = Box<dyn FnOnce(&rusqlite::Transaction<'_>) + Send>;
+/// A handler's closure, run on the writer: `false` when it panicked (the
+/// writer then rolls the request back and ends its transaction).
+pub(super) type Job = Box<dyn FnOnce(&rusqlite::Transaction<'_>) -> bool + Send>;
 
 pub(super) enum Command {
     Run(Job),
@@ -136,6 +138,12 @@ impl SqliteTransaction {
     /// [`TransactionError::Store`] ([`StoreError::Unavailable`]) when the
     /// transaction has already ended (committed, rolled back, rolled back
     /// past its max hold time, or its thread died).
+    ///
+    /// # Panics
+    ///
+    /// When `f` panics, with `f`'s panic: the request's transaction is
+    /// rolled back first, and the store's writer goes on serving other
+    /// requests.
     pub async fn run<T, F>(&self, f: F) -> Result<T, TransactionError>
     where
         F: FnOnce(&rusqlite::Transaction<'_>) -> Result<T, rusqlite::Error> + Send + 'static,
@@ -143,12 +151,22 @@ impl SqliteTransaction {
     {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let job: Job = Box::new(move |tx| {
-            let _ = reply.send(f(tx));
+            // A panic in `f` must not take the writer thread (and with it
+            // every later request on the store) down: it is caught here and
+            // resumed in the handler below, where it would have happened had
+            // `f` run inline.
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(tx)));
+            let ran = outcome.is_ok();
+            let _ = reply.send(outcome);
+            ran
         });
         self.commands
             .send(Command::Run(job))
             .map_err(|_| self.over())?;
-        Ok(answer.await.map_err(|_| self.over())??)
+        match answer.await.map_err(|_| self.over())? {
+            Ok(result) => Ok(result?),
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
     }
 
     /// Resolves once the transaction has ended for this request: committed

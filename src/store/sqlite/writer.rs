@@ -391,7 +391,14 @@ fn serve_request(
             }
         };
         match command {
-            Command::Run(job) => job(tx),
+            Command::Run(job) => {
+                if !job(tx) {
+                    tracing::error!(
+                        "a closure passed to SqliteTransaction::run panicked; its request was rolled back"
+                    );
+                    break;
+                }
+            }
             Command::Commit { response, reply } => {
                 let completed = complete_in(tx, &req.scope, &req.key, req.token, &response)
                     .and_then(|completion| {
