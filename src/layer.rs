@@ -159,6 +159,13 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// (default [`DEFAULT_LEASE`]). Set it above the handler's longest
     /// running time: a holder still running when its lease ends may see its
     /// work repeated by the request that took over.
+    ///
+    /// Every layer that shares a store's keys must use the same lease. A
+    /// lease deadline further ahead than the claiming request's own lease
+    /// counts as over (a wall clock that stepped back), so a layer with a
+    /// shorter lease takes over a longer-lease claim that still has more than
+    /// its own lease to run, and the handler runs twice. During a deploy that
+    /// lowers the lease, expect this for claims made before it.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config.settings.lease = lease;
         self

@@ -171,6 +171,13 @@ pub trait Hold: Send + 'static {
     /// Gives the key back, so a retry runs at once. On an error the key
     /// stays in flight until its lease ends.
     fn release(self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Resolves if the store ends the claim on its own before the layer
+    /// does (a transaction rolled back past its max hold time); never for a
+    /// separate-mode claim.
+    fn ended(&mut self) -> impl Future<Output = ()> + Send {
+        std::future::pending()
+    }
 }
 
 impl<St: Store> Mode<St> for Separate {
@@ -342,6 +349,13 @@ impl<St: TransactionalStore> Hold for TransactionHold<St> {
             self.store.roll_back_and_wait(&transaction).await;
         }
         Ok(())
+    }
+
+    async fn ended(&mut self) {
+        match &self.transaction {
+            Some(transaction) => self.store.ended(transaction).await,
+            None => std::future::pending().await,
+        }
     }
 }
 

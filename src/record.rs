@@ -3,6 +3,8 @@
 //! through a [`tee`](crate::tee) and stored at its end (separate mode).
 
 use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
 
@@ -37,7 +39,7 @@ use crate::telemetry::{self, Operation, Outcome, timed};
 /// rest streams through a [`tee`](crate::tee), which records it as it passes
 /// and completes the record at its end (see `finish_stream`).
 pub(crate) async fn store_response<H: Hold, Sc: Scope, F: Fingerprinter, P: StorePolicy, B>(
-    hold: H,
+    mut hold: H,
     config: &Arc<Config<Sc, F, P>>,
     lease_end: tokio::time::Instant,
     response: Response<B>,
@@ -78,6 +80,22 @@ where
                     );
                     drop(runtime.spawn(finish.in_current_span()));
                     return Response::from_parts(parts, ResponseBody::teeing(tee));
+                }
+            },
+            None if H::ATOMIC => match atomic_frame(&mut hold, body.as_mut(), lease_end).await {
+                Some(next) => next,
+                None => {
+                    // The transaction ended (rolled back past the store's
+                    // max hold time) or the lease is near its end while the
+                    // body is still running: nothing of it will commit.
+                    tracing::warn!(
+                        "the response did not end before its transaction did; rolled back, answering 503"
+                    );
+                    telemetry::outcome(Outcome::StoreError);
+                    drop(hold);
+                    let retry_after_secs = STORE_RETRY_AFTER_SECS;
+                    return settings
+                        .rejection_response(&Rejection::StoreUnavailable { retry_after_secs });
                 }
             },
             None => body.frame().await,
@@ -126,6 +144,31 @@ where
         ResponseBody::frames(frames)
     };
     Response::from_parts(parts, body)
+}
+
+/// The body's next frame in transactional mode, or `None` if the hold's
+/// transaction ends first (see [`Hold::ended`]) or `deadline` passes: the
+/// commit must come before the answer, so a body that outlives its
+/// transaction can only be answered 503.
+async fn atomic_frame<H: Hold, B: Body>(
+    hold: &mut H,
+    mut body: Pin<&mut B>,
+    deadline: tokio::time::Instant,
+) -> Option<Option<Result<Frame<B::Data>, B::Error>>> {
+    let ended = hold.ended();
+    let sleep = tokio::time::sleep_until(deadline);
+    let mut ended = std::pin::pin!(ended);
+    let mut sleep = std::pin::pin!(sleep);
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(frame) = body.as_mut().poll_frame(cx) {
+            return Poll::Ready(Some(frame));
+        }
+        if ended.as_mut().poll(cx).is_ready() || sleep.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(None);
+        }
+        Poll::Pending
+    })
+    .await
 }
 
 /// A poll's result if it is ready now, `None` if it would wait.
@@ -203,9 +246,10 @@ async fn complete_record<H: Hold, P: StorePolicy>(
 ///   body, was dropped, so nothing reads the stream any more. The handler's
 ///   effect happened, but no complete response exists: the record completes
 ///   without the body (repeats get 410), never released for a second run;
-/// - the stream was still running when the lease ended: recorded the same
-///   way, so a repeat gets 410 rather than taking the key over and running
-///   the handler a second time beside the first stream;
+/// - the stream was still running near the lease's end
+///   ([`stream_deadline`]): recorded the same way, so a repeat gets 410
+///   rather than taking the key over and running the handler a second time
+///   beside the first stream;
 /// - the inner body failed: the key stays in flight until its lease ends
 ///   (the effect may exist), as for a buffered body.
 ///
@@ -254,6 +298,17 @@ async fn finish_stream<H: Hold, Sc, F, P: StorePolicy>(
     )
     .await;
     recorder.finished();
+}
+
+/// How long after the claim a streamed first response may run before it is
+/// recorded as not stored: the lease less a margin of a tenth of it, at
+/// most 5 s. The record must say "not stored" before the store sees the
+/// lease end, or a repeat in between would take the key over and run the
+/// handler a second time beside the live stream; the margin covers the
+/// completion's write and the gap between this process's timer and the
+/// store's clock.
+pub(crate) fn stream_deadline(lease: std::time::Duration) -> std::time::Duration {
+    lease - (lease / 10).min(std::time::Duration::from_secs(5))
 }
 
 /// The data frames' bytes as one buffer (no copy when there is one frame).

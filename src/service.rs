@@ -35,7 +35,7 @@ use crate::key::{ClaimedKey, parse_key};
 use crate::mode::{Hold, Mode, Separate};
 use crate::policy::{DoNotStore, StorePolicy};
 use crate::problem::{Rejection, STORE_RETRY_AFTER_SECS};
-use crate::record::{release, store_response};
+use crate::record::{release, store_response, stream_deadline};
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
 use crate::store::{ClaimRequest, FencingToken, Refusal, Store, retry_after_secs};
@@ -364,9 +364,9 @@ where
 {
     let settings = &config.settings;
     // A streamed first response must end within the lease (counted from
-    // here, a little before the store counts it), or it is recorded as not
-    // stored: see `finish_stream`.
-    let lease_end = tokio::time::Instant::now() + settings.lease;
+    // here, before the store counts it, less a margin), or it is recorded as
+    // not stored: see `finish_stream`.
+    let lease_end = tokio::time::Instant::now() + stream_deadline(settings.lease);
     let mut hold = match timed(Operation::Claim, M::claim(&store, claim)).await {
         Ok(Ok((hold, taken_over))) => {
             telemetry::claim(if taken_over { "taken_over" } else { "acquired" });

@@ -662,6 +662,63 @@ async fn a_stream_outliving_its_lease_is_recorded_as_not_stored() {
     assert_eq!(events.runs(), 1);
 }
 
+/// A stream still running near its lease's end is recorded as not stored a
+/// margin before the store sees the lease end (a tenth of the lease, at most
+/// 5 s), so a repeat arriving as the store's lease ends gets 410 and never
+/// takes the key over to run the handler beside the live stream. Tokio's
+/// clock is paused and moved by hand, with the store's clock, so the order
+/// of the two is exact.
+#[tokio::test(start_paused = true)]
+async fn a_stream_is_recorded_not_stored_before_the_store_sees_its_lease_end() {
+    let events = Events::new("text/event-stream");
+    let clock = ManualClock::new(1_800_000_000_000);
+    let store = MemoryStore::with_clock(clock.clone());
+    let layer = IdempotencyLayer::new(store.clone(), GlobalScope).lease(Duration::from_secs(10));
+    let service = layer.layer(events.clone());
+    let request = || {
+        Request::post("/events")
+            .header("idempotency-key", "sse-margin")
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    let feed = events.prepare();
+    let first = service.clone().oneshot(request()).await.unwrap();
+    let mut body = first.into_body();
+    feed.data(b"data: one\n\n").await;
+    let frame = body.frame().await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), &b"data: one\n\n"[..]);
+
+    // 8.999 s in: still in flight for both clocks.
+    tokio::time::advance(Duration::from_millis(8_999)).await;
+    clock.advance(Duration::from_millis(8_999));
+    let early = service.clone().oneshot(request()).await.unwrap();
+    assert_eq!(early.status(), StatusCode::CONFLICT);
+
+    // 9.001 s in: past the layer's deadline (10 s less 1 s); the record is
+    // completed as not stored by the recording task.
+    tokio::time::advance(Duration::from_millis(2)).await;
+    let mut completed = false;
+    for _ in 0..1_000 {
+        if store.counts().await.unwrap().completed == 1 {
+            completed = true;
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        completed,
+        "the record was not completed before the lease's end"
+    );
+
+    // The store's clock reaches the lease end: a repeat gets 410, not a run.
+    clock.advance(Duration::from_millis(1_000));
+    let repeat = service.clone().oneshot(request()).await.unwrap();
+    assert_eq!(repeat.status(), StatusCode::GONE);
+    assert_eq!(events.runs(), 1);
+    drop(feed.frames);
+    drop(body);
+}
+
 // ------------------------------------------------------------ store_when
 
 /// A policy that lets event streams through: they are neither stored nor
@@ -756,4 +813,39 @@ async fn transactional_mode_commits_a_stream_before_it_answers() {
     assert_eq!(again.rest().await, b"data: one\n\ndata: two\n\n");
     assert!(again.replayed());
     assert_eq!(events.runs(), 1);
+}
+
+/// Transactional mode must commit before it answers, so it buffers; a
+/// stream that outlives its transaction (rolled back past the store's max
+/// hold time) is answered 503 as soon as the transaction ends, not when (or
+/// if) the stream does, and nothing of it is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transactional_stream_past_the_max_hold_is_answered_503_when_it_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::builder(dir.path().join("t.sqlite3"))
+        .max_hold(Duration::from_millis(200))
+        .open()
+        .await
+        .unwrap();
+    let events = Events::new("text/event-stream");
+    let layer = IdempotencyLayer::new(store.clone(), GlobalScope).transactional();
+    let service = layer.layer(events.clone());
+    // A stream that sends one event and then never ends.
+    let feed = events.prepare();
+    feed.data(b"data: one\n\n").await;
+    let request = Request::post("/events")
+        .header("idempotency-key", "sse-held")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let answer = bounded("the answer after the max hold", service.oneshot(request))
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.headers()["retry-after"], "1");
+    assert_eq!(answer.headers()["content-type"], "application/problem+json");
+    assert_eq!(store.transactions_held_too_long(), 1);
+    let counts = store.counts().await.unwrap();
+    assert_eq!((counts.in_flight, counts.completed), (0, 0));
+    assert_eq!(events.runs(), 1);
+    drop(feed.frames);
 }

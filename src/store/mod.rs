@@ -622,6 +622,16 @@ pub trait TransactionalStore: Store {
         self.rollback(transaction);
         std::future::ready(())
     }
+
+    /// Resolves once the store has ended `transaction` on its own, e.g.
+    /// rolled it back past its max hold time. The layer races it against
+    /// reading the handler's response, so that a response that never ends
+    /// is answered (503) when its transaction is gone. The default never
+    /// resolves, for stores that never end a transaction on their own.
+    fn ended(&self, transaction: &Self::Transaction) -> impl Future<Output = ()> + Send {
+        let _ = transaction;
+        std::future::pending()
+    }
 }
 
 /// The outcome of [`TransactionalStore::claim_in_transaction`]. Not

@@ -204,6 +204,10 @@ async fn roll_back(connection: TxConnection) {
 }
 
 impl TransactionalStore for PostgresStore {
+    async fn ended(&self, transaction: &Self::Transaction) {
+        transaction.closed().await;
+    }
+
     type Transaction = PostgresTransaction;
 
     async fn claim_in_transaction(

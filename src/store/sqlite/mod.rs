@@ -374,6 +374,10 @@ fn writer_stopped() -> StoreError {
 }
 
 impl TransactionalStore for SqliteStore {
+    async fn ended(&self, transaction: &Self::Transaction) {
+        transaction.closed().await;
+    }
+
     type Transaction = SqliteTransaction;
 
     async fn claim_in_transaction(
