@@ -183,7 +183,7 @@ async fn transactional_credit(tx: SqliteTransaction) -> Response {
         })
         .await;
     match written {
-        Ok(Ok((id, balance))) => (
+        Ok((id, balance)) => (
             StatusCode::CREATED,
             [(header::CONTENT_TYPE, "application/json")],
             format!(
@@ -191,8 +191,7 @@ async fn transactional_credit(tx: SqliteTransaction) -> Response {
             ),
         )
             .into_response(),
-        Ok(Err(e)) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 
