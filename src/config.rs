@@ -15,6 +15,16 @@ use crate::problem::Rejection;
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
 /// The default response body limit, 1 MiB.
 pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
+/// The default `Retry-After` hint on a 409 in-flight answer: 1 second.
+///
+/// Most handlers finish in well under a second, so a client that obeys the
+/// hint retries soon after the first request completes and gets its replay.
+/// The remaining lease (up to [`DEFAULT_LEASE`](crate::store::DEFAULT_LEASE),
+/// 60 s) would be the time after which the claim may be *taken over*, not
+/// the time the first request needs; sent as the hint, it makes obedient
+/// clients wait a minute for a result that was ready after a few
+/// milliseconds.
+pub const DEFAULT_IN_FLIGHT_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 type RejectionFn = Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
 
@@ -34,6 +44,7 @@ pub(crate) struct Settings {
     pub(crate) methods: Vec<Method>,
     pub(crate) require_key: bool,
     pub(crate) lease: Duration,
+    pub(crate) in_flight_retry_after: Duration,
     pub(crate) ttl: Duration,
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,

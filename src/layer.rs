@@ -9,7 +9,10 @@ use bytes::Bytes;
 use http::{HeaderName, Method, Response};
 use tower_layer::Layer;
 
-use crate::config::{Config, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, Settings};
+use crate::config::{
+    Config, DEFAULT_IN_FLIGHT_RETRY_AFTER, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY,
+    Settings,
+};
 use crate::fingerprint::{DefaultFingerprinter, Fingerprinter};
 use crate::mode::{Separate, Transactional};
 use crate::policy::{DefaultStorePolicy, StorePolicy};
@@ -117,6 +120,7 @@ impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
                     methods: vec![Method::POST, Method::PATCH],
                     require_key: false,
                     lease: DEFAULT_LEASE,
+                    in_flight_retry_after: DEFAULT_IN_FLIGHT_RETRY_AFTER,
                     ttl: DEFAULT_TTL,
                     max_request_body: DEFAULT_MAX_REQUEST_BODY,
                     max_response_body: DEFAULT_MAX_RESPONSE_BODY,
@@ -168,6 +172,18 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// lowers the lease, expect this for claims made before it.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config.settings.lease = lease;
+        self
+    }
+
+    /// The `Retry-After` hint of the 409 answer to a repeat that arrives
+    /// while the first request is in flight (default
+    /// [`DEFAULT_IN_FLIGHT_RETRY_AFTER`], 1 s). The header carries whole
+    /// seconds (RFC 9110 §10.2.3): the hint rounded up, but never more than
+    /// the claim's remaining lease, nor less than 1. Set it near the
+    /// handler's usual running time; `Duration::MAX` sends the remaining
+    /// lease, the moment after which a repeat takes the claim over.
+    pub fn in_flight_retry_after(mut self, hint: Duration) -> Self {
+        self.config.settings.in_flight_retry_after = hint;
         self
     }
 

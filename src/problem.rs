@@ -53,8 +53,10 @@
 //! ## in-flight
 //!
 //! Status 409. The first request with this key is still running. `Retry-After`
-//! gives whole seconds, at most what is left of its lease; the retry then
-//! gets the stored answer.
+//! gives whole seconds: the layer's hint
+//! ([`IdempotencyLayer::in_flight_retry_after`](crate::IdempotencyLayer::in_flight_retry_after),
+//! default 1 s), never more than what is left of its lease; a retry after
+//! the first request finished gets the stored answer.
 //!
 //! ## store-unavailable
 //!
@@ -146,7 +148,7 @@ pub enum Rejection {
     /// 422: the key was used before with a different request (IETF draft §2.7).
     Mismatch,
     /// 409: the first request with this key is still being processed (IETF
-    /// draft §2.7). `Retry-After` says when its lease ends.
+    /// draft §2.7). `Retry-After` is the layer's hint, at most the lease left.
     InFlight {
         /// Seconds until the holder's lease ends, at least 1.
         retry_after_secs: u64,

@@ -378,7 +378,11 @@ where
         }
         Ok(Err(Refusal::InFlight { lease_remaining })) => {
             telemetry::claim("in_flight");
-            let retry_after_secs = retry_after_secs(lease_remaining, settings.lease);
+            let retry_after_secs = retry_after_secs(
+                lease_remaining,
+                settings.lease,
+                settings.in_flight_retry_after,
+            );
             let rejection = Rejection::InFlight { retry_after_secs };
             return Ok(reject(settings, Outcome::InFlight, rejection));
         }

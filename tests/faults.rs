@@ -171,7 +171,9 @@ impl Sqlite {
                 "CREATE TABLE IF NOT EXISTS effects (id INTEGER PRIMARY KEY, note TEXT NOT NULL)",
             )
             .unwrap();
-        let layer = IdempotencyLayer::new(store, |p: &Parts| user(p));
+        // Retry-After shows the remaining lease: the clock state under test.
+        let layer = IdempotencyLayer::new(store, |p: &Parts| user(p))
+            .in_flight_retry_after(Duration::MAX);
         let app = match mode {
             Mode::Separate => Router::new()
                 .route("/charge", post(charge))

@@ -451,7 +451,12 @@ async fn lease_taken_over_fences_the_first_holder() {
 #[tokio::test]
 async fn a_clock_stepped_back_never_holds_a_key_past_one_lease() {
     let (store, clock) = memory();
-    let (addr, h) = start(layer(store).lease(Duration::from_secs(60))).await;
+    let (addr, h) = start(
+        layer(store)
+            .lease(Duration::from_secs(60))
+            .in_flight_retry_after(Duration::MAX),
+    )
+    .await;
     let mut entered = h.watch();
     clock.set(START_MS + 3_600_000);
     let first = tokio::spawn(async move {
@@ -525,12 +530,50 @@ impl Store for HourLongLease {
     }
 }
 
+/// The 409's `Retry-After` is the layer's hint (1 s by default), not the
+/// remaining lease, and a configured hint is rounded up to whole seconds.
+#[tokio::test]
+async fn retry_after_on_409_is_the_configured_hint() {
+    for (hint, expected) in [(None, "1"), (Some(Duration::from_millis(4_200)), "5")] {
+        let (store, _clock) = memory();
+        let layer = layer(store).lease(Duration::from_secs(60));
+        let layer = match hint {
+            Some(hint) => layer.in_flight_retry_after(hint),
+            None => layer,
+        };
+        let (addr, h) = start(layer).await;
+        let mut entered = h.watch();
+        let first = tokio::spawn(async move {
+            send(
+                addr,
+                "POST",
+                "/charges",
+                &[("idempotency-key", b"k"), ("x-gate", b"one")],
+                b"",
+            )
+            .await
+        });
+        assert_eq!(entered.recv().await.unwrap(), "one");
+        let busy = post_key(addr, "/charges", "k", b"").await;
+        assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
+        assert_eq!(busy.header_str("retry-after"), Some(expected), "{hint:?}");
+        h.open("one");
+        assert_eq!(first.await.unwrap().status, 201);
+        assert_eq!(h.runs(), 1);
+    }
+}
+
 /// `Retry-After` is never more than the layer's lease (RFC 9110 §10.2.3
 /// delay-seconds), whatever lease the store reports left.
 #[tokio::test]
 async fn retry_after_is_at_most_the_layers_lease() {
     let (store, clock) = memory();
-    let (addr, h) = start(layer(HourLongLease(store)).lease(Duration::from_secs(60))).await;
+    let (addr, h) = start(
+        layer(HourLongLease(store))
+            .lease(Duration::from_secs(60))
+            .in_flight_retry_after(Duration::MAX),
+    )
+    .await;
     let mut entered = h.watch();
     let first = tokio::spawn(async move {
         send(

@@ -89,14 +89,14 @@ impl Kind {
     }
 }
 
-/// Seconds for `Retry-After` (RFC 9110 §10.2.3, delay-seconds) from a
-/// remaining lease: whole seconds not past the lease's end, at least 1, and
-/// at most the layer's `lease` (rounded up to whole seconds): a store that
-/// reports more than a whole lease left (a clock stepped back) never makes a
-/// client wait longer than one lease.
-pub(crate) fn retry_after_secs(remaining: Duration, lease: Duration) -> u64 {
-    let lease_secs = lease.as_secs() + u64::from(lease.subsec_nanos() > 0);
-    remaining.as_secs().min(lease_secs).max(1)
+/// Seconds for `Retry-After` (RFC 9110 §10.2.3, delay-seconds) on a 409:
+/// the layer's `hint` rounded up to whole seconds, but not past the claim's
+/// remaining lease (whole seconds), nor past the layer's `lease` (rounded
+/// up: a store that reports more than a whole lease left, a clock stepped
+/// back, never makes a client wait longer than one lease), and at least 1.
+pub(crate) fn retry_after_secs(remaining: Duration, lease: Duration, hint: Duration) -> u64 {
+    let ceil = |d: Duration| d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0));
+    ceil(hint).min(remaining.as_secs()).min(ceil(lease)).max(1)
 }
 
 #[cfg(test)]
@@ -140,14 +140,28 @@ mod tests {
 
     #[test]
     fn retry_after_is_within_one_lease() {
-        assert_eq!(retry_after_secs(Duration::from_secs(3659), LEASE), 60);
-        assert_eq!(retry_after_secs(Duration::from_millis(59_999), LEASE), 59);
-        assert_eq!(retry_after_secs(Duration::from_millis(1), LEASE), 1);
-        assert_eq!(retry_after_secs(Duration::ZERO, LEASE), 1);
+        assert_eq!(retry_after_secs(Duration::from_secs(3659), LEASE, Duration::MAX), 60);
+        assert_eq!(retry_after_secs(Duration::from_millis(59_999), LEASE, Duration::MAX), 59);
+        assert_eq!(retry_after_secs(Duration::from_millis(1), LEASE, Duration::MAX), 1);
+        assert_eq!(retry_after_secs(Duration::ZERO, LEASE, Duration::MAX), 1);
         assert_eq!(
-            retry_after_secs(Duration::from_secs(9), Duration::from_millis(1500)),
+            retry_after_secs(Duration::from_secs(9), Duration::from_millis(1500), Duration::MAX),
             2
         );
-        assert_eq!(retry_after_secs(Duration::from_secs(9), Duration::ZERO), 1);
+        assert_eq!(retry_after_secs(Duration::from_secs(9), Duration::ZERO, Duration::MAX), 1);
+    }
+
+    #[test]
+    fn retry_after_is_the_hint_rounded_up_within_the_remaining_lease() {
+        let secs = |remaining_ms, hint_ms| {
+            let (remaining, hint) = (Duration::from_millis(remaining_ms), Duration::from_millis(hint_ms));
+            retry_after_secs(remaining, LEASE, hint)
+        };
+        assert_eq!(secs(59_000, 1_000), 1);
+        assert_eq!(secs(59_000, 1_001), 2);
+        assert_eq!(secs(59_000, 2_500), 3);
+        assert_eq!(secs(2_900, 5_000), 2);
+        assert_eq!(secs(59_000, 0), 1);
+        assert_eq!(secs(300, 5_000), 1);
     }
 }
