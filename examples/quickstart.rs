@@ -45,8 +45,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .route_layer(idempotency) // added first: inside, runs second
         .route_layer(axum::middleware::from_fn(authenticate)); // added last: outside, runs first
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
-    println!("listening on http://127.0.0.1:3000");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+    println!("listening on http://127.0.0.1:8080");
     axum::serve(listener, app).await?;
     Ok(())
 }

@@ -28,7 +28,7 @@
 //!     // in front sets; a request without it gets 401 (see `scope`).
 //!     .route_layer(IdempotencyLayer::new(
 //!         MemoryStore::new(),
-//!         scope::header(http::HeaderName::from_static("x-user")),
+//!         scope::header("x-user"),
 //!     ));
 //!
 //! let charge = || Request::post("/charges")

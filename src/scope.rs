@@ -184,16 +184,31 @@ pub struct Header {
 /// the authentication layer (or the gateway) must overwrite or remove it,
 /// or any client can name any scope.
 ///
+/// `name` is a [`HeaderName`] or a string (any case: header names compare
+/// case-insensitively, RFC 9110 §5.1).
+///
 /// ```
-/// use http::HeaderName;
 /// use tower_idempotency::scope::{self, Scope};
 ///
-/// let by_tenant = scope::header(HeaderName::from_static("x-tenant"));
+/// let by_tenant = scope::header("X-Tenant");
 /// let (parts, ()) = http::Request::post("/").header("x-tenant", "acme").body(()).unwrap().into_parts();
 /// assert_eq!(by_tenant.scope(&parts).as_deref(), Some("acme"));
 /// ```
-pub fn header(name: HeaderName) -> Header {
-    Header { name }
+///
+/// # Panics
+///
+/// When `name` is not a valid header name (RFC 9110 §5.1: a token): a
+/// configuration mistake, reported when the layer is built rather than at
+/// the first request.
+pub fn header<N>(name: N) -> Header
+where
+    HeaderName: TryFrom<N>,
+    <HeaderName as TryFrom<N>>::Error: std::fmt::Display,
+{
+    match HeaderName::try_from(name) {
+        Ok(name) => Header { name },
+        Err(e) => panic!("scope::header: not a valid header name: {e}"),
+    }
 }
 
 impl Scope for Header {
