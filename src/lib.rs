@@ -139,7 +139,9 @@ pub use body::{RequestBody, ResponseBody};
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
-pub use config::{DEFAULT_IN_FLIGHT_RETRY_AFTER, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY};
+pub use config::{
+    DEFAULT_IN_FLIGHT_RETRY_AFTER, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY,
+};
 pub use layer::IdempotencyLayer;
 pub use response::{StoredBody, StoredResponse};
 /// The rusqlite this crate is built with, for the SQL a handler runs through

@@ -172,8 +172,8 @@ impl Sqlite {
             )
             .unwrap();
         // Retry-After shows the remaining lease: the clock state under test.
-        let layer = IdempotencyLayer::new(store, |p: &Parts| user(p))
-            .in_flight_retry_after(Duration::MAX);
+        let layer =
+            IdempotencyLayer::new(store, |p: &Parts| user(p)).in_flight_retry_after(Duration::MAX);
         let app = match mode {
             Mode::Separate => Router::new()
                 .route("/charge", post(charge))

@@ -137,6 +137,20 @@ async fn post_key(addr: std::net::SocketAddr, path: &str, key: &str, body: &[u8]
     .await
 }
 
+/// POST /charges with key `k`, held at the gate `gate` until the test opens it.
+fn spawn_gated(addr: std::net::SocketAddr, gate: &'static str) -> tokio::task::JoinHandle<Raw> {
+    tokio::spawn(async move {
+        send(
+            addr,
+            "POST",
+            "/charges",
+            &[("idempotency-key", b"k"), ("x-gate", gate.as_bytes())],
+            b"",
+        )
+        .await
+    })
+}
+
 fn memory() -> (MemoryStore, ManualClock) {
     let clock = ManualClock::new(START_MS);
     (MemoryStore::with_clock(clock.clone()), clock)
@@ -399,16 +413,7 @@ async fn lease_taken_over_fences_the_first_holder() {
     let lease = Duration::from_secs(10);
     let (addr, h) = start(layer(store).lease(lease)).await;
     let mut entered = h.watch();
-    let first = tokio::spawn(async move {
-        send(
-            addr,
-            "POST",
-            "/charges",
-            &[("idempotency-key", b"k"), ("x-gate", b"one")],
-            b"",
-        )
-        .await
-    });
+    let first = spawn_gated(addr, "one");
     assert_eq!(entered.recv().await.unwrap(), "one");
     clock.advance(lease + Duration::from_secs(1));
     // The fingerprint covers neither header, so this is the same request.
@@ -459,16 +464,7 @@ async fn a_clock_stepped_back_never_holds_a_key_past_one_lease() {
     .await;
     let mut entered = h.watch();
     clock.set(START_MS + 3_600_000);
-    let first = tokio::spawn(async move {
-        send(
-            addr,
-            "POST",
-            "/charges",
-            &[("idempotency-key", b"k"), ("x-gate", b"one")],
-            b"",
-        )
-        .await
-    });
+    let first = spawn_gated(addr, "one");
     assert_eq!(entered.recv().await.unwrap(), "one");
     // 30 s on, then 20 s back: 50 s of the lease left.
     clock.set(START_MS + 3_630_000);
@@ -543,16 +539,7 @@ async fn retry_after_on_409_is_the_configured_hint() {
         };
         let (addr, h) = start(layer).await;
         let mut entered = h.watch();
-        let first = tokio::spawn(async move {
-            send(
-                addr,
-                "POST",
-                "/charges",
-                &[("idempotency-key", b"k"), ("x-gate", b"one")],
-                b"",
-            )
-            .await
-        });
+        let first = spawn_gated(addr, "one");
         assert_eq!(entered.recv().await.unwrap(), "one");
         let busy = post_key(addr, "/charges", "k", b"").await;
         assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
@@ -575,16 +562,7 @@ async fn retry_after_is_at_most_the_layers_lease() {
     )
     .await;
     let mut entered = h.watch();
-    let first = tokio::spawn(async move {
-        send(
-            addr,
-            "POST",
-            "/charges",
-            &[("idempotency-key", b"k"), ("x-gate", b"one")],
-            b"",
-        )
-        .await
-    });
+    let first = spawn_gated(addr, "one");
     assert_eq!(entered.recv().await.unwrap(), "one");
     clock.advance(Duration::from_secs(1));
     let busy = post_key(addr, "/charges", "k", b"").await;

@@ -140,21 +140,40 @@ mod tests {
 
     #[test]
     fn retry_after_is_within_one_lease() {
-        assert_eq!(retry_after_secs(Duration::from_secs(3659), LEASE, Duration::MAX), 60);
-        assert_eq!(retry_after_secs(Duration::from_millis(59_999), LEASE, Duration::MAX), 59);
-        assert_eq!(retry_after_secs(Duration::from_millis(1), LEASE, Duration::MAX), 1);
+        assert_eq!(
+            retry_after_secs(Duration::from_secs(3659), LEASE, Duration::MAX),
+            60
+        );
+        assert_eq!(
+            retry_after_secs(Duration::from_millis(59_999), LEASE, Duration::MAX),
+            59
+        );
+        assert_eq!(
+            retry_after_secs(Duration::from_millis(1), LEASE, Duration::MAX),
+            1
+        );
         assert_eq!(retry_after_secs(Duration::ZERO, LEASE, Duration::MAX), 1);
         assert_eq!(
-            retry_after_secs(Duration::from_secs(9), Duration::from_millis(1500), Duration::MAX),
+            retry_after_secs(
+                Duration::from_secs(9),
+                Duration::from_millis(1500),
+                Duration::MAX
+            ),
             2
         );
-        assert_eq!(retry_after_secs(Duration::from_secs(9), Duration::ZERO, Duration::MAX), 1);
+        assert_eq!(
+            retry_after_secs(Duration::from_secs(9), Duration::ZERO, Duration::MAX),
+            1
+        );
     }
 
     #[test]
     fn retry_after_is_the_hint_rounded_up_within_the_remaining_lease() {
         let secs = |remaining_ms, hint_ms| {
-            let (remaining, hint) = (Duration::from_millis(remaining_ms), Duration::from_millis(hint_ms));
+            let (remaining, hint) = (
+                Duration::from_millis(remaining_ms),
+                Duration::from_millis(hint_ms),
+            );
             retry_after_secs(remaining, LEASE, hint)
         };
         assert_eq!(secs(59_000, 1_000), 1);
