@@ -158,6 +158,8 @@ pub use store::PostgresStore;
 pub use store::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
+#[cfg(feature = "sqlx-postgres")]
+pub use store::SqlxPostgresStore;
 pub use store::{DEFAULT_LEASE, DEFAULT_TTL};
 pub use store::{MemoryStore, Store, StoreError};
 /// The tokio-postgres this crate is built with, for the statements a handler

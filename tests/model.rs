@@ -32,7 +32,7 @@
 //!
 //! Every case gets a fresh store: a new `MemoryStore`, a new SQLite file, a
 //! new PostgreSQL table, a new Redis key prefix, so purge counts are exact.
-//! PostgreSQL and Redis (features `postgres`, `redis`) need their servers
+//! PostgreSQL (features `postgres`, `sqlx-postgres`) and Redis (`redis`) need their servers
 //! (`TOWER_IDEMPOTENCY_POSTGRES_URL`, `TOWER_IDEMPOTENCY_REDIS_URL`); a
 //! missing server fails the test.
 //!
@@ -130,6 +130,12 @@ const SQLITE: Kind = Kind {
 #[cfg(feature = "postgres")]
 const POSTGRES: Kind = Kind {
     name: "postgres",
+    exact_clock: false,
+    fences_past_ttl: false,
+};
+#[cfg(feature = "sqlx-postgres")]
+const SQLX_POSTGRES: Kind = Kind {
+    name: "sqlx-postgres",
     exact_clock: false,
     fences_past_ttl: false,
 };
@@ -808,10 +814,10 @@ async fn sqlite(clock: &ManualClock) -> (SqliteStore, tempfile::TempDir) {
 }
 
 /// The test's clock as an offset from a server's clock.
-#[cfg(any(feature = "postgres", feature = "redis"))]
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "redis"))]
 struct Offset(ManualClock);
 
-#[cfg(any(feature = "postgres", feature = "redis"))]
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "redis"))]
 impl tower_idempotency::store::Clock for Offset {
     fn now_ms(&self) -> i64 {
         self.0.now_ms() - START_MS
@@ -852,6 +858,49 @@ mod pg {
             .batch_execute(&format!("DROP TABLE {table}"))
             .await
             .unwrap();
+        result
+    }
+}
+
+/// `SqlxPostgresStore`: the same as `pg`, through a `sqlx::PgPool`.
+#[cfg(feature = "sqlx-postgres")]
+mod sqlx_pg {
+    use super::*;
+    use tower_idempotency::SqlxPostgresStore;
+
+    fn url() -> String {
+        std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    }
+
+    /// Runs `case` on a store over a table of its own, then drops the table
+    /// (also when the case failed).
+    pub(crate) async fn with_store<F, Fut>(
+        clock: &ManualClock,
+        case: F,
+    ) -> Result<(), TestCaseError>
+    where
+        F: FnOnce(SqlxPostgresStore) -> Fut,
+        Fut: Future<Output = Result<(), TestCaseError>>,
+    {
+        let table = format!("model_sqlx_{:016x}", FencingToken::random().0);
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(10)
+            .connect(&url())
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL at {} is required for these tests: {e}", url()));
+        let store = SqlxPostgresStore::builder(pool.clone())
+            .table(table.clone())
+            .time_offset(Offset(clock.clone()))
+            .open()
+            .await
+            .unwrap();
+        let result = case(store).await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
         result
     }
 }
@@ -933,6 +982,32 @@ proptest! {
         RUNTIME.block_on(async {
             let clock = ManualClock::new(START_MS);
             pg::with_store(&clock, |store| run_rounds(POSTGRES, store, clock.clone(), &rounds)).await
+        })?;
+    }
+}
+
+#[cfg(feature = "sqlx-postgres")]
+proptest! {
+    #![proptest_config(config(48))]
+
+    #[test]
+    fn sequences_sqlx_postgres(ops in ops(SQLX_POSTGRES)) {
+        RUNTIME.block_on(async {
+            let clock = ManualClock::new(START_MS);
+            sqlx_pg::with_store(&clock, |store| run_sequence(SQLX_POSTGRES, store, clock.clone(), &ops)).await
+        })?;
+    }
+}
+
+#[cfg(feature = "sqlx-postgres")]
+proptest! {
+    #![proptest_config(config(12))]
+
+    #[test]
+    fn concurrent_sqlx_postgres(rounds in rounds()) {
+        RUNTIME.block_on(async {
+            let clock = ManualClock::new(START_MS);
+            sqlx_pg::with_store(&clock, |store| run_rounds(SQLX_POSTGRES, store, clock.clone(), &rounds)).await
         })?;
     }
 }

@@ -1,7 +1,8 @@
-//! The README's quick start is `examples/quickstart.rs`, byte for byte, so
-//! that the code a reader copies is the code `cargo run --example quickstart`
-//! builds (the README's blocks are compiled as doc tests too, through
-//! `ReadmeDoctests` in `src/lib.rs`).
+//! The README's quick start is `examples/quickstart.rs`, and its sqlx
+//! section `examples/sqlx_postgres.rs`, byte for byte, so that the code a
+//! reader copies is the code `cargo run --example ...` builds (the
+//! README's blocks are compiled as doc tests too, through `ReadmeDoctests`
+//! in `src/lib.rs`).
 
 use std::path::Path;
 
@@ -23,6 +24,16 @@ fn quick_start_is_the_quickstart_example() {
     let readme = read("README.md");
     let block = block_after(&readme, "\n## Quick start\n", "```rust,no_run\n");
     assert_eq!(block, read("examples/quickstart.rs"));
+}
+
+/// The same for the sqlx section and `examples/sqlx_postgres.rs` (an
+/// `ignore` block: it needs the `sqlx-postgres` feature, which the doc tests
+/// of the README do not have; the example itself is built with it).
+#[test]
+fn sqlx_section_is_the_sqlx_postgres_example() {
+    let readme = read("README.md");
+    let block = block_after(&readme, "\n## With sqlx (PostgreSQL)\n", "```rust,ignore\n");
+    assert_eq!(block, read("examples/sqlx_postgres.rs"));
 }
 
 #[test]

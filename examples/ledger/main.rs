@@ -3,8 +3,12 @@
 //!
 //! ```text
 //! cargo run --example ledger -- [--db PATH] [--mode transactional|separate] [--listen ADDR]
-//!     [--lease-secs N] [--fault-injection] [--admin-listen ADDR]
+//!     [--lease-secs N] [--fault-injection] [--admin-listen ADDR] [--db-driver sqlx]
 //! ```
+//!
+//! `--db-driver sqlx` with a `postgres://` `--db` (a build with `--features
+//! sqlx-postgres`) runs the ledger and its records on one `sqlx::PgPool`
+//! through `SqlxPostgresStore` (`sqlx_pg.rs`) instead of tokio-postgres.
 //!
 //! `--admin-listen ADDR` (a build with `--features admin`) also serves
 //! `tower_idempotency::admin::router` over the idempotency store on a second
@@ -17,6 +21,8 @@
 mod db;
 #[cfg(feature = "postgres")]
 mod pg;
+#[cfg(feature = "sqlx-postgres")]
+mod sqlx_pg;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -35,7 +41,7 @@ use tower_idempotency::{IdempotencyLayer, SqliteStore};
 use db::{LedgerError, Op, SqliteDb};
 
 const USAGE: &str = "usage: ledger [--db PATH] [--mode transactional|separate] \
-[--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR]";
+[--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR] [--db-driver sqlx]";
 
 /// When the idempotency record is written (see `tower_idempotency::mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +63,8 @@ struct Args {
     fault_injection: bool,
     /// Where the operators' admin router listens; `None`: not served.
     admin_listen: Option<SocketAddr>,
+    /// `--db-driver sqlx`: the database through sqlx instead of the default drivers.
+    sqlx: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -68,6 +76,7 @@ fn parse_args() -> Result<Args, String> {
         lease: None,
         fault_injection: false,
         admin_listen: None,
+        sqlx: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -84,15 +93,12 @@ fn parse_args() -> Result<Args, String> {
         };
         match flag.as_str() {
             "--db" => {
-                let db = value()?;
-                let postgres = db.starts_with("postgres://") || db.starts_with("postgresql://");
-                if postgres && !cfg!(feature = "postgres") {
-                    return Err(
-                        "--db postgres://... needs a build with `--features postgres`".into(),
-                    );
-                }
-                args.db = PathBuf::from(db);
+                args.db = PathBuf::from(value()?);
             }
+            "--db-driver" => match value()?.as_str() {
+                "sqlx" => args.sqlx = true,
+                other => return Err(format!("unknown --db-driver {other:?}\n{USAGE}")),
+            },
             "--key-store" => {
                 let url = value()?;
                 if !url.starts_with("redis://") {
@@ -143,6 +149,20 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
+    let db = args.db.to_string_lossy();
+    let postgres = db.starts_with("postgres://") || db.starts_with("postgresql://");
+    if postgres && !args.sqlx && !cfg!(feature = "postgres") {
+        return Err("--db postgres://... needs a build with `--features postgres`".into());
+    }
+    if args.sqlx && !postgres {
+        return Err("--db-driver sqlx needs a postgres:// --db".into());
+    }
+    if postgres && args.sqlx && !cfg!(feature = "sqlx-postgres") {
+        return Err(
+            "--db postgres://... --db-driver sqlx needs a build with `--features sqlx-postgres`"
+                .into(),
+        );
+    }
     if args.key_store.is_some() && args.mode == Some(Mode::Transactional) {
         return Err("--mode transactional needs the records in the --db database; with --key-store only --mode separate is possible".into());
     }
@@ -155,6 +175,8 @@ enum Db {
     Sqlite(SqliteDb),
     #[cfg(feature = "postgres")]
     Postgres(pg::PgDb),
+    #[cfg(feature = "sqlx-postgres")]
+    SqlxPg(sqlx_pg::SqlxPgDb),
 }
 
 impl Db {
@@ -163,6 +185,8 @@ impl Db {
             Db::Sqlite(db) => db.account(id).await,
             #[cfg(feature = "postgres")]
             Db::Postgres(db) => db.account(id).await,
+            #[cfg(feature = "sqlx-postgres")]
+            Db::SqlxPg(db) => db.account(id).await,
         }
     }
 
@@ -172,6 +196,8 @@ impl Db {
             Db::Sqlite(db) => db.in_transaction(move |conn| op.on_sqlite(conn)).await,
             #[cfg(feature = "postgres")]
             Db::Postgres(db) => db.in_transaction(op).await,
+            #[cfg(feature = "sqlx-postgres")]
+            Db::SqlxPg(db) => db.in_transaction(op).await,
         }
     }
 }
@@ -182,6 +208,8 @@ enum Tx {
     Sqlite(SqliteTransaction),
     #[cfg(feature = "postgres")]
     Postgres(tower_idempotency::store::PostgresTransaction),
+    #[cfg(feature = "sqlx-postgres")]
+    SqlxPg(tower_idempotency::store::SqlxPostgresTransaction),
 }
 
 impl<S: Sync> axum::extract::FromRequestParts<S> for Tx {
@@ -194,6 +222,13 @@ impl<S: Sync> axum::extract::FromRequestParts<S> for Tx {
             .get::<tower_idempotency::store::PostgresTransaction>()
         {
             return Ok(Tx::Postgres(tx.clone()));
+        }
+        #[cfg(feature = "sqlx-postgres")]
+        if let Some(tx) = parts
+            .extensions
+            .get::<tower_idempotency::store::SqlxPostgresTransaction>()
+        {
+            return Ok(Tx::SqlxPg(tx.clone()));
         }
         Ok(match parts.extensions.get::<SqliteTransaction>() {
             Some(tx) => Tx::Sqlite(tx.clone()),
@@ -306,6 +341,8 @@ async fn write(state: &AppState, tx: Tx, op: Op) -> Result<db::Json, ApiError> {
                 .map_err(|e| LedgerError::Database(Box::new(e)))?;
             Ok(op.on_postgres(&*client).await?)
         }
+        #[cfg(feature = "sqlx-postgres")]
+        (Mode::Transactional, Tx::SqlxPg(tx)) => Ok(sqlx_pg::in_idempotency_tx(&tx, op).await?),
         (Mode::Transactional, Tx::None) => Err(ApiError::Ledger(LedgerError::Database(
             "no idempotency transaction for this request".into(),
         ))),
@@ -347,7 +384,9 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         Mode::Transactional
     });
-    let (db, (writes, admin)) = if postgres {
+    let (db, (writes, admin)) = if postgres && args.sqlx {
+        sqlx_postgres_app(&url, mode, &args).await?
+    } else if postgres {
         postgres_app(&url, mode, &args).await?
     } else {
         let db = Db::Sqlite(SqliteDb::open(&args.db).await?);
@@ -428,6 +467,18 @@ async fn postgres_app(
 #[cfg(not(feature = "postgres"))]
 async fn postgres_app(_: &str, _: Mode, _: &Args) -> Result<Built, Box<dyn std::error::Error>> {
     Err("this build has no PostgreSQL store: build with `--features postgres`".into())
+}
+
+#[cfg(feature = "sqlx-postgres")]
+use sqlx_pg::app as sqlx_postgres_app;
+
+#[cfg(not(feature = "sqlx-postgres"))]
+async fn sqlx_postgres_app(
+    _: &str,
+    _: Mode,
+    _: &Args,
+) -> Result<Built, Box<dyn std::error::Error>> {
+    Err("this build has no sqlx PostgreSQL store: build with `--features sqlx-postgres`".into())
 }
 
 /// Records in Redis, the ledger's data in --db: separate mode only.

@@ -1,0 +1,415 @@
+//! PostgreSQL through the application's own `sqlx::PgPool` (feature
+//! `sqlx-postgres`, sqlx 0.9).
+//!
+//! * `sql.rs`: the statements and the schema, the same as `PostgresStore`'s
+//!   (feature `postgres`), so both stores can share one table.
+//! * `transaction.rs`: [`SqlxPostgresTransaction`], its connection guard
+//!   [`SqlxPostgresConnection`], the handler's error [`SqlxPostgresError`]
+//!   and the [`TransactionalStore`](crate::store::TransactionalStore) impl;
+//!   `transaction/hold.rs`: its max hold time.
+//! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use sqlx::PgPool;
+//! use tower_idempotency::{IdempotencyLayer, SqlxPostgresStore, scope::GlobalScope};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = PgPool::connect("postgres://app@db.internal/app").await?;
+//! // Creates the `idempotency_records` table if it is missing.
+//! let store = SqlxPostgresStore::new(pool).await?;
+//! let layer = IdempotencyLayer::new(store, GlobalScope).transactional();
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::{PgConnection, PgPool, Row};
+
+use super::{
+    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, RecordId, Refusal,
+    Store, StoreError, decide, duration_ms,
+};
+use crate::response::StoredResponse;
+
+mod inspect;
+mod sql;
+mod transaction;
+
+use sql::{Sql, advisory_key, query};
+pub use transaction::{SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresTransaction};
+
+/// Records in a PostgreSQL table, reached through the application's own
+/// [`sqlx::PgPool`]; leases and TTLs judged by the database server's clock.
+///
+/// The same records, statements and rules as `PostgresStore` (feature
+/// `postgres`, tokio-postgres), over sqlx instead:
+///
+/// * The claim runs in a transaction that first takes a transaction-level
+///   advisory lock on the key, then `INSERT ... ON CONFLICT DO NOTHING`: the
+///   primary key `(scope, key)` decides who is first, across every app
+///   server. The lock key, the table and its columns are `PostgresStore`'s:
+///   the two stores may share a table, e.g. while a fleet moves from one to
+///   the other.
+/// * Transactional mode ([`crate::mode::Transactional`]) runs in two phases:
+///   the claim commits at once (so every server sees the key in flight, with
+///   its fingerprint: a duplicate gets 409 or 422 without waiting on
+///   anything), then the handler's writes and the record's completion share
+///   one `sqlx::Transaction` ([`SqlxPostgresTransaction`]) that commits only
+///   while the record still carries this request's fencing token. A crash
+///   before that commit rolls the writes back and leaves the key in flight
+///   until its lease ends; the retry then runs once. A rollback (a response
+///   not stored, an error, a panic, a dropped request) gives the key back at
+///   once.
+/// * A transactional request holds its transaction (and a connection of the
+///   pool) at most [`SqlxPostgresStoreBuilder::max_hold`] (default 30 s) or
+///   its lease, whichever is shorter; past it the store rolls it back and
+///   the request gets 503 (see [`SqlxPostgresTransaction`], "Max hold time").
+/// * Connections come from the application's pool: its size and its
+///   `acquire_timeout` (sqlx's default 30 s) apply. A connection that cannot
+///   be had in time, or a server that cannot be reached, is
+///   [`StoreError::Unavailable`]: the layer answers 503. In transactional
+///   mode each request in its handler holds one connection of the pool.
+/// * TLS is the pool's: enable one of sqlx's TLS features (e.g.
+///   `tls-rustls`) in the application's own `sqlx` dependency; Cargo unifies
+///   the features, and this crate enables none.
+/// * The table (default `idempotency_records`) is created by
+///   [`SqlxPostgresStore::new`] / [`SqlxPostgresStoreBuilder::open`] under an
+///   advisory lock, so app servers starting together do not race.
+///
+/// # Example
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use sqlx::postgres::PgPoolOptions;
+/// use tower_idempotency::SqlxPostgresStore;
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = PgPoolOptions::new()
+///     .max_connections(16)
+///     .acquire_timeout(Duration::from_secs(5))
+///     .connect("postgres://app@db.internal/app")
+///     .await?;
+/// let store = SqlxPostgresStore::builder(pool)
+///     .table("idempotency_records") // created if missing
+///     .max_hold(Duration::from_secs(10))
+///     .open()
+///     .await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct SqlxPostgresStore {
+    pool: PgPool,
+    sql: Arc<Sql>,
+    offset: Option<Arc<dyn Clock>>,
+    /// The longest a transactional request holds its transaction.
+    max_hold: Duration,
+    /// Transactions rolled back past their max hold time.
+    held_too_long: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl std::fmt::Debug for SqlxPostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlxPostgresStore")
+            .field("table", &self.sql.table)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Options for [`SqlxPostgresStore`]; made by [`SqlxPostgresStore::builder`].
+#[must_use]
+pub struct SqlxPostgresStoreBuilder {
+    pool: PgPool,
+    table: String,
+    offset: Option<Arc<dyn Clock>>,
+    max_hold: Duration,
+}
+
+impl std::fmt::Debug for SqlxPostgresStoreBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlxPostgresStoreBuilder")
+            .field("table", &self.table)
+            .field("max_hold", &self.max_hold)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Every sqlx error of the store is [`StoreError::Unavailable`]: a server
+/// that cannot be reached, a pool timeout, a failed statement.
+pub(super) fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
+    StoreError::unavailable(e)
+}
+
+impl SqlxPostgresStoreBuilder {
+    /// The table (default `idempotency_records`): ASCII letters, digits and
+    /// underscores, not starting with a digit, at most 48 characters (the
+    /// rule of `PostgresStore`, so the index name derived from it fits
+    /// PostgreSQL's 63-byte identifiers).
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The longest a transactional request may hold its transaction (and
+    /// its pooled connection) open (default 30 s); the layer's lease caps it
+    /// further. Past it the transaction is rolled back, the key given back,
+    /// and the request answered 503 with `Retry-After`: see
+    /// [`SqlxPostgresTransaction`], "Max hold time".
+    pub fn max_hold(mut self, hold: Duration) -> Self {
+        self.max_hold = hold;
+        self
+    }
+
+    /// For tests of leases and TTLs: a [`Clock`] whose reading, in
+    /// milliseconds, is added to the server's clock. Leave it unset in
+    /// production.
+    pub fn time_offset(mut self, offset: impl Clock) -> Self {
+        self.offset = Some(Arc::new(offset));
+        self
+    }
+
+    /// Checks the table name, then creates the table and its index if they
+    /// are missing (`CREATE ... IF NOT EXISTS`, in one transaction holding an
+    /// advisory lock, so servers starting together do not race).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Config`] for a table name outside the rule of
+    /// [`SqlxPostgresStoreBuilder::table`], before any connection is tried;
+    /// [`StoreError::Unavailable`] when the pool has no connection to give
+    /// (a server that cannot be reached) or the statements fail (e.g. a role
+    /// without `CREATE` on the schema).
+    pub async fn open(self) -> Result<SqlxPostgresStore, StoreError> {
+        let valid = !self.table.is_empty()
+            && self.table.len() <= 48
+            && !self.table.starts_with(|c: char| c.is_ascii_digit())
+            && self
+                .table
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            return Err(StoreError::config(format!(
+                "invalid table name {:?}: ASCII letters, digits and underscores, not starting with a digit, at most 48 characters",
+                self.table
+            )));
+        }
+        let sql = Sql::new(&self.table);
+        let mut tx = self.pool.begin().await.map_err(unavailable)?;
+        // Two servers starting at once would race on CREATE TABLE.
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(advisory_key(&self.table, "migrate", ""))
+            .execute(&mut *tx)
+            .await
+            .map_err(unavailable)?;
+        sqlx::raw_sql(sql.schema())
+            .execute(&mut *tx)
+            .await
+            .map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(SqlxPostgresStore {
+            pool: self.pool,
+            sql: Arc::new(sql),
+            offset: self.offset,
+            max_hold: self.max_hold,
+            held_too_long: Arc::default(),
+        })
+    }
+}
+
+impl SqlxPostgresStore {
+    /// The store on `pool` with the default options (table
+    /// `idempotency_records`, max hold 30 s); creates the table if it is
+    /// missing.
+    ///
+    /// # Errors
+    ///
+    /// As [`SqlxPostgresStoreBuilder::open`].
+    pub async fn new(pool: PgPool) -> Result<Self, StoreError> {
+        Self::builder(pool).open().await
+    }
+
+    /// Options: table, max hold time, test time offset. The pool's own
+    /// options (size, timeouts, TLS) are the application's.
+    pub fn builder(pool: PgPool) -> SqlxPostgresStoreBuilder {
+        SqlxPostgresStoreBuilder {
+            pool,
+            table: "idempotency_records".into(),
+            offset: None,
+            max_hold: Duration::from_secs(30),
+        }
+    }
+
+    /// Transactional requests rolled back because they held their
+    /// transaction past their max hold time (see
+    /// [`SqlxPostgresTransaction`], "Max hold time"), since the store opened.
+    pub fn transactions_held_too_long(&self) -> u64 {
+        self.held_too_long
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The pool the store was made with.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The table the records live in.
+    pub fn table(&self) -> &str {
+        &self.sql.table
+    }
+
+    fn offset_ms(&self) -> i64 {
+        self.offset.as_ref().map_or(0, |c| c.now_ms())
+    }
+
+    /// The claim inside an open transaction that holds the key's advisory
+    /// lock; `now` is the server's clock read after the lock was taken.
+    async fn claim_in(
+        &self,
+        conn: &mut PgConnection,
+        req: &ClaimRequest,
+        now: i64,
+    ) -> Result<Claim, StoreError> {
+        let lease_until = now.saturating_add(duration_ms(req.lease));
+        let expires_at = now.saturating_add(duration_ms(req.ttl));
+        let fingerprint = &req.fingerprint.0[..];
+        let sql = &self.sql;
+        // A release or a purge may delete the conflicting row between the
+        // insert and the select (they do not take the key's lock): then the
+        // insert is tried again, and wins.
+        let mut found = None;
+        for _ in 0..3 {
+            let inserted = query(&sql.insert)
+                .bind(&req.scope)
+                .bind(&req.key)
+                .bind(fingerprint)
+                .bind(req.token.0)
+                .bind(lease_until)
+                .bind(expires_at)
+                .execute(&mut *conn)
+                .await
+                .map_err(unavailable)?;
+            if inserted.rows_affected() == 1 {
+                return Ok(Claim::Acquired { taken_over: false });
+            }
+            found = query(&sql.select)
+                .bind(&req.scope)
+                .bind(&req.key)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(unavailable)?;
+            if found.is_some() {
+                break;
+            }
+        }
+        let row = found.ok_or_else(|| unavailable("the conflicting record kept vanishing"))?;
+        let old_fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
+        let state: String = row.try_get(1).map_err(unavailable)?;
+        let existing = Existing {
+            fingerprint: &old_fingerprint,
+            completed: state == "completed",
+            lease_until: row.try_get(2).map_err(unavailable)?,
+            expires_at: row.try_get(3).map_err(unavailable)?,
+        };
+        let taken_over = match decide(&existing, &req.fingerprint, now, req.lease) {
+            Decision::Replace { taken_over } => taken_over,
+            Decision::Mismatch => return Ok(Refusal::Mismatch.into()),
+            Decision::Replay => {
+                let blob: Option<Vec<u8>> = row.try_get(4).map_err(unavailable)?;
+                return StoredResponse::decode(&blob.unwrap_or_default())
+                    .map(|stored| Refusal::Completed(stored).into())
+                    .map_err(|e| StoreError::Corrupt(e.to_string()));
+            }
+            Decision::InFlight(lease_remaining) => {
+                return Ok(Refusal::InFlight { lease_remaining }.into());
+            }
+        };
+        query(&sql.take_over)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .bind(fingerprint)
+            .bind(req.token.0)
+            .bind(lease_until)
+            .bind(expires_at)
+            .execute(&mut *conn)
+            .await
+            .map_err(unavailable)?;
+        Ok(Claim::Acquired { taken_over })
+    }
+
+    /// Completes the record on `conn` if it still carries `token`.
+    async fn complete_on(
+        &self,
+        conn: &mut PgConnection,
+        scope: &str,
+        key: &str,
+        token: FencingToken,
+        response: &StoredResponse,
+    ) -> Result<Completion, sqlx::Error> {
+        let updated = query(&self.sql.complete)
+            .bind(scope)
+            .bind(key)
+            .bind(token.0)
+            .bind(response.encode())
+            .execute(conn)
+            .await?;
+        Ok(if updated.rows_affected() == 1 {
+            Completion::Stored
+        } else {
+            Completion::Fenced
+        })
+    }
+}
+
+impl Store for SqlxPostgresStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        // Dropped unfinished (an error below, a cancelled request), the
+        // transaction rolls back (sqlx queues the ROLLBACK on the connection
+        // before the pool hands it out again).
+        let mut tx = self.pool.begin().await.map_err(unavailable)?;
+        let now: i64 = sqlx::query_scalar(self.sql.lock_now.clone())
+            .bind(advisory_key(&self.sql.table, &req.scope, &req.key))
+            .bind(self.offset_ms())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(unavailable)?;
+        let claim = self.claim_in(&mut tx, &req, now).await?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(claim)
+    }
+
+    async fn complete(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Completion, StoreError> {
+        let (scope, key) = id.into_parts();
+        let mut conn = self.pool.acquire().await.map_err(unavailable)?;
+        self.complete_on(&mut conn, &scope, &key, token, &response)
+            .await
+            .map_err(unavailable)
+    }
+
+    async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
+        let (scope, key) = id.into_parts();
+        let deleted = query(&self.sql.release)
+            .bind(scope)
+            .bind(key)
+            .bind(token.0)
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(deleted.rows_affected() == 1)
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let purged = query(&self.sql.purge)
+            .bind(self.offset_ms())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(purged.rows_affected())
+    }
+}

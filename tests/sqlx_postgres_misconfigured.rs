@@ -1,0 +1,86 @@
+//! A route whose handler takes the transaction extractor, behind a layer
+//! that is not `.transactional()`: each request gets a 500 problem saying
+//! so, and the process logs it once. (One test in this binary: the log is
+//! once per process.) Here for `SqlxPostgresTransaction`, on PostgreSQL
+//! (`TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database).
+
+use std::fmt::Write;
+use std::sync::Mutex;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::routing::post;
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use tower_idempotency::IdempotencyLayer;
+use tower_idempotency::scope::GlobalScope;
+use tower_idempotency::store::{SqlxPostgresStore, SqlxPostgresTransaction};
+use tracing::field::{Field, Visit};
+use tracing_subscriber::layer::{Context, SubscriberExt};
+
+/// Every error event of the process, as `message | detail`.
+static ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+struct Errors;
+
+struct Text(String);
+
+impl Visit for Text {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        let _ = write!(self.0, "{}={value:?};", field.name());
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        if *event.metadata().level() == tracing::Level::ERROR {
+            let mut text = Text(String::new());
+            event.record(&mut text);
+            ERRORS.lock().unwrap().push(text.0);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_once() {
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Errors)).unwrap();
+    let url = std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let pool = sqlx::PgPool::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL at {url} is required: {e}"));
+    let store = SqlxPostgresStore::new(pool).await.unwrap();
+    let handler = |_tx: SqlxPostgresTransaction| async { "ran" };
+    // Forgot `.transactional()`.
+    let app = Router::new()
+        .route("/credits", post(handler))
+        .route_layer(IdempotencyLayer::new(store, GlobalScope).require_key(true));
+    let detail = "this handler takes a SqlxPostgresTransaction, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)";
+    for key in ["k-1", "k-2"] {
+        let request = Request::post("/credits")
+            .header("idempotency-key", key)
+            .body(Body::empty())
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json"
+        );
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(
+            body,
+            format!(
+                r#"{{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"{detail}"}}"#
+            )
+        );
+    }
+    assert_eq!(
+        *ERRORS.lock().unwrap(),
+        vec![format!(
+            "message=a handler's extractor found nothing in the request: the route is configured wrong; answering 500 (logged once per process);detail={detail:?};"
+        )]
+    );
+}
