@@ -85,7 +85,7 @@ use crate::response::StoredResponse;
 /// the idempotency transaction), and logs the misconfiguration once per
 /// process and type; `Option<T>` is `None` for requests that passed through
 /// without a key.
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-sqlite"))]
 macro_rules! transaction_extractor {
     ($transaction:ty) => {
         /// Extracts the request's transaction in a handler behind a
@@ -135,7 +135,7 @@ macro_rules! transaction_extractor {
         }
     };
 }
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-sqlite"))]
 pub(crate) use transaction_extractor;
 
 mod clock;
@@ -147,6 +147,8 @@ mod postgres;
 mod redis;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+#[cfg(feature = "sqlx-sqlite")]
+mod sqlx_sqlite;
 
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisStore, RedisStoreBuilder};
@@ -161,6 +163,11 @@ pub use postgres::{PostgresStore, PostgresStoreBuilder, PostgresTransaction, Tra
 pub use sqlite::{
     GroupCommitStats, SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous,
     TransactionError,
+};
+#[cfg(feature = "sqlx-sqlite")]
+pub use sqlx_sqlite::{
+    SqlxSqliteError, SqlxSqliteStore, SqlxSqliteStoreBuilder, SqlxSqliteTransaction,
+    SqlxSqliteTxConnection,
 };
 
 /// The default lease: how long an in-flight claim holds, 60 seconds.
