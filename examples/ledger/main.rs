@@ -2,8 +2,8 @@
 //! delivered twice must be applied once.
 //!
 //! ```text
-//! cargo run --example ledger -- [--db PATH] [--mode transactional|separate] [--listen ADDR]
-//!     [--lease-secs N] [--fault-injection] [--admin-listen ADDR]
+//! cargo run --example ledger -- [--db PATH] [--db-driver rusqlite|sqlx] [--mode transactional|separate]
+//!     [--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR]
 //! ```
 //!
 //! `--admin-listen ADDR` (a build with `--features admin`) also serves
@@ -11,12 +11,18 @@
 //! listener: stuck records, counts, purge. It has no authentication: give it
 //! a loopback address, never the public one.
 //!
+//! `--db-driver sqlx` (a build with `--features sqlx-sqlite`) runs a SQLite
+//! `--db` through one `sqlx::SqlitePool` with `SqlxSqliteStore`, in either
+//! mode (`sqlx_sqlite.rs`); the default is rusqlite with `SqliteStore`.
+//!
 //! The contract it keeps is `examples/ledger/README.md`; `check_ledger.py`
 //! drives it over real HTTP.
 
 mod db;
 #[cfg(feature = "postgres")]
 mod pg;
+#[cfg(feature = "sqlx-sqlite")]
+mod sqlx_sqlite;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -34,8 +40,8 @@ use tower_idempotency::{IdempotencyLayer, SqliteStore};
 
 use db::{LedgerError, Op, SqliteDb};
 
-const USAGE: &str = "usage: ledger [--db PATH] [--mode transactional|separate] \
-[--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR]";
+const USAGE: &str = "usage: ledger [--db PATH] [--db-driver rusqlite|sqlx] \
+[--mode transactional|separate] [--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR]";
 
 /// When the idempotency record is written (see `tower_idempotency::mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,9 +52,19 @@ enum Mode {
     Separate,
 }
 
+/// Which client library talks to the --db database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Driver {
+    /// rusqlite for a SQLite path (tokio-postgres for a URL): the default.
+    Native,
+    /// The app's own sqlx pool (`SqlxSqliteStore` for a SQLite path).
+    Sqlx,
+}
+
 #[derive(Debug)]
 struct Args {
     db: PathBuf,
+    driver: Driver,
     /// `None`: transactional wherever the store supports it.
     mode: Option<Mode>,
     key_store: Option<String>,
@@ -62,6 +78,7 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         db: PathBuf::from("ledger.sqlite3"),
+        driver: Driver::Native,
         mode: None,
         key_store: None,
         listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
@@ -92,6 +109,13 @@ fn parse_args() -> Result<Args, String> {
                     );
                 }
                 args.db = PathBuf::from(db);
+            }
+            "--db-driver" => {
+                args.driver = match value()?.as_str() {
+                    "rusqlite" => Driver::Native,
+                    "sqlx" => Driver::Sqlx,
+                    other => return Err(format!("unknown --db-driver {other:?}\n{USAGE}")),
+                }
             }
             "--key-store" => {
                 let url = value()?;
@@ -143,6 +167,14 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
+    let url = args.db.to_string_lossy();
+    let postgres = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    if args.driver == Driver::Sqlx && !postgres && !cfg!(feature = "sqlx-sqlite") {
+        return Err(
+            "--db-driver sqlx with a SQLite path needs a build with `--features sqlx-sqlite`"
+                .into(),
+        );
+    }
     if args.key_store.is_some() && args.mode == Some(Mode::Transactional) {
         return Err("--mode transactional needs the records in the --db database; with --key-store only --mode separate is possible".into());
     }
@@ -155,6 +187,8 @@ enum Db {
     Sqlite(SqliteDb),
     #[cfg(feature = "postgres")]
     Postgres(pg::PgDb),
+    #[cfg(feature = "sqlx-sqlite")]
+    SqlxSqlite(sqlx_sqlite::SqlxDb),
 }
 
 impl Db {
@@ -163,6 +197,8 @@ impl Db {
             Db::Sqlite(db) => db.account(id).await,
             #[cfg(feature = "postgres")]
             Db::Postgres(db) => db.account(id).await,
+            #[cfg(feature = "sqlx-sqlite")]
+            Db::SqlxSqlite(db) => db.account(id).await,
         }
     }
 
@@ -172,6 +208,8 @@ impl Db {
             Db::Sqlite(db) => db.in_transaction(move |conn| op.on_sqlite(conn)).await,
             #[cfg(feature = "postgres")]
             Db::Postgres(db) => db.in_transaction(op).await,
+            #[cfg(feature = "sqlx-sqlite")]
+            Db::SqlxSqlite(db) => db.in_transaction(op).await,
         }
     }
 }
@@ -182,6 +220,8 @@ enum Tx {
     Sqlite(SqliteTransaction),
     #[cfg(feature = "postgres")]
     Postgres(tower_idempotency::store::PostgresTransaction),
+    #[cfg(feature = "sqlx-sqlite")]
+    SqlxSqlite(tower_idempotency::store::SqlxSqliteTransaction),
 }
 
 impl<S: Sync> axum::extract::FromRequestParts<S> for Tx {
@@ -194,6 +234,13 @@ impl<S: Sync> axum::extract::FromRequestParts<S> for Tx {
             .get::<tower_idempotency::store::PostgresTransaction>()
         {
             return Ok(Tx::Postgres(tx.clone()));
+        }
+        #[cfg(feature = "sqlx-sqlite")]
+        if let Some(tx) = parts
+            .extensions
+            .get::<tower_idempotency::store::SqlxSqliteTransaction>()
+        {
+            return Ok(Tx::SqlxSqlite(tx.clone()));
         }
         Ok(match parts.extensions.get::<SqliteTransaction>() {
             Some(tx) => Tx::Sqlite(tx.clone()),
@@ -306,6 +353,8 @@ async fn write(state: &AppState, tx: Tx, op: Op) -> Result<db::Json, ApiError> {
                 .map_err(|e| LedgerError::Database(Box::new(e)))?;
             Ok(op.on_postgres(&*client).await?)
         }
+        #[cfg(feature = "sqlx-sqlite")]
+        (Mode::Transactional, Tx::SqlxSqlite(tx)) => Ok(sqlx_sqlite::in_request(&tx, op).await?),
         (Mode::Transactional, Tx::None) => Err(ApiError::Ledger(LedgerError::Database(
             "no idempotency transaction for this request".into(),
         ))),
@@ -349,6 +398,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     });
     let (db, (writes, admin)) = if postgres {
         postgres_app(&url, mode, &args).await?
+    } else if args.driver == Driver::Sqlx {
+        sqlx_sqlite_app(&args, mode).await?
     } else {
         let db = Db::Sqlite(SqliteDb::open(&args.db).await?);
         let writes = match &args.key_store {
@@ -428,6 +479,16 @@ async fn postgres_app(
 #[cfg(not(feature = "postgres"))]
 async fn postgres_app(_: &str, _: Mode, _: &Args) -> Result<Built, Box<dyn std::error::Error>> {
     Err("this build has no PostgreSQL store: build with `--features postgres`".into())
+}
+
+#[cfg(feature = "sqlx-sqlite")]
+async fn sqlx_sqlite_app(args: &Args, mode: Mode) -> Result<Built, Box<dyn std::error::Error>> {
+    sqlx_sqlite::app(&args.db, mode, args).await
+}
+
+#[cfg(not(feature = "sqlx-sqlite"))]
+async fn sqlx_sqlite_app(_: &Args, _: Mode) -> Result<Built, Box<dyn std::error::Error>> {
+    Err("--db-driver sqlx with a SQLite path needs a build with `--features sqlx-sqlite`".into())
 }
 
 /// Records in Redis, the ledger's data in --db: separate mode only.
