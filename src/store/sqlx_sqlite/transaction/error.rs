@@ -1,7 +1,9 @@
 //! [`SqlxSqliteError`]: the error of a transactional handler's statements,
 //! answered as a problem.
 
-use crate::store::{SqlxSqliteStore, StoreError};
+#[cfg(any(doc, feature = "axum"))]
+use crate::store::SqlxSqliteStore;
+use crate::store::StoreError;
 
 /// The error of a handler that writes through a
 /// [`SqlxSqliteTransaction`](super::SqlxSqliteTransaction): the transaction
