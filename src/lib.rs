@@ -55,8 +55,11 @@
 //!   ([`SqliteStore`]: `builder.rs`, `claim.rs`, `writer.rs` for group
 //!   commit and max hold time, `transaction.rs`, `inspect.rs`), `postgres/`
 //!   (`PostgresStore`: `transaction.rs` with `transaction/hold.rs` for its
-//!   max hold time, `inspect.rs`) and `redis/` (`RedisStore`: its Lua
-//!   scripts as `.lua` files, `inspect.rs`).
+//!   max hold time, `inspect.rs`), `redis/` (`RedisStore`: its Lua
+//!   scripts as `.lua` files, `inspect.rs`) and `sqlx_sqlite/`
+//!   (`SqlxSqliteStore` over the app's `sqlx::SqlitePool`: `claim.rs`,
+//!   `transaction.rs` with `transaction/hold.rs` and `transaction/error.rs`,
+//!   `inspect.rs`).
 //! * `fencing.rs`: [`store::FencingToken`] and its generator.
 //! * `config.rs`: what a layer is configured with, and the body limits
 //!   ([`DEFAULT_MAX_REQUEST_BODY`], [`DEFAULT_MAX_RESPONSE_BODY`]); the
@@ -160,6 +163,8 @@ pub use store::RedisStore;
 pub use store::SqliteStore;
 #[cfg(feature = "sqlx-postgres")]
 pub use store::SqlxPostgresStore;
+#[cfg(feature = "sqlx-sqlite")]
+pub use store::SqlxSqliteStore;
 pub use store::{DEFAULT_LEASE, DEFAULT_TTL};
 pub use store::{MemoryStore, Store, StoreError};
 /// The tokio-postgres this crate is built with, for the statements a handler

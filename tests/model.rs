@@ -30,6 +30,9 @@
 //! `InFlight` (same fingerprint as the winner) or `Mismatch`; afterwards
 //! only the winner's token completes, and the replay is the winner's.
 //!
+//! `SqlxSqliteStore` (feature `sqlx-sqlite`) runs the SQLite cases, with
+//! the same exact expectations, on a pool of its own per case.
+//!
 //! Every case gets a fresh store: a new `MemoryStore`, a new SQLite file, a
 //! new PostgreSQL table, a new Redis key prefix, so purge counts are exact.
 //! PostgreSQL (features `postgres`, `sqlx-postgres`) and Redis (`redis`) need their servers
@@ -124,6 +127,12 @@ const MEMORY: Kind = Kind {
 };
 const SQLITE: Kind = Kind {
     name: "sqlite",
+    exact_clock: true,
+    fences_past_ttl: false,
+};
+#[cfg(feature = "sqlx-sqlite")]
+const SQLX_SQLITE: Kind = Kind {
+    name: "sqlx-sqlite",
     exact_clock: true,
     fences_past_ttl: false,
 };
@@ -813,6 +822,27 @@ async fn sqlite(clock: &ManualClock) -> (SqliteStore, tempfile::TempDir) {
     (store, dir)
 }
 
+/// `SqlxSqliteStore` over a WAL pool of its own, `synchronous=NORMAL` as above.
+#[cfg(feature = "sqlx-sqlite")]
+async fn sqlx_sqlite(
+    clock: &ManualClock,
+) -> (tower_idempotency::store::SqlxSqliteStore, tempfile::TempDir) {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
+    let dir = tempfile::tempdir().unwrap();
+    let options = SqliteConnectOptions::new()
+        .filename(dir.path().join("model.sqlite3"))
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Normal);
+    let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+    let store = tower_idempotency::store::SqlxSqliteStore::builder(pool)
+        .clock(clock.clone())
+        .open()
+        .await
+        .unwrap();
+    (store, dir)
+}
+
 /// The test's clock as an offset from a server's clock.
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "redis"))]
 struct Offset(ManualClock);
@@ -956,6 +986,34 @@ proptest! {
             let clock = ManualClock::new(START_MS);
             let (store, _dir) = sqlite(&clock).await;
             run_rounds(SQLITE, store, clock, &rounds).await
+        })?;
+    }
+}
+
+#[cfg(feature = "sqlx-sqlite")]
+proptest! {
+    #![proptest_config(config(256))]
+
+    #[test]
+    fn sequences_sqlx_sqlite(ops in ops(SQLX_SQLITE)) {
+        RUNTIME.block_on(async {
+            let clock = ManualClock::new(START_MS);
+            let (store, _dir) = sqlx_sqlite(&clock).await;
+            run_sequence(SQLX_SQLITE, store, clock, &ops).await
+        })?;
+    }
+}
+
+#[cfg(feature = "sqlx-sqlite")]
+proptest! {
+    #![proptest_config(config(32))]
+
+    #[test]
+    fn concurrent_sqlx_sqlite(rounds in rounds()) {
+        RUNTIME.block_on(async {
+            let clock = ManualClock::new(START_MS);
+            let (store, _dir) = sqlx_sqlite(&clock).await;
+            run_rounds(SQLX_SQLITE, store, clock, &rounds).await
         })?;
     }
 }

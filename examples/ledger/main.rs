@@ -2,8 +2,8 @@
 //! delivered twice must be applied once.
 //!
 //! ```text
-//! cargo run --example ledger -- [--db PATH] [--mode transactional|separate] [--listen ADDR]
-//!     [--lease-secs N] [--fault-injection] [--admin-listen ADDR] [--db-driver sqlx]
+//! cargo run --example ledger -- [--db PATH] [--db-driver rusqlite|sqlx] [--mode transactional|separate]
+//!     [--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR]
 //! ```
 //!
 //! `--db-driver sqlx` with a `postgres://` `--db` (a build with `--features
@@ -15,6 +15,10 @@
 //! listener: stuck records, counts, purge. It has no authentication: give it
 //! a loopback address, never the public one.
 //!
+//! `--db-driver sqlx` (a build with `--features sqlx-sqlite`) runs a SQLite
+//! `--db` through one `sqlx::SqlitePool` with `SqlxSqliteStore`, in either
+//! mode (`sqlx_sqlite.rs`); the default is rusqlite with `SqliteStore`.
+//!
 //! The contract it keeps is `examples/ledger/README.md`; `check_ledger.py`
 //! drives it over real HTTP.
 
@@ -23,6 +27,8 @@ mod db;
 mod pg;
 #[cfg(feature = "sqlx-postgres")]
 mod sqlx_pg;
+#[cfg(feature = "sqlx-sqlite")]
+mod sqlx_sqlite;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -40,8 +46,8 @@ use tower_idempotency::{IdempotencyLayer, SqliteStore};
 
 use db::{LedgerError, Op, SqliteDb};
 
-const USAGE: &str = "usage: ledger [--db PATH] [--mode transactional|separate] \
-[--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR] [--db-driver sqlx]";
+const USAGE: &str = "usage: ledger [--db PATH] [--db-driver rusqlite|sqlx] \
+[--mode transactional|separate] [--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR]";
 
 /// When the idempotency record is written (see `tower_idempotency::mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,9 +58,19 @@ enum Mode {
     Separate,
 }
 
+/// Which client library talks to the --db database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Driver {
+    /// rusqlite for a SQLite path (tokio-postgres for a URL): the default.
+    Native,
+    /// The app's own sqlx pool (`SqlxSqliteStore` for a SQLite path).
+    Sqlx,
+}
+
 #[derive(Debug)]
 struct Args {
     db: PathBuf,
+    driver: Driver,
     /// `None`: transactional wherever the store supports it.
     mode: Option<Mode>,
     key_store: Option<String>,
@@ -63,20 +79,18 @@ struct Args {
     fault_injection: bool,
     /// Where the operators' admin router listens; `None`: not served.
     admin_listen: Option<SocketAddr>,
-    /// `--db-driver sqlx`: the database through sqlx instead of the default drivers.
-    sqlx: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         db: PathBuf::from("ledger.sqlite3"),
+        driver: Driver::Native,
         mode: None,
         key_store: None,
         listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
         lease: None,
         fault_injection: false,
         admin_listen: None,
-        sqlx: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -95,10 +109,13 @@ fn parse_args() -> Result<Args, String> {
             "--db" => {
                 args.db = PathBuf::from(value()?);
             }
-            "--db-driver" => match value()?.as_str() {
-                "sqlx" => args.sqlx = true,
-                other => return Err(format!("unknown --db-driver {other:?}\n{USAGE}")),
-            },
+            "--db-driver" => {
+                args.driver = match value()?.as_str() {
+                    "rusqlite" => Driver::Native,
+                    "sqlx" => Driver::Sqlx,
+                    other => return Err(format!("unknown --db-driver {other:?}\n{USAGE}")),
+                }
+            }
             "--key-store" => {
                 let url = value()?;
                 if !url.starts_with("redis://") {
@@ -149,17 +166,21 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
-    let db = args.db.to_string_lossy();
-    let postgres = db.starts_with("postgres://") || db.starts_with("postgresql://");
-    if postgres && !args.sqlx && !cfg!(feature = "postgres") {
+    let url = args.db.to_string_lossy();
+    let postgres = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    let sqlx = args.driver == Driver::Sqlx;
+    if postgres && !sqlx && !cfg!(feature = "postgres") {
         return Err("--db postgres://... needs a build with `--features postgres`".into());
     }
-    if args.sqlx && !postgres {
-        return Err("--db-driver sqlx needs a postgres:// --db".into());
-    }
-    if postgres && args.sqlx && !cfg!(feature = "sqlx-postgres") {
+    if postgres && sqlx && !cfg!(feature = "sqlx-postgres") {
         return Err(
             "--db postgres://... --db-driver sqlx needs a build with `--features sqlx-postgres`"
+                .into(),
+        );
+    }
+    if sqlx && !postgres && !cfg!(feature = "sqlx-sqlite") {
+        return Err(
+            "--db-driver sqlx with a SQLite path needs a build with `--features sqlx-sqlite`"
                 .into(),
         );
     }
@@ -167,6 +188,14 @@ fn parse_args() -> Result<Args, String> {
         return Err("--mode transactional needs the records in the --db database; with --key-store only --mode separate is possible".into());
     }
     Ok(args)
+}
+
+/// A sqlx error is a database error of the ledger (either sqlx driver).
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+impl From<sqlx::Error> for LedgerError {
+    fn from(e: sqlx::Error) -> Self {
+        LedgerError::Database(Box::new(e))
+    }
 }
 
 /// The ledger's own tables: in the SQLite file, or in PostgreSQL.
@@ -177,6 +206,8 @@ enum Db {
     Postgres(pg::PgDb),
     #[cfg(feature = "sqlx-postgres")]
     SqlxPg(sqlx_pg::SqlxPgDb),
+    #[cfg(feature = "sqlx-sqlite")]
+    SqlxSqlite(sqlx_sqlite::SqlxDb),
 }
 
 impl Db {
@@ -187,6 +218,8 @@ impl Db {
             Db::Postgres(db) => db.account(id).await,
             #[cfg(feature = "sqlx-postgres")]
             Db::SqlxPg(db) => db.account(id).await,
+            #[cfg(feature = "sqlx-sqlite")]
+            Db::SqlxSqlite(db) => db.account(id).await,
         }
     }
 
@@ -198,6 +231,8 @@ impl Db {
             Db::Postgres(db) => db.in_transaction(op).await,
             #[cfg(feature = "sqlx-postgres")]
             Db::SqlxPg(db) => db.in_transaction(op).await,
+            #[cfg(feature = "sqlx-sqlite")]
+            Db::SqlxSqlite(db) => db.in_transaction(op).await,
         }
     }
 }
@@ -210,6 +245,8 @@ enum Tx {
     Postgres(tower_idempotency::store::PostgresTransaction),
     #[cfg(feature = "sqlx-postgres")]
     SqlxPg(tower_idempotency::store::SqlxPostgresTransaction),
+    #[cfg(feature = "sqlx-sqlite")]
+    SqlxSqlite(tower_idempotency::store::SqlxSqliteTransaction),
 }
 
 impl<S: Sync> axum::extract::FromRequestParts<S> for Tx {
@@ -229,6 +266,13 @@ impl<S: Sync> axum::extract::FromRequestParts<S> for Tx {
             .get::<tower_idempotency::store::SqlxPostgresTransaction>()
         {
             return Ok(Tx::SqlxPg(tx.clone()));
+        }
+        #[cfg(feature = "sqlx-sqlite")]
+        if let Some(tx) = parts
+            .extensions
+            .get::<tower_idempotency::store::SqlxSqliteTransaction>()
+        {
+            return Ok(Tx::SqlxSqlite(tx.clone()));
         }
         Ok(match parts.extensions.get::<SqliteTransaction>() {
             Some(tx) => Tx::Sqlite(tx.clone()),
@@ -343,6 +387,8 @@ async fn write(state: &AppState, tx: Tx, op: Op) -> Result<db::Json, ApiError> {
         }
         #[cfg(feature = "sqlx-postgres")]
         (Mode::Transactional, Tx::SqlxPg(tx)) => Ok(sqlx_pg::in_idempotency_tx(&tx, op).await?),
+        #[cfg(feature = "sqlx-sqlite")]
+        (Mode::Transactional, Tx::SqlxSqlite(tx)) => Ok(sqlx_sqlite::in_request(&tx, op).await?),
         (Mode::Transactional, Tx::None) => Err(ApiError::Ledger(LedgerError::Database(
             "no idempotency transaction for this request".into(),
         ))),
@@ -384,10 +430,12 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         Mode::Transactional
     });
-    let (db, (writes, admin)) = if postgres && args.sqlx {
+    let (db, (writes, admin)) = if postgres && args.driver == Driver::Sqlx {
         sqlx_postgres_app(&url, mode, &args).await?
     } else if postgres {
         postgres_app(&url, mode, &args).await?
+    } else if args.driver == Driver::Sqlx {
+        sqlx_sqlite_app(&args, mode).await?
     } else {
         let db = Db::Sqlite(SqliteDb::open(&args.db).await?);
         let writes = match &args.key_store {
@@ -479,6 +527,16 @@ async fn sqlx_postgres_app(
     _: &Args,
 ) -> Result<Built, Box<dyn std::error::Error>> {
     Err("this build has no sqlx PostgreSQL store: build with `--features sqlx-postgres`".into())
+}
+
+#[cfg(feature = "sqlx-sqlite")]
+async fn sqlx_sqlite_app(args: &Args, mode: Mode) -> Result<Built, Box<dyn std::error::Error>> {
+    sqlx_sqlite::app(&args.db, mode, args).await
+}
+
+#[cfg(not(feature = "sqlx-sqlite"))]
+async fn sqlx_sqlite_app(_: &Args, _: Mode) -> Result<Built, Box<dyn std::error::Error>> {
+    Err("--db-driver sqlx with a SQLite path needs a build with `--features sqlx-sqlite`".into())
 }
 
 /// Records in Redis, the ledger's data in --db: separate mode only.

@@ -27,12 +27,6 @@ CREATE TABLE IF NOT EXISTS credits (
 );
 ";
 
-impl From<sqlx::Error> for LedgerError {
-    fn from(e: sqlx::Error) -> Self {
-        LedgerError::Database(Box::new(e))
-    }
-}
-
 /// The ledger's tables, reached through the application's pool.
 #[derive(Clone)]
 pub struct SqlxPgDb {

@@ -85,7 +85,12 @@ use crate::response::StoredResponse;
 /// the idempotency transaction), and logs the misconfiguration once per
 /// process and type; `Option<T>` is `None` for requests that passed through
 /// without a key.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
 macro_rules! transaction_extractor {
     ($transaction:ty) => {
         /// Extracts the request's transaction in a handler behind a
@@ -135,7 +140,12 @@ macro_rules! transaction_extractor {
         }
     };
 }
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
 pub(crate) use transaction_extractor;
 
 mod clock;
@@ -149,6 +159,8 @@ mod redis;
 mod sqlite;
 #[cfg(feature = "sqlx-postgres")]
 mod sqlx_postgres;
+#[cfg(feature = "sqlx-sqlite")]
+mod sqlx_sqlite;
 
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisStore, RedisStoreBuilder};
@@ -168,6 +180,11 @@ pub use sqlite::{
 pub use sqlx_postgres::{
     SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresStore, SqlxPostgresStoreBuilder,
     SqlxPostgresTransaction,
+};
+#[cfg(feature = "sqlx-sqlite")]
+pub use sqlx_sqlite::{
+    SqlxSqliteError, SqlxSqliteStore, SqlxSqliteStoreBuilder, SqlxSqliteTransaction,
+    SqlxSqliteTxConnection,
 };
 
 /// The default lease: how long an in-flight claim holds, 60 seconds.
