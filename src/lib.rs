@@ -150,6 +150,8 @@ pub use response::{StoredBody, StoredResponse};
 #[cfg(feature = "sqlite")]
 pub use rusqlite;
 pub use service::{Idempotency, ResponseFuture};
+#[cfg(feature = "mysql")]
+pub use store::MySqlStore;
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
 #[cfg(feature = "redis")]
@@ -162,3 +164,7 @@ pub use store::{MemoryStore, Store, StoreError};
 /// runs through [`store::PostgresTransaction::client`].
 #[cfg(feature = "postgres")]
 pub use tokio_postgres;
+/// The sqlx this crate is built with (0.9), for the statements a handler
+/// runs through [`store::MySqlTransaction::connection`].
+#[cfg(feature = "mysql")]
+pub use sqlx;

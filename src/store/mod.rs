@@ -85,7 +85,7 @@ use crate::response::StoredResponse;
 /// the idempotency transaction), and logs the misconfiguration once per
 /// process and type; `Option<T>` is `None` for requests that passed through
 /// without a key.
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 macro_rules! transaction_extractor {
     ($transaction:ty) => {
         /// Extracts the request's transaction in a handler behind a
@@ -135,12 +135,14 @@ macro_rules! transaction_extractor {
         }
     };
 }
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) use transaction_extractor;
 
 mod clock;
 mod decide;
 mod memory;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "redis")]
@@ -155,6 +157,8 @@ pub(crate) use clock::duration_ms;
 pub use clock::{Clock, SystemClock};
 pub(crate) use decide::{Decision, Existing, Kind, decide, retry_after_secs};
 pub use memory::MemoryStore;
+#[cfg(feature = "mysql")]
+pub use mysql::{MySqlStore, MySqlStoreBuilder, MySqlTransaction, MySqlTransactionConnection};
 #[cfg(feature = "postgres")]
 pub use postgres::{PostgresStore, PostgresStoreBuilder, PostgresTransaction, TransactionClient};
 #[cfg(feature = "sqlite")]
