@@ -2,7 +2,7 @@
 //! delivered twice must be applied once.
 //!
 //! ```text
-//! cargo run --example ledger -- [--db PATH] [--mode transactional|separate] [--listen ADDR]
+//! cargo run --example ledger -- [--db PATH|postgres://...|mysql://...] [--mode transactional|separate] [--listen ADDR]
 //!     [--lease-secs N] [--fault-injection] [--admin-listen ADDR]
 //! ```
 //!
@@ -15,6 +15,8 @@
 //! drives it over real HTTP.
 
 mod db;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod pg;
 
@@ -91,6 +93,9 @@ fn parse_args() -> Result<Args, String> {
                         "--db postgres://... needs a build with `--features postgres`".into(),
                     );
                 }
+                if db.starts_with("mysql://") && !cfg!(feature = "mysql") {
+                    return Err("--db mysql://... needs a build with `--features mysql`".into());
+                }
                 args.db = PathBuf::from(db);
             }
             "--key-store" => {
@@ -155,6 +160,8 @@ enum Db {
     Sqlite(SqliteDb),
     #[cfg(feature = "postgres")]
     Postgres(pg::PgDb),
+    #[cfg(feature = "mysql")]
+    MySql(mysql::MyDb),
 }
 
 impl Db {
@@ -163,6 +170,8 @@ impl Db {
             Db::Sqlite(db) => db.account(id).await,
             #[cfg(feature = "postgres")]
             Db::Postgres(db) => db.account(id).await,
+            #[cfg(feature = "mysql")]
+            Db::MySql(db) => db.account(id).await,
         }
     }
 
@@ -172,6 +181,8 @@ impl Db {
             Db::Sqlite(db) => db.in_transaction(move |conn| op.on_sqlite(conn)).await,
             #[cfg(feature = "postgres")]
             Db::Postgres(db) => db.in_transaction(op).await,
+            #[cfg(feature = "mysql")]
+            Db::MySql(db) => db.in_transaction(op).await,
         }
     }
 }
@@ -182,6 +193,8 @@ enum Tx {
     Sqlite(SqliteTransaction),
     #[cfg(feature = "postgres")]
     Postgres(tower_idempotency::store::PostgresTransaction),
+    #[cfg(feature = "mysql")]
+    MySql(tower_idempotency::store::MySqlTransaction),
 }
 
 impl<S: Sync> axum::extract::FromRequestParts<S> for Tx {
@@ -194,6 +207,13 @@ impl<S: Sync> axum::extract::FromRequestParts<S> for Tx {
             .get::<tower_idempotency::store::PostgresTransaction>()
         {
             return Ok(Tx::Postgres(tx.clone()));
+        }
+        #[cfg(feature = "mysql")]
+        if let Some(tx) = parts
+            .extensions
+            .get::<tower_idempotency::store::MySqlTransaction>()
+        {
+            return Ok(Tx::MySql(tx.clone()));
         }
         Ok(match parts.extensions.get::<SqliteTransaction>() {
             Some(tx) => Tx::Sqlite(tx.clone()),
@@ -306,6 +326,14 @@ async fn write(state: &AppState, tx: Tx, op: Op) -> Result<db::Json, ApiError> {
                 .map_err(|e| LedgerError::Database(Box::new(e)))?;
             Ok(op.on_postgres(&*client).await?)
         }
+        #[cfg(feature = "mysql")]
+        (Mode::Transactional, Tx::MySql(tx)) => {
+            let mut conn = tx
+                .connection()
+                .await
+                .map_err(|e| LedgerError::Database(Box::new(e)))?;
+            Ok(op.on_mysql(&mut conn).await?)
+        }
         (Mode::Transactional, Tx::None) => Err(ApiError::Ledger(LedgerError::Database(
             "no idempotency transaction for this request".into(),
         ))),
@@ -349,6 +377,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     });
     let (db, (writes, admin)) = if postgres {
         postgres_app(&url, mode, &args).await?
+    } else if url.starts_with("mysql://") {
+        mysql_app(&url, mode, &args).await?
     } else {
         let db = Db::Sqlite(SqliteDb::open(&args.db).await?);
         let writes = match &args.key_store {
@@ -428,6 +458,14 @@ async fn postgres_app(
 #[cfg(not(feature = "postgres"))]
 async fn postgres_app(_: &str, _: Mode, _: &Args) -> Result<Built, Box<dyn std::error::Error>> {
     Err("this build has no PostgreSQL store: build with `--features postgres`".into())
+}
+
+#[cfg(feature = "mysql")]
+use mysql::mysql_app;
+
+#[cfg(not(feature = "mysql"))]
+async fn mysql_app(_: &str, _: Mode, _: &Args) -> Result<Built, Box<dyn std::error::Error>> {
+    Err("this build has no MySQL store: build with `--features mysql`".into())
 }
 
 /// Records in Redis, the ledger's data in --db: separate mode only.
