@@ -155,6 +155,12 @@ pub use response::{StoredBody, StoredResponse};
 #[cfg(feature = "sqlite")]
 pub use rusqlite;
 pub use service::{Idempotency, ResponseFuture};
+/// The sqlx this crate is built with (0.9), for the statements a handler
+/// runs through [`store::MySqlTransaction::connection`].
+#[cfg(feature = "mysql")]
+pub use sqlx;
+#[cfg(feature = "mysql")]
+pub use store::MySqlStore;
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
 #[cfg(feature = "redis")]

@@ -35,9 +35,10 @@
 //!
 //! Every case gets a fresh store: a new `MemoryStore`, a new SQLite file, a
 //! new PostgreSQL table, a new Redis key prefix, so purge counts are exact.
-//! PostgreSQL (features `postgres`, `sqlx-postgres`) and Redis (`redis`) need their servers
-//! (`TOWER_IDEMPOTENCY_POSTGRES_URL`, `TOWER_IDEMPOTENCY_REDIS_URL`); a
-//! missing server fails the test.
+//! PostgreSQL, MySQL/MariaDB and Redis (features `postgres`, `sqlx-postgres`,
+//! `mysql`, `redis`) need their servers (`TOWER_IDEMPOTENCY_POSTGRES_URL`,
+//! `TOWER_IDEMPOTENCY_MYSQL_URL`, `TOWER_IDEMPOTENCY_REDIS_URL`); a missing
+//! server fails the test.
 //!
 //! # Time on the networked stores
 //!
@@ -139,6 +140,12 @@ const SQLX_SQLITE: Kind = Kind {
 #[cfg(feature = "postgres")]
 const POSTGRES: Kind = Kind {
     name: "postgres",
+    exact_clock: false,
+    fences_past_ttl: false,
+};
+#[cfg(feature = "mysql")]
+const MYSQL: Kind = Kind {
+    name: "mysql",
     exact_clock: false,
     fences_past_ttl: false,
 };
@@ -844,10 +851,20 @@ async fn sqlx_sqlite(
 }
 
 /// The test's clock as an offset from a server's clock.
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "redis"))]
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "redis",
+    feature = "mysql"
+))]
 struct Offset(ManualClock);
 
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "redis"))]
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "redis",
+    feature = "mysql"
+))]
 impl tower_idempotency::store::Clock for Offset {
     fn now_ms(&self) -> i64 {
         self.0.now_ms() - START_MS
@@ -886,6 +903,48 @@ mod pg {
         let client = pool.get().await.unwrap();
         client
             .batch_execute(&format!("DROP TABLE {table}"))
+            .await
+            .unwrap();
+        result
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod my {
+    use super::*;
+    use tower_idempotency::{MySqlStore, sqlx};
+
+    fn url() -> String {
+        std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+    }
+
+    /// Runs `case` on a store over a table of its own, then drops the table
+    /// (also when the case failed).
+    pub(crate) async fn with_store<F, Fut>(
+        clock: &ManualClock,
+        case: F,
+    ) -> Result<(), TestCaseError>
+    where
+        F: FnOnce(MySqlStore) -> Fut,
+        Fut: Future<Output = Result<(), TestCaseError>>,
+    {
+        let table = format!("model_{:016x}", FencingToken::random().0);
+        let store = MySqlStore::builder(&url())
+            .table(table.clone())
+            .time_offset(Offset(clock.clone()))
+            .open()
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "MySQL/MariaDB at {} is required for these tests: {e}",
+                    url()
+                )
+            });
+        let pool = store.pool().clone();
+        let result = case(store).await;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+            .execute(&pool)
             .await
             .unwrap();
         result
@@ -1094,6 +1153,32 @@ proptest! {
             let clock = ManualClock::new(START_MS);
             let store = redis(&clock).await;
             run_rounds(REDIS, store, clock, &rounds).await
+        })?;
+    }
+}
+
+#[cfg(feature = "mysql")]
+proptest! {
+    #![proptest_config(config(48))]
+
+    #[test]
+    fn sequences_mysql(ops in ops(MYSQL)) {
+        RUNTIME.block_on(async {
+            let clock = ManualClock::new(START_MS);
+            my::with_store(&clock, |store| run_sequence(MYSQL, store, clock.clone(), &ops)).await
+        })?;
+    }
+}
+
+#[cfg(feature = "mysql")]
+proptest! {
+    #![proptest_config(config(12))]
+
+    #[test]
+    fn concurrent_mysql(rounds in rounds()) {
+        RUNTIME.block_on(async {
+            let clock = ManualClock::new(START_MS);
+            my::with_store(&clock, |store| run_rounds(MYSQL, store, clock.clone(), &rounds)).await
         })?;
     }
 }

@@ -2,8 +2,9 @@
 //! delivered twice must be applied once.
 //!
 //! ```text
-//! cargo run --example ledger -- [--db PATH] [--db-driver rusqlite|sqlx] [--mode transactional|separate]
-//!     [--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR]
+//! cargo run --example ledger -- [--db PATH|postgres://...|mysql://...] [--db-driver rusqlite|sqlx]
+//!     [--mode transactional|separate] [--listen ADDR] [--lease-secs N] [--fault-injection]
+//!     [--admin-listen ADDR]
 //! ```
 //!
 //! `--db-driver sqlx` with a `postgres://` `--db` (a build with `--features
@@ -23,6 +24,8 @@
 //! drives it over real HTTP.
 
 mod db;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod pg;
 #[cfg(feature = "sqlx-postgres")]
@@ -169,6 +172,9 @@ fn parse_args() -> Result<Args, String> {
     let url = args.db.to_string_lossy();
     let postgres = url.starts_with("postgres://") || url.starts_with("postgresql://");
     let sqlx = args.driver == Driver::Sqlx;
+    if url.starts_with("mysql://") && !cfg!(feature = "mysql") {
+        return Err("--db mysql://... needs a build with `--features mysql`".into());
+    }
     if postgres && !sqlx && !cfg!(feature = "postgres") {
         return Err("--db postgres://... needs a build with `--features postgres`".into());
     }
@@ -190,8 +196,8 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-/// A sqlx error is a database error of the ledger (either sqlx driver).
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+/// A sqlx error is a database error of the ledger (any sqlx driver).
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite", feature = "mysql"))]
 impl From<sqlx::Error> for LedgerError {
     fn from(e: sqlx::Error) -> Self {
         LedgerError::Database(Box::new(e))
@@ -208,6 +214,8 @@ enum Db {
     SqlxPg(sqlx_pg::SqlxPgDb),
     #[cfg(feature = "sqlx-sqlite")]
     SqlxSqlite(sqlx_sqlite::SqlxDb),
+    #[cfg(feature = "mysql")]
+    MySql(mysql::MyDb),
 }
 
 impl Db {
@@ -220,6 +228,8 @@ impl Db {
             Db::SqlxPg(db) => db.account(id).await,
             #[cfg(feature = "sqlx-sqlite")]
             Db::SqlxSqlite(db) => db.account(id).await,
+            #[cfg(feature = "mysql")]
+            Db::MySql(db) => db.account(id).await,
         }
     }
 
@@ -233,6 +243,8 @@ impl Db {
             Db::SqlxPg(db) => db.in_transaction(op).await,
             #[cfg(feature = "sqlx-sqlite")]
             Db::SqlxSqlite(db) => db.in_transaction(op).await,
+            #[cfg(feature = "mysql")]
+            Db::MySql(db) => db.in_transaction(op).await,
         }
     }
 }
@@ -247,6 +259,8 @@ enum Tx {
     SqlxPg(tower_idempotency::store::SqlxPostgresTransaction),
     #[cfg(feature = "sqlx-sqlite")]
     SqlxSqlite(tower_idempotency::store::SqlxSqliteTransaction),
+    #[cfg(feature = "mysql")]
+    MySql(tower_idempotency::store::MySqlTransaction),
 }
 
 impl<S: Sync> axum::extract::FromRequestParts<S> for Tx {
@@ -273,6 +287,13 @@ impl<S: Sync> axum::extract::FromRequestParts<S> for Tx {
             .get::<tower_idempotency::store::SqlxSqliteTransaction>()
         {
             return Ok(Tx::SqlxSqlite(tx.clone()));
+        }
+        #[cfg(feature = "mysql")]
+        if let Some(tx) = parts
+            .extensions
+            .get::<tower_idempotency::store::MySqlTransaction>()
+        {
+            return Ok(Tx::MySql(tx.clone()));
         }
         Ok(match parts.extensions.get::<SqliteTransaction>() {
             Some(tx) => Tx::Sqlite(tx.clone()),
@@ -389,6 +410,14 @@ async fn write(state: &AppState, tx: Tx, op: Op) -> Result<db::Json, ApiError> {
         (Mode::Transactional, Tx::SqlxPg(tx)) => Ok(sqlx_pg::in_idempotency_tx(&tx, op).await?),
         #[cfg(feature = "sqlx-sqlite")]
         (Mode::Transactional, Tx::SqlxSqlite(tx)) => Ok(sqlx_sqlite::in_request(&tx, op).await?),
+        #[cfg(feature = "mysql")]
+        (Mode::Transactional, Tx::MySql(tx)) => {
+            let mut conn = tx
+                .connection()
+                .await
+                .map_err(|e| LedgerError::Database(Box::new(e)))?;
+            Ok(op.on_mysql(&mut conn).await?)
+        }
         (Mode::Transactional, Tx::None) => Err(ApiError::Ledger(LedgerError::Database(
             "no idempotency transaction for this request".into(),
         ))),
@@ -434,6 +463,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         sqlx_postgres_app(&url, mode, &args).await?
     } else if postgres {
         postgres_app(&url, mode, &args).await?
+    } else if url.starts_with("mysql://") {
+        mysql_app(&url, mode, &args).await?
     } else if args.driver == Driver::Sqlx {
         sqlx_sqlite_app(&args, mode).await?
     } else {
@@ -537,6 +568,14 @@ async fn sqlx_sqlite_app(args: &Args, mode: Mode) -> Result<Built, Box<dyn std::
 #[cfg(not(feature = "sqlx-sqlite"))]
 async fn sqlx_sqlite_app(_: &Args, _: Mode) -> Result<Built, Box<dyn std::error::Error>> {
     Err("--db-driver sqlx with a SQLite path needs a build with `--features sqlx-sqlite`".into())
+}
+
+#[cfg(feature = "mysql")]
+use mysql::mysql_app;
+
+#[cfg(not(feature = "mysql"))]
+async fn mysql_app(_: &str, _: Mode, _: &Args) -> Result<Built, Box<dyn std::error::Error>> {
+    Err("this build has no MySQL store: build with `--features mysql`".into())
 }
 
 /// Records in Redis, the ledger's data in --db: separate mode only.

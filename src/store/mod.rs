@@ -89,7 +89,8 @@ use crate::response::StoredResponse;
     feature = "sqlite",
     feature = "postgres",
     feature = "sqlx-postgres",
-    feature = "sqlx-sqlite"
+    feature = "sqlx-sqlite",
+    feature = "mysql"
 ))]
 macro_rules! transaction_extractor {
     ($transaction:ty) => {
@@ -144,13 +145,16 @@ macro_rules! transaction_extractor {
     feature = "sqlite",
     feature = "postgres",
     feature = "sqlx-postgres",
-    feature = "sqlx-sqlite"
+    feature = "sqlx-sqlite",
+    feature = "mysql"
 ))]
 pub(crate) use transaction_extractor;
 
 mod clock;
 mod decide;
 mod memory;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "redis")]
@@ -169,6 +173,8 @@ pub(crate) use clock::duration_ms;
 pub use clock::{Clock, SystemClock};
 pub(crate) use decide::{Decision, Existing, Kind, decide, retry_after_secs};
 pub use memory::MemoryStore;
+#[cfg(feature = "mysql")]
+pub use mysql::{MySqlStore, MySqlStoreBuilder, MySqlTransaction, MySqlTransactionConnection};
 #[cfg(feature = "postgres")]
 pub use postgres::{PostgresStore, PostgresStoreBuilder, PostgresTransaction, TransactionClient};
 #[cfg(feature = "sqlite")]

@@ -1,0 +1,520 @@
+//! MySQL and MariaDB, for fleets of app servers sharing one database
+//! (feature `mysql`, over sqlx's MySQL driver).
+//!
+//! * `transaction.rs`: [`MySqlTransaction`] and the
+//!   [`TransactionalStore`](crate::store::TransactionalStore) impl
+//!   (transactional mode); `hold.rs`: its max hold time.
+//! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::{AssertSqlSafe, Executor, Row};
+
+use super::{
+    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, RecordId, Refusal,
+    Store, StoreError, decide, duration_ms,
+};
+use crate::fingerprint::Hasher;
+use crate::response::StoredResponse;
+
+mod hold;
+mod inspect;
+mod transaction;
+
+pub use transaction::{MySqlTransaction, MySqlTransactionConnection};
+
+/// Records in a MySQL or MariaDB (InnoDB) table; leases and TTLs judged by
+/// the database server's clock (`NOW(6)`, read in UTC).
+///
+/// * The claim is one transaction. Its first write is
+///   `INSERT ... ON DUPLICATE KEY UPDATE`: the primary key (SHA-256 of scope
+///   and key, so keys compare byte for byte whatever the collation) decides
+///   who is first, across every app server. It either inserts the in-flight
+///   record (the claim is won) or takes the exclusive row lock of the record
+///   already there; under that lock the record is read, judged at the
+///   server's clock read after the lock, and taken over by a conditional
+///   `UPDATE` or left alone. No earlier read decides anything.
+/// * Isolation is `READ COMMITTED`, set on every pooled connection. Every
+///   decision is made under a row lock on the key's own record, so a
+///   snapshot (`REPEATABLE READ`) adds nothing; what it would add is gap and
+///   next-key locks (on the primary key and the `expires_at` index during
+///   purges), which make unrelated keys wait on each other and deadlock.
+///   Handlers in transactional mode run at this level too, as on
+///   PostgreSQL's default.
+/// * Transactional mode ([`crate::mode::Transactional`]) runs in two phases
+///   as [`PostgresStore`](crate::store) does: the claim commits at once, so
+///   every server sees the key in flight with its fingerprint; then the
+///   handler's writes and the record's completion share one transaction
+///   ([`MySqlTransaction`]) that commits only while the record still carries
+///   this request's fencing token.
+/// * A transactional request holds its transaction (and a pooled
+///   connection) at most [`MySqlStoreBuilder::max_hold`] (default 30 s) or
+///   its lease, whichever is shorter (see [`MySqlTransaction`]).
+/// * Connections come from a sqlx pool (default 16); a connection that
+///   cannot be had in time, a server that cannot be reached, a deadlock that
+///   outlives three tries or any other database error is
+///   [`StoreError::Unavailable`]: the layer answers 503.
+/// * The table (default `idempotency_records`) is created on open with
+///   `ENGINE=InnoDB`; an existing table on another engine (no transactions,
+///   no row locks) is refused with [`StoreError::Config`].
+///
+/// # Example
+///
+/// ```no_run
+/// use tower_idempotency::{IdempotencyLayer, MySqlStore, scope::GlobalScope};
+///
+/// # async fn run() -> Result<(), tower_idempotency::StoreError> {
+/// let store = MySqlStore::open("mysql://app@db.internal:3306/app").await?;
+/// let layer = IdempotencyLayer::new(store, GlobalScope).transactional();
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct MySqlStore {
+    pool: MySqlPool,
+    sql: Arc<Sql>,
+    offset: Option<Arc<dyn Clock>>,
+    /// The longest a transactional request holds its transaction.
+    max_hold: Duration,
+    /// Transactions rolled back past their max hold time.
+    held_too_long: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl std::fmt::Debug for MySqlStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MySqlStore")
+            .field("table", &self.sql.table)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Options for [`MySqlStore`]; made by [`MySqlStore::builder`].
+#[must_use]
+pub struct MySqlStoreBuilder {
+    url: String,
+    table: String,
+    pool_size: u32,
+    wait_timeout: Duration,
+    offset: Option<Arc<dyn Clock>>,
+    max_hold: Duration,
+}
+
+/// The statements, with the table name in them.
+struct Sql {
+    table: String,
+    now: Arc<str>,
+    insert: Arc<str>,
+    select: Arc<str>,
+    take_over: Arc<str>,
+    complete: Arc<str>,
+    /// `complete` that also requires an open transaction (MariaDB's
+    /// `@@in_transaction`), used when the server has the variable.
+    complete_in_transaction: Arc<str>,
+    in_transaction_check: bool,
+    release: Arc<str>,
+    purge: Arc<str>,
+    stuck: Arc<str>,
+    counts: Arc<str>,
+}
+
+/// The server's clock in Unix milliseconds (the session's time zone is UTC,
+/// so no daylight-saving fold), shifted by one `?` parameter (ms).
+const NOW_MS: &str = "(CAST(FLOOR(UNIX_TIMESTAMP(NOW(6)) * 1000) AS SIGNED) + ?)";
+
+impl Sql {
+    fn new(table: &str) -> Sql {
+        let s = |text: String| Arc::<str>::from(text);
+        Sql {
+            table: table.to_owned(),
+            now: s(format!("SELECT {NOW_MS}")),
+            // `claims` changes on a duplicate, so the affected-row count is
+            // 1 for an insert and 2 for a duplicate whatever the client's
+            // CLIENT_FOUND_ROWS flag; the update also takes the row's
+            // exclusive lock.
+            insert: s(format!(
+                "INSERT INTO {table}
+                    (id, scope, `key`, fingerprint, token, state, lease_until, expires_at, claims)
+                 VALUES (?, ?, ?, ?, ?, 'in_flight', ?, ?, 1)
+                 ON DUPLICATE KEY UPDATE claims = claims + 1"
+            )),
+            select: s(format!(
+                "SELECT fingerprint, state, lease_until, expires_at, response, {NOW_MS}
+                 FROM {table} WHERE id = ? FOR UPDATE"
+            )),
+            take_over: s(format!(
+                "UPDATE {table}
+                 SET fingerprint = ?, token = ?, state = 'in_flight',
+                     lease_until = ?, expires_at = ?, response = NULL
+                 WHERE id = ?"
+            )),
+            complete: s(format!(
+                "UPDATE {table} SET state = 'completed', response = ?
+                 WHERE id = ? AND token = ? AND state = 'in_flight'"
+            )),
+            complete_in_transaction: s(format!(
+                "UPDATE {table} SET state = 'completed', response = ?
+                 WHERE id = ? AND token = ? AND state = 'in_flight' AND @@in_transaction = 1"
+            )),
+            in_transaction_check: false,
+            release: s(format!(
+                "DELETE FROM {table} WHERE id = ? AND token = ? AND state = 'in_flight'"
+            )),
+            purge: s(format!("DELETE FROM {table} WHERE expires_at <= {NOW_MS}")),
+            // `NOW(6)` is read once per statement: every row is judged at
+            // the same instant.
+            stuck: s(format!(
+                "SELECT t.scope, t.`key`, t.fingerprint, t.lease_until, t.expires_at, n.ms
+                 FROM {table} AS t CROSS JOIN (SELECT {NOW_MS} AS ms) AS n
+                 WHERE t.state = 'in_flight' AND t.lease_until <= n.ms AND t.expires_at > n.ms
+                 ORDER BY t.lease_until, t.scope, t.`key`
+                 LIMIT ?"
+            )),
+            counts: s(format!(
+                "SELECT
+                    CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'in_flight' AND t.lease_until > n.ms), 0) AS SIGNED),
+                    CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'in_flight' AND t.lease_until <= n.ms), 0) AS SIGNED),
+                    CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'completed'), 0) AS SIGNED),
+                    CAST(COALESCE(SUM(t.expires_at <= n.ms), 0) AS SIGNED)
+                 FROM {table} AS t CROSS JOIN (SELECT {NOW_MS} AS ms) AS n"
+            )),
+        }
+    }
+
+    fn schema(&self) -> String {
+        let table = &self.table;
+        format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+                id          BINARY(32)  NOT NULL, -- SHA-256 of (scope, key)
+                scope       BLOB        NOT NULL,
+                `key`       BLOB        NOT NULL,
+                fingerprint BINARY(32)  NOT NULL,
+                token       BIGINT      NOT NULL,
+                state       VARCHAR(9) CHARACTER SET ascii NOT NULL,
+                lease_until BIGINT      NOT NULL, -- unix ms, server clock
+                expires_at  BIGINT      NOT NULL, -- unix ms, server clock
+                response    LONGBLOB,
+                claims      BIGINT      NOT NULL,
+                PRIMARY KEY (id),
+                KEY {table}_expires_at (expires_at),
+                CHECK (state IN ('in_flight', 'completed'))
+            ) ENGINE=InnoDB"
+        )
+    }
+}
+
+/// The query of one of the statements.
+fn q(sql: &Arc<str>) -> sqlx::query::Query<'static, MySql, sqlx::mysql::MySqlArguments> {
+    sqlx::query(AssertSqlSafe(sql.clone()))
+}
+
+pub(super) fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
+    StoreError::unavailable(e)
+}
+
+/// InnoDB chose this transaction as a deadlock victim (ER_LOCK_DEADLOCK):
+/// it was rolled back whole and may be tried again.
+fn is_deadlock(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001")
+        || db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|e| e.number() == 1213))
+}
+
+/// The primary key of a record: SHA-256 over scope and key, framed so no
+/// two records share an input.
+fn record_key(scope: &str, key: &str) -> Vec<u8> {
+    let mut hasher = Hasher::new("tower-idempotency/mysql-record/v1");
+    hasher.part(scope.as_bytes()).part(key.as_bytes());
+    hasher.finish().0.to_vec()
+}
+
+impl MySqlStoreBuilder {
+    /// The table (default `idempotency_records`): ASCII letters, digits and
+    /// underscores, not starting with a digit, at most 48 characters.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Connections kept (default 16). In transactional mode each request
+    /// holds one for its handler's whole run, at most
+    /// [`MySqlStoreBuilder::max_hold`].
+    pub fn pool_size(mut self, size: u32) -> Self {
+        self.pool_size = size.max(1);
+        self
+    }
+
+    /// How long a call waits for a pooled connection (or a new one) before
+    /// it fails with [`StoreError::Unavailable`] (default 5 s).
+    pub fn wait_timeout(mut self, timeout: Duration) -> Self {
+        self.wait_timeout = timeout;
+        self
+    }
+
+    /// The longest a transactional request may hold its transaction (and
+    /// its pooled connection) open (default 30 s); the layer's lease caps it
+    /// further. Past it the transaction is rolled back, the key given back,
+    /// and the request answered 503: see [`MySqlTransaction`].
+    pub fn max_hold(mut self, hold: Duration) -> Self {
+        self.max_hold = hold;
+        self
+    }
+
+    /// For tests of leases and TTLs: a [`Clock`] whose reading, in
+    /// milliseconds, is added to the server's clock. Leave it unset in
+    /// production.
+    pub fn time_offset(mut self, offset: impl Clock) -> Self {
+        self.offset = Some(Arc::new(offset));
+        self
+    }
+
+    /// Connects and creates the table if it is missing.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Config`] for a URL that does not parse, a table name
+    /// outside the rule of [`MySqlStoreBuilder::table`], or an existing
+    /// table that is not InnoDB; [`StoreError::Unavailable`] for a server
+    /// that cannot be reached.
+    pub async fn open(self) -> Result<MySqlStore, StoreError> {
+        let valid = !self.table.is_empty()
+            && self.table.len() <= 48
+            && !self.table.starts_with(|c: char| c.is_ascii_digit())
+            && self
+                .table
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            return Err(StoreError::config(format!(
+                "invalid table name {:?}: ASCII letters, digits and underscores, not starting with a digit, at most 48 characters",
+                self.table
+            )));
+        }
+        let options = MySqlConnectOptions::from_str(&self.url)
+            .map_err(StoreError::config)?
+            .timezone(Some("+00:00".to_owned()));
+        let pool = MySqlPoolOptions::new()
+            .max_connections(self.pool_size)
+            .acquire_timeout(self.wait_timeout)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                        .await
+                        .map(drop)
+                })
+            })
+            .connect_with(options)
+            .await
+            .map_err(unavailable)?;
+        let mut sql = Sql::new(&self.table);
+        // MariaDB (and MySQL versions that have it) tells whether a
+        // transaction is open; see `MySqlTransaction`, "Errors inside".
+        sql.in_transaction_check =
+            sqlx::query_scalar::<_, i64>("SELECT CAST(@@in_transaction AS SIGNED)")
+                .fetch_one(&pool)
+                .await
+                .is_ok();
+        pool.execute(AssertSqlSafe(sql.schema()))
+            .await
+            .map_err(unavailable)?;
+        let engine: Option<String> = sqlx::query_scalar(
+            "SELECT CAST(engine AS CHAR) FROM information_schema.tables
+             WHERE table_schema = DATABASE() AND table_name = ?",
+        )
+        .bind(&self.table)
+        .fetch_optional(&pool)
+        .await
+        .map_err(unavailable)?;
+        if !engine
+            .as_deref()
+            .is_some_and(|e| e.eq_ignore_ascii_case("InnoDB"))
+        {
+            return Err(StoreError::config(format!(
+                "table {} uses the {} engine; the store needs InnoDB (transactions and row locks)",
+                self.table,
+                engine.as_deref().unwrap_or("unknown")
+            )));
+        }
+        Ok(MySqlStore {
+            pool,
+            sql: Arc::new(sql),
+            offset: self.offset,
+            max_hold: self.max_hold,
+            held_too_long: Arc::default(),
+        })
+    }
+}
+
+impl MySqlStore {
+    /// Connects to `url` (`mysql://user:password@host:3306/db`) with the
+    /// default options.
+    ///
+    /// # Errors
+    ///
+    /// As [`MySqlStoreBuilder::open`].
+    pub async fn open(url: &str) -> Result<Self, StoreError> {
+        Self::builder(url).open().await
+    }
+
+    /// Options: table, pool size, wait timeout, max hold time, test time offset.
+    pub fn builder(url: &str) -> MySqlStoreBuilder {
+        MySqlStoreBuilder {
+            url: url.to_owned(),
+            table: "idempotency_records".into(),
+            pool_size: 16,
+            wait_timeout: Duration::from_secs(5),
+            offset: None,
+            max_hold: Duration::from_secs(30),
+        }
+    }
+
+    /// Transactional requests rolled back because they held their
+    /// transaction past their max hold time, since the store opened.
+    pub fn transactions_held_too_long(&self) -> u64 {
+        self.held_too_long
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The pool (its connections run at `READ COMMITTED`, in UTC), for the
+    /// application's own queries.
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    fn offset_ms(&self) -> i64 {
+        self.offset.as_ref().map_or(0, |c| c.now_ms())
+    }
+
+    /// One try of the claim, in one transaction.
+    async fn try_claim(&self, req: &ClaimRequest, id: &[u8]) -> Result<Claim, sqlx::Error> {
+        let sql = &self.sql;
+        let offset = self.offset_ms();
+        // Dropped unfinished (an error below), the transaction rolls back.
+        let mut tx = self.pool.begin().await?;
+        let now: i64 = sqlx::query_scalar(AssertSqlSafe(sql.now.clone()))
+            .bind(offset)
+            .fetch_one(&mut *tx)
+            .await?;
+        let lease_until = now.saturating_add(duration_ms(req.lease));
+        let expires_at = now.saturating_add(duration_ms(req.ttl));
+        let fingerprint = &req.fingerprint.0[..];
+        let inserted = q(&sql.insert)
+            .bind(id)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .bind(fingerprint)
+            .bind(req.token.0)
+            .bind(lease_until)
+            .bind(expires_at)
+            .execute(&mut *tx)
+            .await?;
+        if inserted.rows_affected() == 1 {
+            tx.commit().await?;
+            return Ok(Claim::Acquired { taken_over: false });
+        }
+        // The record was there; this transaction holds its row lock now.
+        let row = q(&sql.select)
+            .bind(offset)
+            .bind(id)
+            .fetch_one(&mut *tx)
+            .await?;
+        let old_fingerprint: Vec<u8> = row.try_get(0)?;
+        let state: String = row.try_get(1)?;
+        let now: i64 = row.try_get(5)?;
+        let existing = Existing {
+            fingerprint: &old_fingerprint,
+            completed: state == "completed",
+            lease_until: row.try_get(2)?,
+            expires_at: row.try_get(3)?,
+        };
+        let taken_over = match decide(&existing, &req.fingerprint, now, req.lease) {
+            Decision::Replace { taken_over } => taken_over,
+            refused => {
+                // Nothing to keep (the duplicate only bumped `claims`).
+                tx.rollback().await?;
+                return Ok(match refused {
+                    Decision::Mismatch => Refusal::Mismatch.into(),
+                    Decision::InFlight(lease_remaining) => {
+                        Refusal::InFlight { lease_remaining }.into()
+                    }
+                    _ => {
+                        let blob: Option<Vec<u8>> = row.try_get(4)?;
+                        match StoredResponse::decode(&blob.unwrap_or_default()) {
+                            Ok(stored) => Refusal::Completed(stored).into(),
+                            Err(e) => return Err(sqlx::Error::Decode(e.to_string().into())),
+                        }
+                    }
+                });
+            }
+        };
+        let lease_until = now.saturating_add(duration_ms(req.lease));
+        let expires_at = now.saturating_add(duration_ms(req.ttl));
+        q(&sql.take_over)
+            .bind(fingerprint)
+            .bind(req.token.0)
+            .bind(lease_until)
+            .bind(expires_at)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(Claim::Acquired { taken_over })
+    }
+}
+
+impl Store for MySqlStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        let id = record_key(&req.scope, &req.key);
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.try_claim(&req, &id).await {
+                Ok(claim) => return Ok(claim),
+                // InnoDB rolled the whole transaction back: nothing of it
+                // stays, so it is tried again from the start.
+                Err(e) if is_deadlock(&e) && tries < 3 => continue,
+                Err(sqlx::Error::Decode(e)) => return Err(StoreError::Corrupt(e.to_string())),
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+    }
+
+    async fn complete(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Completion, StoreError> {
+        let done = q(&self.sql.complete)
+            .bind(response.encode())
+            .bind(record_key(id.scope(), id.key()))
+            .bind(token.0)
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(if done.rows_affected() == 1 {
+            Completion::Stored
+        } else {
+            Completion::Fenced
+        })
+    }
+
+    async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
+        let deleted = q(&self.sql.release)
+            .bind(record_key(id.scope(), id.key()))
+            .bind(token.0)
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(deleted.rows_affected() == 1)
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        q(&self.sql.purge)
+            .bind(self.offset_ms())
+            .execute(&self.pool)
+            .await
+            .map(|done| done.rows_affected())
+            .map_err(unavailable)
+    }
+}
