@@ -238,12 +238,16 @@ pub(super) fn startup_error(target: &Target, e: deadpool_postgres::PoolError) ->
 /// The messages of `e` and its sources, outermost first; an `io::Error`'s
 /// own inner error is included (its `source` skips it).
 pub(super) fn error_chain(e: &(dyn std::error::Error + 'static)) -> Vec<String> {
-    let mut out = Vec::new();
+    let mut out: Vec<String> = Vec::new();
     let mut next = Some(e);
     while let Some(err) = next {
         let text = err.to_string();
-        if out.last() != Some(&text) {
-            out.push(text);
+        // tokio-postgres repeats its source's text after its own ("db
+        // error: FATAL ..."): keep the fuller one.
+        match out.last_mut() {
+            Some(last) if text.starts_with(last.as_str()) || text == *last => *last = text,
+            Some(last) if last.ends_with(&text) => {}
+            _ => out.push(text),
         }
         next = match err
             .downcast_ref::<std::io::Error>()
