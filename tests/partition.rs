@@ -13,8 +13,10 @@
 //! (half the lease, then its connection closed), so it never commits later:
 //! exactly one credit per key.
 //!
+//! The same in transactional mode, where the fencing is inside A's commit.
+//!
 //! Needs PostgreSQL 15's server binaries, root, and the ledger example built
-//! with the same features. Ports 15530 (the cluster) and 15531 (the proxy).
+//! with the same features. Ports 15530..=15533 (clusters and proxies).
 
 #![cfg(feature = "postgres")]
 
@@ -112,18 +114,27 @@ async fn pipe(
 
 #[test]
 fn a_cut_off_server_never_causes_a_second_credit_in_separate_mode() {
-    let cluster = PgCluster::init(15530, "", "host all all 127.0.0.1/32 trust\n");
+    cut_off_mid_request("separate", 15530);
+}
+
+/// Transactional mode: A's credit and its record's completion share one
+/// transaction, whose commit is fenced; the server ends A's idle session
+/// (`idle_in_transaction_session_timeout`, the hold time + 1 s), and A's
+/// statements arriving after the heal cannot commit a second credit.
+#[test]
+fn a_cut_off_server_never_causes_a_second_credit_in_transactional_mode() {
+    cut_off_mid_request("transactional", 15532);
+}
+
+/// `port`: the cluster's; the proxy's is the next one.
+fn cut_off_mid_request(mode: &str, port: u16) {
+    let cluster = PgCluster::init(port, "", "host all all 127.0.0.1/32 trust\n");
     cluster.start();
-    let proxy = Proxy::start(15531, cluster.port);
+    let proxy = Proxy::start(port + 1, cluster.port);
     let db = |port: u16| format!("postgres://postgres@127.0.0.1:{port}/postgres");
     let binary = driver::ledger_beside_tests();
-    let a = Ledger::start(&binary, Path::new(&db(15531)), "separate", LEASE_SECS);
-    let b = Ledger::start(
-        &binary,
-        Path::new(&db(cluster.port)),
-        "separate",
-        LEASE_SECS,
-    );
+    let a = Ledger::start(&binary, Path::new(&db(port + 1)), mode, LEASE_SECS);
+    let b = Ledger::start(&binary, Path::new(&db(cluster.port)), mode, LEASE_SECS);
 
     let created = request(
         b.addr,
@@ -244,7 +255,7 @@ fn a_cut_off_server_never_causes_a_second_credit_in_separate_mode() {
     let expected: Vec<String> = (0..KEYS).map(|i| format!("{}:1", amount(i))).collect();
     assert_eq!(per_key.lines().collect::<Vec<_>>(), expected);
     eprintln!(
-        "partition: {KEYS} keys, lease {LEASE_SECS} s; every retry on B completed within {:.2} s of the cut; credits per key: {per_key:?}",
+        "partition ({mode} mode): {KEYS} keys, lease {LEASE_SECS} s; every retry on B completed within {:.2} s of the cut; credits per key: {per_key:?}",
         slowest.as_secs_f64()
     );
 }
