@@ -233,7 +233,7 @@ async fn a_wrong_ca_or_host_name_fails_at_start_up_naming_the_cause() {
 async fn require_against_a_server_without_tls_fails_naming_the_cause() {
     let plain = PgCluster::init(15513, "ssl = off\n", "host all all 127.0.0.1/32 trust\n");
     plain.start();
-    let base = format!("postgres://postgres@localhost:15513/postgres?hostaddr=127.0.0.1");
+    let base = "postgres://postgres@localhost:15513/postgres?hostaddr=127.0.0.1";
     let ca = plain.dir().join("ca.pem");
     std::fs::write(&ca, TestCa::new("unused CA").cert_pem).unwrap();
     for mode in ["require", "verify-ca", "verify-full"] {

@@ -100,7 +100,8 @@ pub(super) fn parse(url: &str) -> Result<Target, StoreError> {
     let is_url = url.starts_with("postgres://") || url.starts_with("postgresql://");
     let rest = match url.split_once('?') {
         Some((base, query)) if is_url => {
-            let mut kept = Vec::new();
+            let mut kept: Vec<String> = Vec::new();
+            let mut renamed: Vec<String> = Vec::new();
             for pair in query.split('&').filter(|p| !p.is_empty()) {
                 let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
                 match name {
@@ -113,9 +114,12 @@ pub(super) fn parse(url: &str) -> Result<Target, StoreError> {
                             path => RootCert::File(PathBuf::from(path)),
                         };
                     }
-                    _ => kept.push(pair),
+                    // libpq's name; tokio-postgres calls it keepalives_retries.
+                    "keepalives_count" => renamed.push(format!("keepalives_retries={value}")),
+                    _ => kept.push(pair.to_owned()),
                 }
             }
+            kept.append(&mut renamed);
             if kept.is_empty() {
                 base.to_owned()
             } else {
@@ -267,12 +271,13 @@ mod tests {
     #[test]
     fn tls_parameters_are_taken_out_and_the_rest_kept() {
         let t = parse(
-            "postgres://u@a:5433,b:5434/db?sslmode=verify-full&target_session_attrs=read-write&sslrootcert=/tmp/ca%20x.pem",
+            "postgres://u@a:5433,b:5434/db?sslmode=verify-full&target_session_attrs=read-write&sslrootcert=/tmp/ca%20x.pem&keepalives_count=3",
         )
         .unwrap();
         assert_eq!(t.mode, SslMode::VerifyFull);
         assert_eq!(t.root_cert, RootCert::File(PathBuf::from("/tmp/ca x.pem")));
         assert_eq!(t.config.get_hosts().len(), 2);
+        assert_eq!(t.config.get_keepalives_retries(), Some(3));
         assert_eq!(t.config.get_ports(), &[5433, 5434]);
         assert_eq!(
             t.config.get_target_session_attrs(),
