@@ -532,7 +532,10 @@ async fn postgres_app(
     args: &Args,
 ) -> Result<Built, Box<dyn std::error::Error>> {
     let store = tower_idempotency::PostgresStore::open(url).await?;
-    let db = Db::Postgres(pg::PgDb::open(store.pool().clone()).await?);
+    let lease = args
+        .lease
+        .unwrap_or(tower_idempotency::store::DEFAULT_LEASE);
+    let db = Db::Postgres(pg::PgDb::open(store.pool().clone(), lease / 2).await?);
     let writes = match &args.key_store {
         Some(redis) => redis_writes(redis, args).await?,
         None => {

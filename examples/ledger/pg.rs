@@ -34,10 +34,15 @@ impl From<deadpool_postgres::PoolError> for LedgerError {
 #[derive(Clone)]
 pub struct PgDb {
     pool: Pool,
+    /// How long a `separate` mode write may take (half the lease): past it
+    /// the write is abandoned and its connection closed, so a server cut
+    /// off from the database never sends the `COMMIT` later, after another
+    /// server has taken the key over.
+    write_budget: std::time::Duration,
 }
 
 impl PgDb {
-    pub async fn open(pool: Pool) -> Result<PgDb, LedgerError> {
+    pub async fn open(pool: Pool, write_budget: std::time::Duration) -> Result<PgDb, LedgerError> {
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
         // Ledgers starting together would race on CREATE TABLE.
@@ -45,7 +50,7 @@ impl PgDb {
             .await?;
         tx.batch_execute(SCHEMA).await?;
         tx.commit().await?;
-        Ok(PgDb { pool })
+        Ok(PgDb { pool, write_budget })
     }
 
     pub async fn account(&self, id: i64) -> Result<Account, LedgerError> {
@@ -65,12 +70,30 @@ impl PgDb {
     }
 
     /// Runs `op` in a transaction of its own (the `separate` mode's writes).
+    /// Abandoned past the write budget: the connection is closed, not
+    /// pooled, so statements stuck in the network are never followed by a
+    /// `COMMIT`.
     pub async fn in_transaction(&self, op: Op) -> Result<Json, LedgerError> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let value = op.on_postgres(&*tx).await?;
-        tx.commit().await?;
-        Ok(value)
+        let started = tokio::time::Instant::now();
+        let mut client = tokio::time::timeout(self.write_budget, self.pool.get())
+            .await
+            .map_err(|_| LedgerError::Database("no connection within the write budget".into()))??;
+        let work = async {
+            let tx = client.transaction().await?;
+            let value = op.on_postgres(&*tx).await?;
+            tx.commit().await?;
+            Ok(value)
+        };
+        let outcome = tokio::time::timeout_at(started + self.write_budget, work).await;
+        match outcome {
+            Ok(result) => result,
+            Err(_) => {
+                drop(deadpool_postgres::Object::take(client));
+                Err(LedgerError::Database(
+                    "the write did not finish within its budget (half the lease); abandoned".into(),
+                ))
+            }
+        }
     }
 }
 

@@ -5,13 +5,13 @@
 //!   [`TransactionalStore`](crate::store::TransactionalStore) impl
 //!   (transactional mode); `transaction/hold.rs`: its max hold time.
 //! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
+//! * `connect.rs`: the URL's libpq TLS parameters and start-up errors;
+//!   `tls.rs`: the rustls connector (feature `postgres-tls`).
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Object, Pool, RecyclingMethod};
-use tokio_postgres::NoTls;
+use deadpool_postgres::{GenericClient, Object, Pool};
 
 use super::{
     Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, RecordId, Refusal,
@@ -20,7 +20,10 @@ use super::{
 use crate::fingerprint::Hasher;
 use crate::response::StoredResponse;
 
+mod connect;
 mod inspect;
+#[cfg(feature = "postgres-tls")]
+mod tls;
 mod transaction;
 
 pub use transaction::{PostgresTransaction, TransactionClient};
@@ -229,9 +232,19 @@ impl PostgresStoreBuilder {
     ///
     /// # Errors
     ///
-    /// [`StoreError::Config`] for a URL that does not parse or a table name
-    /// outside the rule of [`PostgresStoreBuilder::table`];
-    /// [`StoreError::Unavailable`] for a server that cannot be reached.
+    /// [`StoreError::Config`] for a URL that does not parse, a table name
+    /// outside the rule of [`PostgresStoreBuilder::table`], or a URL that
+    /// asks for TLS (`sslmode=require|verify-ca|verify-full`, `sslrootcert`)
+    /// in a build without the `postgres-tls` feature;
+    /// [`StoreError::Unavailable`] for a server that cannot be reached or a
+    /// TLS handshake that fails, with the cause in words (unknown CA, host
+    /// name mismatch, server without TLS).
+    ///
+    /// The URL takes libpq's parameters: `sslmode` and `sslrootcert` as
+    /// libpq reads them (see the `postgres-tls` feature), several
+    /// `host:port` pairs with `target_session_attrs=read-write` (the pool
+    /// connects only to the primary, and after a failover to the new one),
+    /// `connect_timeout`, `keepalives_idle`, `tcp_user_timeout`, ...
     pub async fn open(self) -> Result<PostgresStore, StoreError> {
         let valid = !self.table.is_empty()
             && self.table.len() <= 48
@@ -246,14 +259,8 @@ impl PostgresStoreBuilder {
                 self.table
             )));
         }
-        let config = tokio_postgres::Config::from_str(&self.url).map_err(StoreError::config)?;
-        let manager = Manager::from_config(
-            config,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let target = connect::parse(&self.url)?;
+        let manager = connect::manager(&target)?;
         let pool = Pool::builder(manager)
             .max_size(self.pool_size)
             .wait_timeout(Some(self.wait_timeout))
@@ -262,7 +269,10 @@ impl PostgresStoreBuilder {
             .build()
             .map_err(unavailable)?;
         let sql = Sql::new(&self.table);
-        let mut client = pool.get().await.map_err(unavailable)?;
+        let mut client = pool
+            .get()
+            .await
+            .map_err(|e| connect::startup_error(&target, e))?;
         let tx = client.transaction().await.map_err(unavailable)?;
         // Two servers starting at once would race on CREATE TABLE.
         let lock = advisory_key(&self.table, "migrate", "");
