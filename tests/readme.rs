@@ -32,7 +32,7 @@ fn quick_start_is_the_quickstart_example() {
 #[test]
 fn sqlx_section_is_the_sqlx_postgres_example() {
     let readme = read("README.md");
-    let block = block_after(&readme, "\n## With sqlx (PostgreSQL)\n", "```rust,ignore\n");
+    let block = block_after(&readme, "\n## With sqlx\n", "```rust,ignore\n");
     assert_eq!(block, read("examples/sqlx_postgres.rs"));
 }
 
