@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use tower_idempotency::store::{Claim, FencingToken, Inspect, RecordId, Refusal, Store};
-use tower_idempotency::test_util::{ClockOffset, ManualClock, claim_of, counts, response, store_suite};
+use tower_idempotency::test_util::{
+    ClockOffset, ManualClock, claim_of, counts, response, store_suite,
+};
 use tower_idempotency::{RedisStore, StoreError, StoredResponse};
 
 #[path = "common/rediscluster.rs"]
@@ -66,8 +68,8 @@ async fn records_spread_over_every_master() {
     let mut names = BTreeSet::new();
     for i in 0..300 {
         let key = format!("k{i}");
-        let claim = claim_of("alice", &key, 1, FencingToken::random())
-            .with_ttl(Duration::from_secs(60));
+        let claim =
+            claim_of("alice", &key, 1, FencingToken::random()).with_ttl(Duration::from_secs(60));
         assert_eq!(
             store.claim(claim).await.unwrap(),
             Claim::Acquired { taken_over: false }
@@ -112,7 +114,9 @@ async fn cluster_config_errors() {
         .unwrap_err();
     assert!(matches!(err, StoreError::Config(_)), "{err:?}");
     // Nothing listens on 15699.
-    let err = RedisStore::cluster(["redis://127.0.0.1:15699"]).await.unwrap_err();
+    let err = RedisStore::cluster(["redis://127.0.0.1:15699"])
+        .await
+        .unwrap_err();
     assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
 }
 
@@ -127,7 +131,11 @@ fn ok(port: u16, args: &[&str]) {
 }
 
 async fn replay_body(store: &RedisStore, scope: &str, key: &str, fp: u8) -> StoredResponse {
-    match store.claim(claim_of(scope, key, fp, FencingToken::random())).await.unwrap() {
+    match store
+        .claim(claim_of(scope, key, fp, FencingToken::random()))
+        .await
+        .unwrap()
+    {
         Claim::Refused(Refusal::Completed(stored)) => stored,
         other => panic!("{key}: expected a replay, got {other:?}"),
     }
@@ -149,7 +157,10 @@ async fn ask_and_moved_are_followed_while_a_slot_moves() {
         .unwrap();
     let prefix = store.prefix().to_owned();
     let token = FencingToken::random();
-    store.claim(claim_of("alice", "first", 1, token)).await.unwrap();
+    store
+        .claim(claim_of("alice", "first", 1, token))
+        .await
+        .unwrap();
     store
         .complete(RecordId::new("alice", "first"), token, response(b"first"))
         .await
@@ -176,18 +187,36 @@ async fn ask_and_moved_are_followed_while_a_slot_moves() {
     ok(to, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]);
     ok(from, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]);
     // Still on the old master.
-    assert_eq!(replay_body(&store, "alice", "first", 1).await, response(b"first"));
+    assert_eq!(
+        replay_body(&store, "alice", "first", 1).await,
+        response(b"first")
+    );
     ok(
         from,
-        &["MIGRATE", "127.0.0.1", &to.to_string(), "", "0", "5000", "KEYS", &first],
+        &[
+            "MIGRATE",
+            "127.0.0.1",
+            &to.to_string(),
+            "",
+            "0",
+            "5000",
+            "KEYS",
+            &first,
+        ],
     );
     assert!(!keys_on(from, &prefix).contains(&first));
     // Moved: the old master answers ASK.
-    assert_eq!(replay_body(&store, "alice", "first", 1).await, response(b"first"));
+    assert_eq!(
+        replay_body(&store, "alice", "first", 1).await,
+        response(b"first")
+    );
     // New in the migrating slot: created on the new master, through ASK.
     let token = FencingToken::random();
     assert_eq!(
-        store.claim(claim_of("alice", &second, 2, token)).await.unwrap(),
+        store
+            .claim(claim_of("alice", &second, 2, token))
+            .await
+            .unwrap(),
         Claim::Acquired { taken_over: false }
     );
     store
@@ -203,8 +232,14 @@ async fn ask_and_moved_are_followed_while_a_slot_moves() {
         }
     }
     // The final move: the store's slot map is stale until MOVED.
-    assert_eq!(replay_body(&store, "alice", "first", 1).await, response(b"first"));
-    assert_eq!(replay_body(&store, "alice", &second, 2).await, response(b"second"));
+    assert_eq!(
+        replay_body(&store, "alice", "first", 1).await,
+        response(b"first")
+    );
+    assert_eq!(
+        replay_body(&store, "alice", &second, 2).await,
+        response(b"second")
+    );
     let count = |port| cli(port, &["CLUSTER", "COUNTKEYSINSLOT", &slot]).unwrap();
     assert_eq!(count(to).trim(), "2");
     assert_eq!(count(from).trim(), "0");
@@ -285,7 +320,10 @@ async fn a_failed_over_master_loses_no_replicated_record() {
     for &key in &keys {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            match store.claim(claim_of("s", key, 1, FencingToken::random())).await {
+            match store
+                .claim(claim_of("s", key, 1, FencingToken::random()))
+                .await
+            {
                 Ok(Claim::Refused(Refusal::Completed(stored))) => {
                     assert_eq!(stored, response(key.as_bytes()));
                     break;

@@ -37,9 +37,10 @@ impl RedisCluster {
         for &port in &ports {
             // A cluster of the same test binary that is just stopping frees
             // its ports within moments; a leftover server never does.
-            wait_until(&format!("port {port} is free (a leftover redis-server?)"), || {
-                std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
-            });
+            wait_until(
+                &format!("port {port} is free (a leftover redis-server?)"),
+                || std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+            );
             let conf = cluster._dir.path().join(format!("nodes-{port}.conf"));
             let child = Command::new("redis-server")
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
@@ -82,16 +83,17 @@ impl RedisCluster {
         if replicas > 0 {
             // Every master has its replicas attached and in sync.
             for &port in &ports {
-                wait_until(&format!("node {port} has its replicas in sync"), || {
-                    match cli(port, &["INFO", "replication"]) {
+                wait_until(
+                    &format!("node {port} has its replicas in sync"),
+                    || match cli(port, &["INFO", "replication"]) {
                         Some(info) if info.contains("role:master") => {
                             info.contains(&format!("connected_slaves:{replicas}"))
                                 && !info.contains("state=wait_bgsave")
                         }
                         Some(info) => info.contains("master_link_status:up"),
                         None => false,
-                    }
-                });
+                    },
+                );
             }
         }
         cluster

@@ -164,7 +164,9 @@ impl RedisStoreBuilder {
             }
             Target::Cluster(seeds) => {
                 if seeds.is_empty() {
-                    return Err(StoreError::config("a Redis Cluster needs at least one seed URL"));
+                    return Err(StoreError::config(
+                        "a Redis Cluster needs at least one seed URL",
+                    ));
                 }
                 let builder = ClusterClientBuilder::new(seeds.iter().map(String::as_str))
                     .connection_timeout(CONNECTION_TIMEOUT)
@@ -221,7 +223,10 @@ impl RedisStoreBuilder {
             Target::Single(url) => vec![url],
             Target::Cluster(seeds) => seeds.iter().map(String::as_str).collect(),
         };
-        let tls = |url: &&str| url.get(..9).is_some_and(|s| s.eq_ignore_ascii_case("rediss://"));
+        let tls = |url: &&str| {
+            url.get(..9)
+                .is_some_and(|s| s.eq_ignore_ascii_case("rediss://"))
+        };
         if self.ca.is_some() && !urls.iter().all(tls) {
             return Err(StoreError::config(
                 "a CA certificate was given, but not every Redis URL is rediss://",

@@ -165,7 +165,9 @@ fn joined(
         Some(Ok(reply)) => reply,
         Some(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Some(Err(e)) => Err(StoreError::unavailable(e)),
-        None => Err(StoreError::unavailable("a script call of the walk vanished")),
+        None => Err(StoreError::unavailable(
+            "a script call of the walk vanished",
+        )),
     }
 }
 

@@ -133,7 +133,11 @@ impl RedisStore {
             }
             let args = vec![
                 self.offset_ms().to_string().into_bytes(),
-                if list.is_some() { b"1".to_vec() } else { b"0".to_vec() },
+                if list.is_some() {
+                    b"1".to_vec()
+                } else {
+                    b"0".to_vec()
+                },
             ];
             for reply in walk.run(&INSPECT_SCRIPT, fresh, args).await? {
                 let batch = parse_inspect(&self.prefix, reply)?;

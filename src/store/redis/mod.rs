@@ -10,8 +10,7 @@ use std::time::Duration;
 use ::redis::{Script, Value};
 
 use super::{
-    Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError,
-    duration_ms,
+    Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError, duration_ms,
 };
 use crate::response::StoredResponse;
 
@@ -251,7 +250,9 @@ impl RedisStore {
 
     /// Options (key prefix, CA, test time offset) for a Redis Cluster
     /// reached through `seeds`, as [`RedisStore::cluster`].
-    pub fn cluster_builder<S: Into<String>>(seeds: impl IntoIterator<Item = S>) -> RedisStoreBuilder {
+    pub fn cluster_builder<S: Into<String>>(
+        seeds: impl IntoIterator<Item = S>,
+    ) -> RedisStoreBuilder {
         RedisStoreBuilder::cluster(seeds.into_iter().map(Into::into).collect())
     }
 
