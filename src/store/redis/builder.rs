@@ -124,9 +124,9 @@ impl RedisStoreBuilder {
     /// without the `redis-tls` feature), a cluster has no seed or seeds that
     /// disagree (password, database, TLS), the prefix is empty or holds `{`
     /// or `}`, or a CA is not a PEM certificate; [`StoreError::Unavailable`]
-    /// when the server (no seed) can be reached, its TLS certificate is not
+    /// when no server (or seed) can be reached, its TLS certificate is not
     /// trusted (the message names the cause, e.g. `UnknownIssuer` or
-    /// `NotValidForName`), or it refuses the scripts.
+    /// `certificate not valid for name`), or it refuses the scripts.
     pub async fn open(self) -> Result<RedisStore, StoreError> {
         if self.prefix.is_empty() {
             return Err(StoreError::config(
@@ -227,10 +227,23 @@ impl RedisStoreBuilder {
             url.get(..9)
                 .is_some_and(|s| s.eq_ignore_ascii_case("rediss://"))
         };
-        if self.ca.is_some() && !urls.iter().all(tls) {
-            return Err(StoreError::config(
-                "a CA certificate was given, but not every Redis URL is rediss://",
-            ));
+        if let Some(pem) = &self.ca {
+            if !urls.iter().all(tls) {
+                return Err(StoreError::config(
+                    "a CA certificate was given, but not every Redis URL is rediss://",
+                ));
+            }
+            use rustls::pki_types::{CertificateDer, pem::PemObject};
+            let certificates = CertificateDer::pem_slice_iter(pem)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| {
+                    StoreError::config(format!("the Redis CA certificate is not PEM: {e}"))
+                })?;
+            if certificates.is_empty() {
+                return Err(StoreError::config(
+                    "the Redis CA certificate holds no BEGIN CERTIFICATE block",
+                ));
+            }
         }
         if urls.iter().any(tls) {
             // The `redis` crate builds its rustls config with the process's

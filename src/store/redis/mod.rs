@@ -181,7 +181,7 @@ fn script(body: &str) -> Script {
 /// [`RedisStoreBuilder::ca_certificate`], and name the URL's host; an
 /// untrusted certificate fails [`RedisStoreBuilder::open`] with
 /// [`StoreError::Unavailable`] naming rustls's reason (`UnknownIssuer`,
-/// `NotValidForName`, ...).
+/// `certificate not valid for name`, ...).
 ///
 /// # Connections and errors
 ///
