@@ -35,7 +35,7 @@ use tower_idempotency::{IdempotencyLayer, SqliteStore};
 use db::{LedgerError, Op, SqliteDb};
 
 const USAGE: &str = "usage: ledger [--db PATH] [--mode transactional|separate] \
-[--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR]";
+[--key-store URL[,URL...]] [--key-store-ca PEM-PATH] [--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR]";
 
 /// When the idempotency record is written (see `tower_idempotency::mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,7 +51,10 @@ struct Args {
     db: PathBuf,
     /// `None`: transactional wherever the store supports it.
     mode: Option<Mode>,
+    /// One Redis URL, or a cluster's seed URLs separated by commas.
     key_store: Option<String>,
+    /// The CA (PEM file) a `rediss://` key store's certificate chains to.
+    key_store_ca: Option<PathBuf>,
     listen: SocketAddr,
     lease: Option<Duration>,
     fault_injection: bool,
@@ -64,6 +67,7 @@ fn parse_args() -> Result<Args, String> {
         db: PathBuf::from("ledger.sqlite3"),
         mode: None,
         key_store: None,
+        key_store_ca: None,
         listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
         lease: None,
         fault_injection: false,
@@ -94,18 +98,32 @@ fn parse_args() -> Result<Args, String> {
                 args.db = PathBuf::from(db);
             }
             "--key-store" => {
-                let url = value()?;
-                if !url.starts_with("redis://") {
-                    return Err(format!(
-                        "--key-store {url}: only redis:// URLs are supported"
-                    ));
+                let urls = value()?;
+                for url in urls.split(',') {
+                    if !url.starts_with("redis://") && !url.starts_with("rediss://") {
+                        return Err(format!(
+                            "--key-store {url}: only redis:// and rediss:// URLs are supported"
+                        ));
+                    }
+                    if url.starts_with("rediss://") && !cfg!(feature = "redis-tls") {
+                        return Err(
+                            "--key-store rediss://... needs a build with `--features redis-tls`"
+                                .into(),
+                        );
+                    }
                 }
                 if !cfg!(feature = "redis") {
                     return Err(
                         "--key-store redis://... needs a build with `--features redis`".into(),
                     );
                 }
-                args.key_store = Some(url);
+                args.key_store = Some(urls);
+            }
+            "--key-store-ca" => {
+                if !cfg!(feature = "redis-tls") {
+                    return Err("--key-store-ca needs a build with `--features redis-tls`".into());
+                }
+                args.key_store_ca = Some(PathBuf::from(value()?));
             }
             "--mode" => {
                 args.mode = match value()?.as_str() {
@@ -142,6 +160,9 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
+    }
+    if args.key_store_ca.is_some() && args.key_store.is_none() {
+        return Err("--key-store-ca needs --key-store rediss://...".into());
     }
     if args.key_store.is_some() && args.mode == Some(Mode::Transactional) {
         return Err("--mode transactional needs the records in the --db database; with --key-store only --mode separate is possible".into());
@@ -430,10 +451,24 @@ async fn postgres_app(_: &str, _: Mode, _: &Args) -> Result<Built, Box<dyn std::
     Err("this build has no PostgreSQL store: build with `--features postgres`".into())
 }
 
-/// Records in Redis, the ledger's data in --db: separate mode only.
+/// Records in Redis (one server, or a cluster through its seeds), the
+/// ledger's data in --db: separate mode only.
 #[cfg(feature = "redis")]
-async fn redis_writes(url: &str, args: &Args) -> Result<Writes, Box<dyn std::error::Error>> {
-    let store = tower_idempotency::RedisStore::open(url).await?;
+async fn redis_writes(urls: &str, args: &Args) -> Result<Writes, Box<dyn std::error::Error>> {
+    use tower_idempotency::RedisStore;
+    let seeds: Vec<&str> = urls.split(',').collect();
+    let builder = match seeds[..] {
+        [url] => RedisStore::builder(url),
+        _ => RedisStore::cluster_builder(seeds),
+    };
+    #[cfg(feature = "redis-tls")]
+    let builder = match &args.key_store_ca {
+        Some(path) => builder.ca_certificate(
+            std::fs::read(path).map_err(|e| format!("--key-store-ca {}: {e}", path.display()))?,
+        ),
+        None => builder,
+    };
+    let store = builder.open().await?;
     let admin = admin_router(&store, args);
     Ok((writes().route_layer(idempotency(store, args.lease)), admin))
 }
