@@ -965,8 +965,8 @@ mod redis_faults {
         assert_ran(&first, 1);
         let client = ::redis::Client::open(url()).unwrap();
         let mut raw = client.get_multiplexed_async_connection().await.unwrap();
-        // `{prefix}{scope length}:{scope}:{key}`, see RedisStore's docs.
-        let record = format!("{prefix}5:alice:k");
+        // `{prefix}{{scope length}:{scope}:{key}}`, see RedisStore's docs.
+        let record = format!("{prefix}{{5:alice:k}}");
         for (field, garbage, status, problem) in [
             (
                 "response",

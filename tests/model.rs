@@ -38,7 +38,8 @@
 //! PostgreSQL, MySQL/MariaDB and Redis (features `postgres`, `sqlx-postgres`,
 //! `mysql`, `redis`) need their servers (`TOWER_IDEMPOTENCY_POSTGRES_URL`,
 //! `TOWER_IDEMPOTENCY_MYSQL_URL`, `TOWER_IDEMPOTENCY_REDIS_URL`); a missing
-//! server fails the test.
+//! server fails the test. The `*_redis_cluster` tests start a private
+//! 3-master Redis Cluster (`redis-server` on the `PATH`).
 //!
 //! # Time on the networked stores
 //!
@@ -1009,6 +1010,45 @@ async fn redis(clock: &ManualClock) -> tower_idempotency::store::RedisStore {
         .unwrap_or_else(|e| panic!("Redis at {url} is required for these tests: {e}"))
 }
 
+/// `RedisStore` on a private 3-master Redis Cluster (ports 15630-15632),
+/// started by the first case and stopped after the last.
+#[cfg(feature = "redis")]
+#[path = "common/rediscluster.rs"]
+mod rediscluster;
+
+#[cfg(feature = "redis")]
+static CLUSTER: std::sync::Mutex<std::sync::Weak<rediscluster::RedisCluster>> =
+    std::sync::Mutex::new(std::sync::Weak::new());
+
+#[cfg(feature = "redis")]
+async fn redis_cluster(
+    clock: &ManualClock,
+) -> (
+    tower_idempotency::store::RedisStore,
+    std::sync::Arc<rediscluster::RedisCluster>,
+) {
+    let nodes = tokio::task::spawn_blocking(|| rediscluster::RedisCluster::shared(&CLUSTER, 15630))
+        .await
+        .unwrap();
+    // One cluster for all the cases of a test: the test's thread holds it
+    // until the thread ends.
+    thread_local! {
+        static HELD: std::cell::RefCell<Option<std::sync::Arc<rediscluster::RedisCluster>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    HELD.with(|held| *held.borrow_mut() = Some(nodes.clone()));
+    let store = tower_idempotency::store::RedisStore::cluster_builder(nodes.urls())
+        .prefix(format!(
+            "tower-idempotency-model:{:016x}:",
+            FencingToken::random().0
+        ))
+        .time_offset(Offset(clock.clone()))
+        .open()
+        .await
+        .unwrap();
+    (store, nodes)
+}
+
 // ------------------------------------------------------------------- tests
 
 proptest! {
@@ -1179,6 +1219,34 @@ proptest! {
         RUNTIME.block_on(async {
             let clock = ManualClock::new(START_MS);
             my::with_store(&clock, |store| run_rounds(MYSQL, store, clock.clone(), &rounds)).await
+        })?;
+    }
+}
+
+#[cfg(feature = "redis")]
+proptest! {
+    #![proptest_config(config(48))]
+
+    #[test]
+    fn sequences_redis_cluster(ops in ops(REDIS)) {
+        RUNTIME.block_on(async {
+            let clock = ManualClock::new(START_MS);
+            let (store, _nodes) = redis_cluster(&clock).await;
+            run_sequence(REDIS, store, clock, &ops).await
+        })?;
+    }
+}
+
+#[cfg(feature = "redis")]
+proptest! {
+    #![proptest_config(config(12))]
+
+    #[test]
+    fn concurrent_redis_cluster(rounds in rounds()) {
+        RUNTIME.block_on(async {
+            let clock = ManualClock::new(START_MS);
+            let (store, _nodes) = redis_cluster(&clock).await;
+            run_rounds(REDIS, store, clock, &rounds).await
         })?;
     }
 }

@@ -257,7 +257,7 @@ async fn redis_record_layout_expiry_and_corruption() {
     let client = ::redis::Client::open(redis_support::url()).unwrap();
     let mut raw = client.get_multiplexed_async_connection().await.unwrap();
     // The scope's length in bytes, then the scope, then the key.
-    let record = format!("{prefix}5:alice:k");
+    let record = format!("{prefix}{{5:alice:k}}");
     let token = FencingToken::random();
     store.claim(claim_of("alice", "k", 7, token)).await.unwrap();
     assert_eq!(
@@ -303,13 +303,13 @@ async fn redis_record_layout_expiry_and_corruption() {
     assert!(matches!(claim, Err(StoreError::Corrupt(_))), "{claim:?}");
     // A key that is not a hash at all; a hash without our fields.
     let _: () = ::redis::cmd("SET")
-        .arg(format!("{prefix}1:s:string"))
+        .arg(format!("{prefix}{{1:s:string}}"))
         .arg("hello")
         .query_async(&mut raw)
         .await
         .unwrap();
     let _: () = ::redis::cmd("HSET")
-        .arg(format!("{prefix}1:s:foreign"))
+        .arg(format!("{prefix}{{1:s:foreign}}"))
         .arg("name")
         .arg("x")
         .query_async(&mut raw)
@@ -333,8 +333,8 @@ async fn redis_record_layout_expiry_and_corruption() {
     assert_eq!(store.purge_expired().await.unwrap(), 0);
     let _: () = ::redis::cmd("DEL")
         .arg(&record)
-        .arg(format!("{prefix}1:s:string"))
-        .arg(format!("{prefix}1:s:foreign"))
+        .arg(format!("{prefix}{{1:s:string}}"))
+        .arg(format!("{prefix}{{1:s:foreign}}"))
         .query_async(&mut raw)
         .await
         .unwrap();
@@ -476,8 +476,8 @@ async fn redis_inspect_walks_every_scan_page() {
     assert_eq!(store.purge_expired().await.unwrap(), 1200);
     assert_eq!(store.counts().await.unwrap(), counts(0, 0, 0, 0));
     let _: () = ::redis::cmd("DEL")
-        .arg(format!("{prefix}1:s:string"))
-        .arg(format!("{prefix}1:s:foreign"))
+        .arg(format!("{prefix}{{1:s:string}}"))
+        .arg(format!("{prefix}{{1:s:foreign}}"))
         .query_async(&mut raw)
         .await
         .unwrap();
@@ -563,7 +563,7 @@ async fn redis_lease_until_an_hour_ahead_in_the_hash_is_taken_over() {
         .unwrap();
     let client = ::redis::Client::open(redis_support::url()).unwrap();
     let mut raw = client.get_multiplexed_async_connection().await.unwrap();
-    let record = format!("{prefix}1:s:k");
+    let record = format!("{prefix}{{1:s:k}}");
     let poke_raw = raw.clone();
     raw_deadline_an_hour_ahead_is_taken_over(store, || async move {
         let mut raw = poke_raw;
@@ -583,7 +583,7 @@ async fn redis_lease_until_an_hour_ahead_in_the_hash_is_taken_over() {
     })
     .await;
     let _: () = ::redis::cmd("DEL")
-        .arg(format!("{prefix}1:s:k"))
+        .arg(format!("{prefix}{{1:s:k}}"))
         .query_async(&mut raw)
         .await
         .unwrap();

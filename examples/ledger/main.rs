@@ -50,7 +50,8 @@ use tower_idempotency::{IdempotencyLayer, SqliteStore};
 use db::{LedgerError, Op, SqliteDb};
 
 const USAGE: &str = "usage: ledger [--db PATH] [--db-driver rusqlite|sqlx] \
-[--mode transactional|separate] [--listen ADDR] [--lease-secs N] [--fault-injection] [--admin-listen ADDR]";
+[--mode transactional|separate] [--key-store URL[,URL...]] [--key-store-ca PEM-PATH] [--listen ADDR] \
+[--lease-secs N] [--fault-injection] [--admin-listen ADDR]";
 
 /// When the idempotency record is written (see `tower_idempotency::mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,7 +77,10 @@ struct Args {
     driver: Driver,
     /// `None`: transactional wherever the store supports it.
     mode: Option<Mode>,
+    /// One Redis URL, or a cluster's seed URLs separated by commas.
     key_store: Option<String>,
+    /// The CA (PEM file) a `rediss://` key store's certificate chains to.
+    key_store_ca: Option<PathBuf>,
     listen: SocketAddr,
     lease: Option<Duration>,
     fault_injection: bool,
@@ -90,6 +94,7 @@ fn parse_args() -> Result<Args, String> {
         driver: Driver::Native,
         mode: None,
         key_store: None,
+        key_store_ca: None,
         listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
         lease: None,
         fault_injection: false,
@@ -120,18 +125,32 @@ fn parse_args() -> Result<Args, String> {
                 }
             }
             "--key-store" => {
-                let url = value()?;
-                if !url.starts_with("redis://") {
-                    return Err(format!(
-                        "--key-store {url}: only redis:// URLs are supported"
-                    ));
+                let urls = value()?;
+                for url in urls.split(',') {
+                    if !url.starts_with("redis://") && !url.starts_with("rediss://") {
+                        return Err(format!(
+                            "--key-store {url}: only redis:// and rediss:// URLs are supported"
+                        ));
+                    }
+                    if url.starts_with("rediss://") && !cfg!(feature = "redis-tls") {
+                        return Err(
+                            "--key-store rediss://... needs a build with `--features redis-tls`"
+                                .into(),
+                        );
+                    }
                 }
                 if !cfg!(feature = "redis") {
                     return Err(
                         "--key-store redis://... needs a build with `--features redis`".into(),
                     );
                 }
-                args.key_store = Some(url);
+                args.key_store = Some(urls);
+            }
+            "--key-store-ca" => {
+                if !cfg!(feature = "redis-tls") {
+                    return Err("--key-store-ca needs a build with `--features redis-tls`".into());
+                }
+                args.key_store_ca = Some(PathBuf::from(value()?));
             }
             "--mode" => {
                 args.mode = match value()?.as_str() {
@@ -189,6 +208,9 @@ fn parse_args() -> Result<Args, String> {
             "--db-driver sqlx with a SQLite path needs a build with `--features sqlx-sqlite`"
                 .into(),
         );
+    }
+    if args.key_store_ca.is_some() && args.key_store.is_none() {
+        return Err("--key-store-ca needs --key-store rediss://...".into());
     }
     if args.key_store.is_some() && args.mode == Some(Mode::Transactional) {
         return Err("--mode transactional needs the records in the --db database; with --key-store only --mode separate is possible".into());
@@ -582,9 +604,24 @@ async fn mysql_app(_: &str, _: Mode, _: &Args) -> Result<Built, Box<dyn std::err
 }
 
 /// Records in Redis, the ledger's data in --db: separate mode only.
+/// Records in Redis (one server, or a cluster through its seeds), the
+/// ledger's data in --db: separate mode only.
 #[cfg(feature = "redis")]
-async fn redis_writes(url: &str, args: &Args) -> Result<Writes, Box<dyn std::error::Error>> {
-    let store = tower_idempotency::RedisStore::open(url).await?;
+async fn redis_writes(urls: &str, args: &Args) -> Result<Writes, Box<dyn std::error::Error>> {
+    use tower_idempotency::RedisStore;
+    let seeds: Vec<&str> = urls.split(',').collect();
+    let builder = match seeds[..] {
+        [url] => RedisStore::builder(url),
+        _ => RedisStore::cluster_builder(seeds),
+    };
+    #[cfg(feature = "redis-tls")]
+    let builder = match &args.key_store_ca {
+        Some(path) => builder.ca_certificate(
+            std::fs::read(path).map_err(|e| format!("--key-store-ca {}: {e}", path.display()))?,
+        ),
+        None => builder,
+    };
+    let store = builder.open().await?;
     let admin = admin_router(&store, args);
     Ok((writes().route_layer(idempotency(store, args.lease)), admin))
 }

@@ -3,7 +3,7 @@
 
 use ::redis::Value;
 
-use super::{INSPECT_SCRIPT, RedisStore, SCAN_COUNT, int, scan_page, scan_pattern, text};
+use super::{INSPECT_SCRIPT, RedisStore, SCAN_COUNT, Walk, int, scan_pattern, text};
 use crate::fingerprint::Fingerprint;
 use crate::store::{Inspect, RecordCounts, RecordSummary, StoreError};
 
@@ -90,9 +90,13 @@ fn parse_inspect(prefix: &str, reply: Value) -> Result<Inspected, StoreError> {
     Ok(Inspected { counts, stuck, now })
 }
 
-/// `(scope, key)` from a record's name, `{prefix}{scope length}:{scope}:{key}`.
+/// `(scope, key)` from a record's name,
+/// `{prefix}{{{scope length}:{scope}:{key}}}`.
 fn parse_record_key(prefix: &str, name: &[u8]) -> Option<(String, String)> {
-    let rest = name.strip_prefix(prefix.as_bytes())?;
+    let rest = name
+        .strip_prefix(prefix.as_bytes())?
+        .strip_prefix(b"{")?
+        .strip_suffix(b"}")?;
     let colon = rest.iter().position(|b| *b == b':')?;
     let len: usize = std::str::from_utf8(&rest[..colon]).ok()?.parse().ok()?;
     let rest = &rest[colon + 1..];
@@ -109,8 +113,7 @@ impl RedisStore {
     /// page at a time. `SCAN` may return a key twice; each is judged once.
     /// With `list`, keeps the `limit` stuck records with the oldest lease end.
     async fn inspect(&self, list: Option<usize>) -> Result<Inspected, StoreError> {
-        let mut conn = self.conn.clone();
-        let pattern = scan_pattern(&self.prefix);
+        let mut walk = Walk::new(&self.conn, scan_pattern(&self.prefix)).await?;
         let mut seen = std::collections::HashSet::new();
         let mut total = Inspected {
             counts: RecordCounts::default(),
@@ -120,21 +123,23 @@ impl RedisStore {
         let order = |a: &StuckEntry, b: &StuckEntry| {
             (a.lease_until, &a.scope, &a.key).cmp(&(b.lease_until, &b.scope, &b.key))
         };
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, keys) = scan_page(&mut conn, &pattern, cursor).await?;
+        while let Some(keys) = walk.next_page().await? {
             let fresh: Vec<Vec<u8>> = keys
                 .into_iter()
                 .filter(|k| seen.insert(k.clone()))
                 .collect();
-            if !fresh.is_empty() {
-                let reply: Value = INSPECT_SCRIPT
-                    .key(&fresh)
-                    .arg(self.offset_ms())
-                    .arg(if list.is_some() { "1" } else { "0" })
-                    .invoke_async(&mut conn)
-                    .await
-                    .map_err(StoreError::unavailable)?;
+            if fresh.is_empty() {
+                continue;
+            }
+            let args = vec![
+                self.offset_ms().to_string().into_bytes(),
+                if list.is_some() {
+                    b"1".to_vec()
+                } else {
+                    b"0".to_vec()
+                },
+            ];
+            for reply in walk.run(&INSPECT_SCRIPT, fresh, args).await? {
                 let batch = parse_inspect(&self.prefix, reply)?;
                 total.now = total.now.max(batch.now);
                 let counts = &mut total.counts;
@@ -150,10 +155,6 @@ impl RedisStore {
                     }
                 }
             }
-            if next == 0 {
-                break;
-            }
-            cursor = next;
         }
         if let Some(limit) = list {
             total.stuck.sort_by(order);
@@ -224,11 +225,13 @@ mod tests {
             );
         }
         for name in [
-            "q:5:alice:k",
-            "p:x:alice:k",
-            "p:9:alice:k",
-            "p:5:alicek",
-            "p:5",
+            "q:{5:alice:k}",
+            "p:{x:alice:k}",
+            "p:{9:alice:k}",
+            "p:{5:alicek}",
+            "p:{5}",
+            "p:5:alice:k",
+            "p:{5:alice:k",
         ] {
             assert_eq!(parse_record_key("p:", name.as_bytes()), None, "{name}");
         }
@@ -256,7 +259,7 @@ mod tests {
                 bulk(b"1800000003600"),
             ])
         };
-        let ok = parse_inspect("p:", reply(vec![entry(b"p:5:alice:k-1", &[9; 32])])).unwrap();
+        let ok = parse_inspect("p:", reply(vec![entry(b"p:{5:alice:k-1}", &[9; 32])])).unwrap();
         assert_eq!(ok.now, 1_800_000_000_000);
         assert_eq!(ok.counts.stuck, 1);
         assert_eq!(
@@ -265,10 +268,10 @@ mod tests {
         );
         for odd in [
             Value::Nil,
-            Value::Array(vec![bulk(b"p:5:alice:secret-key")]),
-            reply(vec![entry(b"p:5:alice", &[9; 32])]),
-            reply(vec![entry(b"p:5:alice:secret-key", &[9; 31])]),
-            reply(vec![Value::Array(vec![bulk(b"p:5:alice:secret-key")])]),
+            Value::Array(vec![bulk(b"p:{5:alice:secret-key}")]),
+            reply(vec![entry(b"p:{5:alice}", &[9; 32])]),
+            reply(vec![entry(b"p:{5:alice:secret-key}", &[9; 31])]),
+            reply(vec![Value::Array(vec![bulk(b"p:{5:alice:secret-key}")])]),
         ] {
             let Err(e) = parse_inspect("p:", odd) else {
                 panic!("accepted an odd reply");

@@ -7,28 +7,26 @@
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{Script, Value};
 
 use super::{
-    Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Refusal, Store, StoreError,
-    duration_ms,
+    Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError, duration_ms,
 };
 use crate::response::StoredResponse;
 
+mod builder;
+mod conn;
 mod inspect;
+mod reply;
+
+pub use builder::RedisStoreBuilder;
+use conn::{Conn, Walk};
+use reply::{int, parse_claim, parse_flag, text, unexpected};
 
 /// The largest lease, TTL or clock offset (ms) a script is given: about
 /// 35,000 years. A Unix time plus an offset plus a TTL stays below 2^52, so
 /// Lua's doubles hold every sum exactly, and `PEXPIRE` accepts it.
 const MAX_MS: i64 = 1 << 50;
-
-/// Reconnection attempts after the first, while Redis is unreachable.
-const RECONNECT_RETRIES: usize = 1;
-/// How long one attempt to connect may take.
-const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
-/// How long one command may wait for its reply.
-const RESPONSE_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Keys per `SCAN` step and per purge script.
 const SCAN_COUNT: usize = 500;
@@ -98,9 +96,10 @@ fn script(body: &str) -> Script {
 /// reads and writes the record with nothing in between: of many concurrent
 /// claims on one key, from one process or many, exactly one is acquired.
 ///
-/// Each record is one hash at `{prefix}{scope length}:{scope}:{key}` (the
-/// scope's length in bytes first, so `("a:b", "c")` and `("a", "b:c")` never
-/// share a key) with the fields `fingerprint` (32 bytes), `token` (decimal),
+/// Each record is one hash at `{prefix}{{{scope length}:{scope}:{key}}}`,
+/// e.g. `idempotency:{5:alice:k-1}` (the scope's length in bytes first, so
+/// `("a:b", "c")` and `("a", "b:c")` never share a key; the braces are a
+/// Redis Cluster hash tag, see below) with the fields `fingerprint` (32 bytes), `token` (decimal),
 /// `state` (`in_flight` or `completed`), `lease_until` and `expires_at` (Unix
 /// milliseconds) and, once completed, `response` (the bytes of
 /// [`StoredResponse::encode`]). A record past its TTL counts as absent:
@@ -147,10 +146,48 @@ fn script(body: &str) -> Script {
 /// use a Redis with `appendfsync always` and no failover, or the SQLite
 /// store.
 ///
+/// # Redis Cluster
+///
+/// [`RedisStore::cluster`] (or [`RedisStore::cluster_builder`]) takes seed
+/// URLs and learns the rest of the cluster from them. Each script touches
+/// one record, one key; the key's hash tag (the braces around scope and key)
+/// means any key derived from the record's name shares its slot, and a
+/// prefix may hold no braces, so records spread over every master by their
+/// scope and key. `MOVED` and `ASK` redirections (resharding) are followed,
+/// and a call that meets a failed master retries (at most 4 times, 50 to
+/// 500 ms apart, 2 s in all) while the cluster promotes a replica and the
+/// client re-reads the slot map; past that it fails with
+/// [`StoreError::Unavailable`] (503), and the next call tries again.
+/// Leases are judged by the clock of the master that holds the record, so
+/// the masters' clocks should agree (NTP) to well within a lease.
+///
+/// Redis replicates asynchronously: a master may acknowledge a claim or a
+/// completion and fail before a replica has it, and the promoted replica
+/// then has an older record or none, with the consequences under
+/// "Durability" (a completed record lost runs its handler again). `WAIT`
+/// narrows that window but does not close it (a replica that received the
+/// write is not necessarily the one promoted); the store does not call it.
+///
+/// [`Store::purge_expired`] and [`Inspect`](crate::store::Inspect) walk
+/// every master with `SCAN` (the masters as `CLUSTER SLOTS` names them when
+/// the walk starts), judging each slot's keys in one script call. During a
+/// resharding or a failover a walk may miss or repeat a record, or fail
+/// with [`StoreError::Unavailable`]; run it again.
+///
+/// # TLS
+///
+/// `rediss://` URLs need the `redis-tls` feature (rustls). The server's
+/// certificate must chain to the system's roots, or to the CA given to
+/// [`RedisStoreBuilder::ca_certificate`], and name the URL's host; an
+/// untrusted certificate fails [`RedisStoreBuilder::open`] with
+/// [`StoreError::Unavailable`] naming rustls's reason (`UnknownIssuer`,
+/// `certificate not valid for name`, ...).
+///
 /// # Connections and errors
 ///
-/// One multiplexed connection per store (cloning a store shares it), through
-/// [`::redis::aio::ConnectionManager`], which reconnects by itself. A call
+/// One multiplexed connection per store (per master on a cluster; cloning a
+/// store shares them), through [`::redis::aio::ConnectionManager`] (or the
+/// `redis` crate's cluster connection), which reconnects by itself. A call
 /// that Redis does not answer fails with [`StoreError::Unavailable`], which
 /// the layer answers with 503: an error reply, no reply within 500 ms, or no
 /// connection (while Redis is unreachable, a call makes one more connection
@@ -160,11 +197,11 @@ fn script(body: &str) -> Script {
 ///
 /// A record that cannot be decoded (say, a key under the prefix that another
 /// program wrote) fails the claim with [`StoreError::Corrupt`]: give the
-/// store a prefix of its own. The store talks to the one server its URL
-/// names: neither Redis Cluster nor Sentinel discovery is supported.
+/// store a prefix of its own. Sentinel discovery is not supported: a URL
+/// names one server, or seeds name a cluster.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Conn,
     prefix: Arc<str>,
     offset: Option<Arc<dyn Clock>>,
 }
@@ -179,96 +216,6 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-/// Options for [`RedisStore`]; made by [`RedisStore::builder`].
-#[must_use]
-pub struct RedisStoreBuilder {
-    url: String,
-    prefix: String,
-    offset: Option<Arc<dyn Clock>>,
-}
-
-impl std::fmt::Debug for RedisStoreBuilder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisStoreBuilder")
-            .field("prefix", &self.prefix)
-            .field("time_offset", &self.offset.is_some())
-            .finish_non_exhaustive()
-    }
-}
-
-impl RedisStoreBuilder {
-    /// The prefix of every key the store writes (default `"idempotency:"`).
-    /// Give each application its own; [`Store::purge_expired`] scans the
-    /// keys under it. Not empty ([`RedisStoreBuilder::open`] fails with
-    /// [`StoreError::Config`]).
-    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
-
-    /// For tests of leases and TTLs only: `clock`'s reading, in milliseconds,
-    /// is ADDED to the Redis server's time in every script, so a test moves
-    /// time on without sleeping (e.g. a clock reading
-    /// `test_util::ManualClock`'s time minus its start). The server's own clock
-    /// still runs underneath. Production leaves it unset: the server's time
-    /// alone judges leases and TTLs.
-    pub fn time_offset(mut self, clock: impl Clock) -> Self {
-        self.offset = Some(Arc::new(clock));
-        self
-    }
-
-    /// Connects, and loads the scripts (so a server without Lua scripting
-    /// fails here, not on the first request).
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError::Config`] when the URL is not a Redis URL or the prefix
-    /// is empty; [`StoreError::Unavailable`] when the server cannot be
-    /// reached or refuses the scripts.
-    pub async fn open(self) -> Result<RedisStore, StoreError> {
-        if self.prefix.is_empty() {
-            return Err(StoreError::config(
-                "the Redis key prefix is empty: purging and inspecting would scan every key of the database",
-            ));
-        }
-        let client = ::redis::Client::open(self.url).map_err(StoreError::config)?;
-        let mut conn = ConnectionManager::new_with_config(client, connection_config())
-            .await
-            .map_err(StoreError::unavailable)?;
-        for script in [
-            &CLAIM_SCRIPT,
-            &COMPLETE_SCRIPT,
-            &RELEASE_SCRIPT,
-            &PURGE_SCRIPT,
-            &INSPECT_SCRIPT,
-        ] {
-            script
-                .prepare_invoke()
-                .load_async(&mut conn)
-                .await
-                .map_err(StoreError::unavailable)?;
-        }
-        Ok(RedisStore {
-            conn,
-            prefix: self.prefix.into(),
-            offset: self.offset,
-        })
-    }
-}
-
-/// One reconnection attempt per call while Redis is unreachable, so a call
-/// fails in about a connection timeout rather than after the `redis` crate's
-/// default six attempts with backoff (about 9 s against a refused port, far
-/// longer against a silent host); the next call tries again. The connection
-/// (1 s) and response (500 ms) timeouts are the `redis` crate's defaults,
-/// set here so that its updates do not change them.
-fn connection_config() -> ConnectionManagerConfig {
-    ConnectionManagerConfig::new()
-        .set_number_of_retries(RECONNECT_RETRIES)
-        .set_connection_timeout(Some(CONNECTION_TIMEOUT))
-        .set_response_timeout(Some(RESPONSE_TIMEOUT))
-}
-
 impl RedisStore {
     /// Connects to `url` (`redis://[:password@]host[:port][/db]`, or
     /// `rediss://` where the `redis` crate has TLS) with the default options
@@ -281,13 +228,37 @@ impl RedisStore {
         Self::builder(url).open().await
     }
 
-    /// Options: key prefix, test time offset.
+    /// Options (key prefix, CA, test time offset) for one server at `url`.
     pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
-        RedisStoreBuilder {
-            url: url.into(),
-            prefix: "idempotency:".into(),
-            offset: None,
-        }
+        RedisStoreBuilder::single(url.into())
+    }
+
+    /// Connects to a Redis Cluster through `seeds` (one or more of its
+    /// nodes' URLs, `redis://` or `rediss://`, all with the same password,
+    /// database and scheme) with the default options. The store learns the
+    /// other nodes from the seeds (`CLUSTER SLOTS`), so one reachable seed
+    /// is enough; a managed service's one configuration endpoint is a seed.
+    ///
+    /// # Errors
+    ///
+    /// As [`RedisStoreBuilder::open`].
+    pub async fn cluster<S: Into<String>>(
+        seeds: impl IntoIterator<Item = S>,
+    ) -> Result<Self, StoreError> {
+        Self::cluster_builder(seeds).open().await
+    }
+
+    /// Options (key prefix, CA, test time offset) for a Redis Cluster
+    /// reached through `seeds`, as [`RedisStore::cluster`].
+    pub fn cluster_builder<S: Into<String>>(
+        seeds: impl IntoIterator<Item = S>,
+    ) -> RedisStoreBuilder {
+        RedisStoreBuilder::cluster(seeds.into_iter().map(Into::into).collect())
+    }
+
+    /// Whether the store talks to a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.conn, Conn::Cluster(_))
     }
 
     /// The prefix of every key the store writes.
@@ -307,27 +278,12 @@ impl RedisStore {
     }
 }
 
-/// `{prefix}{scope length}:{scope}:{key}`.
+/// `{prefix}{{{scope length}:{scope}:{key}}}`: the braces around the
+/// record's own part are a cluster hash tag, so every key ever derived from
+/// a record's name by appending hashes to the record's slot, and no prefix
+/// decides the slot (the prefix may hold no braces).
 fn record_key(prefix: &str, scope: &str, key: &str) -> String {
-    format!("{prefix}{}:{scope}:{key}", scope.len())
-}
-
-/// One page of `SCAN cursor MATCH pattern COUNT SCAN_COUNT`: the next
-/// cursor (0 when the walk is over) and the key names.
-async fn scan_page(
-    conn: &mut ConnectionManager,
-    pattern: &str,
-    cursor: u64,
-) -> Result<(u64, Vec<Vec<u8>>), StoreError> {
-    ::redis::cmd("SCAN")
-        .arg(cursor)
-        .arg("MATCH")
-        .arg(pattern)
-        .arg("COUNT")
-        .arg(SCAN_COUNT)
-        .query_async(conn)
-        .await
-        .map_err(StoreError::unavailable)
+    format!("{prefix}{{{}:{scope}:{key}}}", scope.len())
 }
 
 /// A `SCAN MATCH` pattern for every key under `prefix`, its glob characters
@@ -346,69 +302,6 @@ fn scan_pattern(prefix: &str) -> String {
 
 fn clamp_ms(d: Duration) -> i64 {
     duration_ms(d).min(MAX_MS)
-}
-
-fn unexpected(script: &str, reply: &Value) -> StoreError {
-    StoreError::unavailable(format!(
-        "unexpected reply from the {script} script: {reply:?}"
-    ))
-}
-
-fn text(v: Option<&Value>) -> Option<&[u8]> {
-    match v {
-        Some(Value::BulkString(b)) => Some(b),
-        _ => None,
-    }
-}
-
-fn int(v: Option<&Value>) -> Option<i64> {
-    match v {
-        Some(Value::Int(n)) => Some(*n),
-        _ => None,
-    }
-}
-
-/// The claim script's reply: `{kind, value}`.
-fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
-    let Value::Array(items) = &reply else {
-        return Err(unexpected("claim", &reply));
-    };
-    match text(items.first()) {
-        Some(b"acquired") => match int(items.get(1)) {
-            Some(0) => Ok(Claim::Acquired { taken_over: false }),
-            Some(1) => Ok(Claim::Acquired { taken_over: true }),
-            _ => Err(unexpected("claim", &reply)),
-        },
-        Some(b"mismatch") => Ok(Refusal::Mismatch.into()),
-        Some(b"completed") => match text(items.get(1)) {
-            Some(blob) => StoredResponse::decode(blob)
-                .map(|stored| Refusal::Completed(stored).into())
-                .map_err(|e| StoreError::Corrupt(e.to_string())),
-            None => Err(unexpected("claim", &reply)),
-        },
-        Some(b"in_flight") => match int(items.get(1)).and_then(|ms| u64::try_from(ms).ok()) {
-            Some(ms) => Ok(Refusal::InFlight {
-                lease_remaining: Duration::from_millis(ms),
-            }
-            .into()),
-            None => Err(unexpected("claim", &reply)),
-        },
-        Some(b"corrupt") => Err(StoreError::Corrupt(
-            text(items.get(1))
-                .map(|why| String::from_utf8_lossy(why).into_owned())
-                .unwrap_or_default(),
-        )),
-        _ => Err(unexpected("claim", &reply)),
-    }
-}
-
-/// A script's 0 or 1.
-fn parse_flag(script: &str, reply: Value) -> Result<bool, StoreError> {
-    match reply {
-        Value::Int(0) => Ok(false),
-        Value::Int(1) => Ok(true),
-        other => Err(unexpected(script, &other)),
-    }
 }
 
 impl Store for RedisStore {
@@ -464,29 +357,18 @@ impl Store for RedisStore {
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
-        let mut conn = self.conn.clone();
-        let pattern = scan_pattern(&self.prefix);
-        let mut cursor: u64 = 0;
+        let mut walk = Walk::new(&self.conn, scan_pattern(&self.prefix)).await?;
         let mut purged: u64 = 0;
-        loop {
-            let (next, keys) = scan_page(&mut conn, &pattern, cursor).await?;
-            for batch in keys.chunks(SCAN_COUNT) {
-                let reply: Value = PURGE_SCRIPT
-                    .key(batch)
-                    .arg(self.offset_ms())
-                    .invoke_async(&mut conn)
-                    .await
-                    .map_err(StoreError::unavailable)?;
+        while let Some(keys) = walk.next_page().await? {
+            let offset = self.offset_ms().to_string().into_bytes();
+            for reply in walk.run(&PURGE_SCRIPT, keys, vec![offset]).await? {
                 match reply {
                     Value::Int(n) => purged += u64::try_from(n).unwrap_or(0),
                     other => return Err(unexpected("purge", &other)),
                 }
             }
-            if next == 0 {
-                return Ok(purged);
-            }
-            cursor = next;
         }
+        Ok(purged)
     }
 }
 
@@ -496,40 +378,15 @@ mod tests {
 
     #[test]
     fn the_scope_length_keeps_scope_and_key_apart() {
-        assert_eq!(record_key("p:", "alice", "k-1"), "p:5:alice:k-1");
+        assert_eq!(record_key("p:", "alice", "k-1"), "p:{5:alice:k-1}");
         assert_ne!(record_key("p:", "a:b", "c"), record_key("p:", "a", "b:c"));
         // Bytes, not chars.
-        assert_eq!(record_key("", "é", "k"), "2:é:k");
+        assert_eq!(record_key("", "é", "k"), "{2:é:k}");
     }
 
     #[test]
     fn glob_characters_in_the_prefix_are_escaped() {
         assert_eq!(scan_pattern("idempotency:"), "idempotency:*");
         assert_eq!(scan_pattern(r"a*b?[c]\"), r"a\*b\?\[c\]\\*");
-    }
-
-    #[test]
-    fn odd_replies_are_errors_not_panics() {
-        for reply in [
-            Value::Nil,
-            Value::Array(vec![]),
-            Value::Array(vec![Value::BulkString(b"acquired".to_vec())]),
-            Value::Array(vec![
-                Value::BulkString(b"in_flight".to_vec()),
-                Value::Int(-1),
-            ]),
-            Value::Array(vec![Value::BulkString(b"completed".to_vec())]),
-        ] {
-            assert!(matches!(
-                parse_claim(reply),
-                Err(StoreError::Unavailable(_))
-            ));
-        }
-        let garbage = Value::Array(vec![
-            Value::BulkString(b"completed".to_vec()),
-            Value::BulkString(b"\x00garbage".to_vec()),
-        ]);
-        assert!(matches!(parse_claim(garbage), Err(StoreError::Corrupt(_))));
-        assert!(parse_flag("release", Value::Int(2)).is_err());
     }
 }

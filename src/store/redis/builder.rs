@@ -1,0 +1,285 @@
+//! [`RedisStoreBuilder`]: where the store connects (one server or a
+//! cluster's seed nodes), over TLS or not, and its key prefix.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::ClusterClientBuilder;
+
+use super::conn::Conn;
+use super::{
+    CLAIM_SCRIPT, COMPLETE_SCRIPT, INSPECT_SCRIPT, PURGE_SCRIPT, RELEASE_SCRIPT, RedisStore,
+};
+use crate::store::{Clock, StoreError};
+
+/// Reconnection attempts after the first, while Redis is unreachable.
+const RECONNECT_RETRIES: usize = 1;
+/// How long one attempt to connect may take.
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long one command may wait for its reply.
+const RESPONSE_TIMEOUT: Duration = Duration::from_millis(500);
+/// On a cluster: how long one call may take in all, with its redirections
+/// (`MOVED`, `ASK`) and retries while a master fails over.
+const CLUSTER_CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// On a cluster: retries of one call (after a connection error, `TRYAGAIN`,
+/// `CLUSTERDOWN`), waiting 50 to 500 ms before each, within
+/// [`CLUSTER_CALL_TIMEOUT`]. Redirections are followed in any case.
+const CLUSTER_RETRIES: u32 = 4;
+const CLUSTER_MIN_RETRY_WAIT_MS: u64 = 50;
+const CLUSTER_MAX_RETRY_WAIT_MS: u64 = 500;
+
+/// Where a store connects.
+enum Target {
+    Single(String),
+    Cluster(Vec<String>),
+}
+
+/// Options for [`RedisStore`]; made by [`RedisStore::builder`] (one server)
+/// or [`RedisStore::cluster_builder`] (a Redis Cluster).
+#[must_use]
+pub struct RedisStoreBuilder {
+    target: Target,
+    prefix: String,
+    offset: Option<Arc<dyn Clock>>,
+    #[cfg(feature = "redis-tls")]
+    ca: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for RedisStoreBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not the URLs: they may carry a password.
+        f.debug_struct("RedisStoreBuilder")
+            .field("cluster", &matches!(self.target, Target::Cluster(_)))
+            .field("prefix", &self.prefix)
+            .field("time_offset", &self.offset.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStoreBuilder {
+    pub(super) fn single(url: String) -> Self {
+        Self::new(Target::Single(url))
+    }
+
+    pub(super) fn cluster(seeds: Vec<String>) -> Self {
+        Self::new(Target::Cluster(seeds))
+    }
+
+    fn new(target: Target) -> Self {
+        RedisStoreBuilder {
+            target,
+            prefix: "idempotency:".into(),
+            offset: None,
+            #[cfg(feature = "redis-tls")]
+            ca: None,
+        }
+    }
+
+    /// The prefix of every key the store writes (default `"idempotency:"`).
+    /// Give each application its own; [`Store::purge_expired`] scans the
+    /// keys under it. Not empty, and without `{` or `}` (a hash tag in the
+    /// prefix would put every record in one cluster slot);
+    /// [`RedisStoreBuilder::open`] fails with [`StoreError::Config`].
+    ///
+    /// [`Store::purge_expired`]: crate::store::Store::purge_expired
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// For tests of leases and TTLs only: `clock`'s reading, in milliseconds,
+    /// is ADDED to the Redis server's time in every script, so a test moves
+    /// time on without sleeping (e.g. a clock reading
+    /// `test_util::ManualClock`'s time minus its start). The server's own clock
+    /// still runs underneath. Production leaves it unset: the server's time
+    /// alone judges leases and TTLs.
+    pub fn time_offset(mut self, clock: impl Clock) -> Self {
+        self.offset = Some(Arc::new(clock));
+        self
+    }
+
+    /// The certificate authority (PEM: one or more `BEGIN CERTIFICATE`
+    /// blocks) that a `rediss://` server's certificate must chain to,
+    /// instead of the system's roots. The server's certificate must also
+    /// name the URL's host (a DNS name, or an IP address for an IP URL; on a
+    /// cluster, the addresses the nodes announce). Every URL must then be
+    /// `rediss://`, or [`RedisStoreBuilder::open`] fails with
+    /// [`StoreError::Config`]; a PEM without a certificate fails the same
+    /// way. Feature `redis-tls`.
+    #[cfg(feature = "redis-tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis-tls")))]
+    pub fn ca_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.ca = Some(pem.into());
+        self
+    }
+
+    /// Connects, and loads the scripts (so a server without Lua scripting
+    /// fails here, not on the first request). On a cluster, connects to a
+    /// seed, reads the slot map, and loads the scripts on every master.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Config`] when a URL is not a Redis URL (or `rediss://`
+    /// without the `redis-tls` feature), a cluster has no seed or seeds that
+    /// disagree (password, database, TLS), the prefix is empty or holds `{`
+    /// or `}`, or a CA is not a PEM certificate; [`StoreError::Unavailable`]
+    /// when no server (or seed) can be reached, its TLS certificate is not
+    /// trusted (the message names the cause, e.g. `UnknownIssuer` or
+    /// `certificate not valid for name`), or it refuses the scripts.
+    pub async fn open(self) -> Result<RedisStore, StoreError> {
+        if self.prefix.is_empty() {
+            return Err(StoreError::config(
+                "the Redis key prefix is empty: purging and inspecting would scan every key of the database",
+            ));
+        }
+        if self.prefix.contains(['{', '}']) {
+            return Err(StoreError::config(
+                "the Redis key prefix holds '{' or '}': on a cluster, every record would hash to one slot",
+            ));
+        }
+        #[cfg(feature = "redis-tls")]
+        self.check_tls()?;
+        let mut conn = match self.target {
+            Target::Single(url) => {
+                #[cfg(feature = "redis-tls")]
+                let client = match self.ca {
+                    Some(pem) => ::redis::Client::build_with_tls(
+                        url.as_str(),
+                        ::redis::TlsCertificates {
+                            client_tls: None,
+                            root_cert: Some(pem),
+                        },
+                    ),
+                    None => ::redis::Client::open(url.as_str()),
+                };
+                #[cfg(not(feature = "redis-tls"))]
+                let client = ::redis::Client::open(url.as_str());
+                let client = client.map_err(StoreError::config)?;
+                Conn::Single(
+                    ConnectionManager::new_with_config(client, connection_config())
+                        .await
+                        .map_err(|e| connect_error(&e))?,
+                )
+            }
+            Target::Cluster(seeds) => {
+                if seeds.is_empty() {
+                    return Err(StoreError::config(
+                        "a Redis Cluster needs at least one seed URL",
+                    ));
+                }
+                let builder = ClusterClientBuilder::new(seeds.iter().map(String::as_str))
+                    .connection_timeout(CONNECTION_TIMEOUT)
+                    .response_timeout(RESPONSE_TIMEOUT)
+                    .overall_response_timeout(Some(CLUSTER_CALL_TIMEOUT))
+                    .retries(CLUSTER_RETRIES)
+                    .min_retry_wait(CLUSTER_MIN_RETRY_WAIT_MS)
+                    .max_retry_wait(CLUSTER_MAX_RETRY_WAIT_MS);
+                #[cfg(feature = "redis-tls")]
+                let builder = match self.ca {
+                    Some(pem) => builder.certs(::redis::TlsCertificates {
+                        client_tls: None,
+                        root_cert: Some(pem),
+                    }),
+                    None => builder,
+                };
+                let client = builder.build().map_err(StoreError::config)?;
+                Conn::Cluster(
+                    client
+                        .get_async_connection()
+                        .await
+                        .map_err(|e| connect_error(&e))?,
+                )
+            }
+        };
+        for script in [
+            &CLAIM_SCRIPT,
+            &COMPLETE_SCRIPT,
+            &RELEASE_SCRIPT,
+            &PURGE_SCRIPT,
+            &INSPECT_SCRIPT,
+        ] {
+            // On a cluster `SCRIPT LOAD` goes to every master; a master that
+            // lacks a script later (say, a promoted replica) gets it again
+            // from the call that finds it missing (`NOSCRIPT`).
+            script
+                .prepare_invoke()
+                .load_async(&mut conn)
+                .await
+                .map_err(StoreError::unavailable)?;
+        }
+        Ok(RedisStore {
+            conn,
+            prefix: self.prefix.into(),
+            offset: self.offset,
+        })
+    }
+
+    /// Every URL is `rediss://` when a CA is given, and a TLS URL has a
+    /// crypto provider to use.
+    #[cfg(feature = "redis-tls")]
+    fn check_tls(&self) -> Result<(), StoreError> {
+        let urls: Vec<&str> = match &self.target {
+            Target::Single(url) => vec![url],
+            Target::Cluster(seeds) => seeds.iter().map(String::as_str).collect(),
+        };
+        let tls = |url: &&str| {
+            url.get(..9)
+                .is_some_and(|s| s.eq_ignore_ascii_case("rediss://"))
+        };
+        if let Some(pem) = &self.ca {
+            if !urls.iter().all(tls) {
+                return Err(StoreError::config(
+                    "a CA certificate was given, but not every Redis URL is rediss://",
+                ));
+            }
+            use rustls::pki_types::{CertificateDer, pem::PemObject};
+            let certificates = CertificateDer::pem_slice_iter(pem)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| {
+                    StoreError::config(format!("the Redis CA certificate is not PEM: {e}"))
+                })?;
+            if certificates.is_empty() {
+                return Err(StoreError::config(
+                    "the Redis CA certificate holds no BEGIN CERTIFICATE block",
+                ));
+            }
+        }
+        if urls.iter().any(tls) {
+            // The `redis` crate builds its rustls config with the process's
+            // default provider; when a build enables more than one, none is
+            // chosen by itself. This installs ring's unless one is set.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
+        Ok(())
+    }
+}
+
+/// An error while connecting, with the cause (for TLS, rustls's reason such
+/// as `invalid peer certificate: UnknownIssuer`).
+fn connect_error(e: &::redis::RedisError) -> StoreError {
+    let mut message = format!("cannot connect to Redis: {e}");
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        source = cause.source();
+    }
+    StoreError::unavailable(message)
+}
+
+/// One reconnection attempt per call while Redis is unreachable, so a call
+/// fails in about a connection timeout rather than after the `redis` crate's
+/// default six attempts with backoff (about 9 s against a refused port, far
+/// longer against a silent host); the next call tries again. The connection
+/// (1 s) and response (500 ms) timeouts are the `redis` crate's defaults,
+/// set here so that its updates do not change them.
+fn connection_config() -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_number_of_retries(RECONNECT_RETRIES)
+        .set_connection_timeout(Some(CONNECTION_TIMEOUT))
+        .set_response_timeout(Some(RESPONSE_TIMEOUT))
+}
