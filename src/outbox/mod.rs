@@ -87,6 +87,8 @@
 //! | `tower_idempotency_outbox_dead_letters_total` | counter | messages that became dead letters |
 //! | `tower_idempotency_outbox_oldest_pending_seconds` | gauge | age of the oldest undelivered message, in seconds (set every 10 s by each relay) |
 
+#[cfg(feature = "admin")]
+pub mod admin;
 mod message;
 #[cfg(feature = "postgres")]
 pub mod postgres;
