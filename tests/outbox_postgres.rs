@@ -112,7 +112,7 @@ async fn two_relays_on_one_database_never_hold_one_message_at_once() {
         let tx = client.transaction().await.unwrap();
         for k in &keys {
             let m = Message::with_key(k.clone(), ds.url(), "application/json", b"{}".to_vec()).unwrap();
-            assert!(outbox::postgres::enqueue(&tx, &m).await.unwrap());
+            assert!(outbox::postgres::enqueue(&*tx, &m).await.unwrap());
         }
         tx.commit().await.unwrap();
     }
