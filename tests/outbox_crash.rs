@@ -31,18 +31,29 @@ impl Ledger {
         let mut child = Command::new(driver::ledger_beside_tests())
             .arg("--db")
             .arg(db)
-            .args(["--listen", "127.0.0.1:0", "--lease-secs", "2", "--notify-url", notify_url])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--lease-secs",
+                "2",
+                "--notify-url",
+                notify_url,
+            ])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start the ledger");
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
         let addr = line
             .trim()
             .strip_prefix("listening on http://")
-            .unwrap_or_else(|| panic!("unexpected first line (is the ledger built with `outbox`?): {line:?}"))
+            .unwrap_or_else(|| {
+                panic!("unexpected first line (is the ledger built with `outbox`?): {line:?}")
+            })
             .parse()
             .unwrap();
         Ledger { child, addr }
@@ -57,7 +68,12 @@ impl Ledger {
 
 /// POSTs until an answer other than 409 arrives; `None` if the connection
 /// died (the process was killed).
-async fn post(addr: SocketAddr, path: &'static str, key: String, body: String) -> Option<driver::Answer> {
+async fn post(
+    addr: SocketAddr,
+    path: &'static str,
+    key: String,
+    body: String,
+) -> Option<driver::Answer> {
     tokio::task::spawn_blocking(move || {
         for _ in 0..200 {
             let k = format!("\"{key}\"");
@@ -89,17 +105,33 @@ async fn every_credit_is_applied_downstream_once_across_kills() {
     )
     .await;
     let mut ledger = Ledger::start(&db, &ds.url());
-    let account = post(ledger.addr, "/accounts", "acct".into(), r#"{"name":"a"}"#.into()).await.unwrap();
+    let account = post(
+        ledger.addr,
+        "/accounts",
+        "acct".into(),
+        r#"{"name":"a"}"#.into(),
+    )
+    .await
+    .unwrap();
     assert_eq!(account.status, 201, "{}", account.body);
-    let id = serde_json::from_str::<serde_json::Value>(&account.body).unwrap()["id"].as_i64().unwrap();
+    let id = serde_json::from_str::<serde_json::Value>(&account.body).unwrap()["id"]
+        .as_i64()
+        .unwrap();
     let path: &'static str = Box::leak(format!("/accounts/{id}/credits").into_boxed_str());
     let mut credits: HashMap<i64, i64> = HashMap::new(); // credit id -> amount
     let mut kills = 0;
     for round in 0..4i64 {
-        let mut pending: Vec<(String, i64)> = (0..8).map(|i| (format!("c-{round}-{i}"), round * 100 + i + 1)).collect();
+        let mut pending: Vec<(String, i64)> = (0..8)
+            .map(|i| (format!("c-{round}-{i}"), round * 100 + i + 1))
+            .collect();
         while !pending.is_empty() {
             let sends = pending.iter().map(|(k, amount)| {
-                post(ledger.addr, path, k.clone(), format!("{{\"amount\":{amount}}}"))
+                post(
+                    ledger.addr,
+                    path,
+                    k.clone(),
+                    format!("{{\"amount\":{amount}}}"),
+                )
             });
             let answers = futures_join(sends).await;
             let mut retry = Vec::new();
@@ -118,7 +150,10 @@ async fn every_credit_is_applied_downstream_once_across_kills() {
         let first = round * 100 + 1;
         until(Duration::from_secs(20), "an attempt of this round", || {
             ds.attempts().iter().any(|a| {
-                serde_json::from_slice::<serde_json::Value>(&a.body).ok().and_then(|d| d["amount"].as_i64()) == Some(first)
+                serde_json::from_slice::<serde_json::Value>(&a.body)
+                    .ok()
+                    .and_then(|d| d["amount"].as_i64())
+                    == Some(first)
             })
         })
         .await;
@@ -141,11 +176,22 @@ async fn every_credit_is_applied_downstream_once_across_kills() {
     for a in &attempts {
         let doc: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
         let credit = doc["credit_id"].as_i64().unwrap();
-        assert_eq!(Some(&doc["amount"].as_i64().unwrap()), credits.get(&credit), "{doc}");
+        assert_eq!(
+            Some(&doc["amount"].as_i64().unwrap()),
+            credits.get(&credit),
+            "{doc}"
+        );
         key_of.entry(credit).or_default().insert(a.key.clone());
-        bodies.entry(a.key.clone()).or_default().insert(a.body.clone());
+        bodies
+            .entry(a.key.clone())
+            .or_default()
+            .insert(a.body.clone());
     }
-    assert_eq!(key_of.len(), 32, "a notification for every credit, none other");
+    assert_eq!(
+        key_of.len(),
+        32,
+        "a notification for every credit, none other"
+    );
     assert!(key_of.values().all(|k| k.len() == 1), "one key per credit");
     assert!(bodies.values().all(|b| b.len() == 1), "one body per key");
     let effects = ds.effects();
@@ -154,7 +200,9 @@ async fn every_credit_is_applied_downstream_once_across_kills() {
 }
 
 /// Awaits all futures, in order (a dependency-free `join_all`).
-async fn futures_join<F: std::future::Future + Send + 'static>(futs: impl Iterator<Item = F>) -> Vec<F::Output>
+async fn futures_join<F: std::future::Future + Send + 'static>(
+    futs: impl Iterator<Item = F>,
+) -> Vec<F::Output>
 where
     F::Output: Send + 'static,
 {

@@ -151,8 +151,12 @@ fn parse_args() -> Result<Args, String> {
     if args.key_store.is_some() && args.mode == Some(Mode::Transactional) {
         return Err("--mode transactional needs the records in the --db database; with --key-store only --mode separate is possible".into());
     }
-    if args.notify_url.is_some() && (args.mode == Some(Mode::Separate) || args.key_store.is_some()) {
-        return Err("--notify-url needs --mode transactional: a notification commits with its credit".into());
+    if args.notify_url.is_some() && (args.mode == Some(Mode::Separate) || args.key_store.is_some())
+    {
+        return Err(
+            "--notify-url needs --mode transactional: a notification commits with its credit"
+                .into(),
+        );
     }
     Ok(args)
 }

@@ -10,10 +10,10 @@
 //! and for a credit rolled back and retried; different for every other
 //! credit, since each credit is one request with a key of its own.
 
-#[cfg(feature = "outbox")]
-pub use enabled::*;
 #[cfg(not(feature = "outbox"))]
 pub use disabled::*;
+#[cfg(feature = "outbox")]
+pub use enabled::*;
 
 #[cfg(feature = "outbox")]
 mod enabled {
@@ -44,17 +44,29 @@ mod enabled {
 
     /// Checks `--notify-url`: an absolute `http://` URL.
     pub fn parse_url(url: &str) -> Result<String, String> {
-        let uri: http::Uri = url.parse().map_err(|e| format!("--notify-url {url:?}: {e}"))?;
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e| format!("--notify-url {url:?}: {e}"))?;
         if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-            return Err(format!("--notify-url {url:?}: want an absolute http:// URL"));
+            return Err(format!(
+                "--notify-url {url:?}: want an absolute http:// URL"
+            ));
         }
         Ok(url.to_owned())
     }
 
     /// Opens the outbox in the ledger's database (creating its table) and
     /// starts its relay; `db` is the `--db` path or `postgres://` URL.
-    pub async fn start(url: String, db: &str, postgres: bool) -> Result<Notifier, Box<dyn std::error::Error>> {
-        let outbox = if postgres { open_postgres(db).await? } else { Outbox::sqlite(db).await? };
+    pub async fn start(
+        url: String,
+        db: &str,
+        postgres: bool,
+    ) -> Result<Notifier, Box<dyn std::error::Error>> {
+        let outbox = if postgres {
+            open_postgres(db).await?
+        } else {
+            Outbox::sqlite(db).await?
+        };
         let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
         outbox
             .relay(HttpSink::new(client))
@@ -88,9 +100,11 @@ mod enabled {
                 amount: i64,
             }
             let database = |e: Box<dyn std::error::Error + Send + Sync>| LedgerError::Database(e);
-            let notice: Notice = serde_json::from_str(&credit.0).map_err(|e| database(Box::new(e)))?;
+            let notice: Notice =
+                serde_json::from_str(&credit.0).map_err(|e| database(Box::new(e)))?;
             let body = serde_json::to_vec(&notice).map_err(|e| database(Box::new(e)))?;
-            Message::new(claimed, 0, self.url.clone(), "application/json", body).map_err(|e| database(Box::new(e)))
+            Message::new(claimed, 0, self.url.clone(), "application/json", body)
+                .map_err(|e| database(Box::new(e)))
         }
     }
 
@@ -105,11 +119,17 @@ mod enabled {
         let Some(notifier) = state.notify.clone() else {
             return crate::write(state, tx, op).await;
         };
-        let no_tx = || ApiError::Ledger(LedgerError::Database("no idempotency transaction for this request".into()));
+        let no_tx = || {
+            ApiError::Ledger(LedgerError::Database(
+                "no idempotency transaction for this request".into(),
+            ))
+        };
         let claimed = claimed.ok_or_else(no_tx)?;
         match tx {
             Tx::Sqlite(tx) => {
-                let sql_error = |e: tower_idempotency::store::TransactionError| LedgerError::Database(Box::new(e));
+                let sql_error = |e: tower_idempotency::store::TransactionError| {
+                    LedgerError::Database(Box::new(e))
+                };
                 Ok(tx
                     .run(move |tx| {
                         let json = match op.on_sqlite(tx) {
@@ -128,7 +148,10 @@ mod enabled {
             }
             #[cfg(feature = "postgres")]
             Tx::Postgres(tx) => {
-                let client = tx.client().await.map_err(|e| LedgerError::Database(Box::new(e)))?;
+                let client = tx
+                    .client()
+                    .await
+                    .map_err(|e| LedgerError::Database(Box::new(e)))?;
                 let json = op.on_postgres(&*client).await?;
                 let message = notifier.message(&claimed, &json)?;
                 outbox::postgres::enqueue(&*client, &message)
@@ -156,11 +179,20 @@ mod disabled {
         Err("--notify-url needs a build with `--features outbox`".into())
     }
 
-    pub async fn start(_: String, _: &str, _: bool) -> Result<Notifier, Box<dyn std::error::Error>> {
+    pub async fn start(
+        _: String,
+        _: &str,
+        _: bool,
+    ) -> Result<Notifier, Box<dyn std::error::Error>> {
         Err("--notify-url needs a build with `--features outbox`".into())
     }
 
-    pub async fn write_credit(state: &AppState, tx: Tx, op: Op, _: Option<ClaimedKey>) -> Result<Json, ApiError> {
+    pub async fn write_credit(
+        state: &AppState,
+        tx: Tx,
+        op: Op,
+        _: Option<ClaimedKey>,
+    ) -> Result<Json, ApiError> {
         crate::write(state, tx, op).await
     }
 }

@@ -78,7 +78,10 @@ async fn requeue(State(outbox): State<Outbox>, Path(id): Path<String>) -> Respon
     };
     match outbox.requeue(id).await {
         Ok(true) => {
-            tracing::info!(id, "an outbox dead letter was requeued on an operator's request");
+            tracing::info!(
+                id,
+                "an outbox dead letter was requeued on an operator's request"
+            );
             json(format!("{{\"requeued\":{id}}}"))
         }
         Ok(false) => not_found(id),

@@ -45,11 +45,14 @@ pub enum MessageError {
 impl std::fmt::Display for MessageError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            MessageError::InvalidKey => f.write_str(
-                "an outbox message key must be 1..=255 printable ASCII characters",
-            ),
+            MessageError::InvalidKey => {
+                f.write_str("an outbox message key must be 1..=255 printable ASCII characters")
+            }
             MessageError::PayloadTooLarge(n) => {
-                write!(f, "an outbox payload of {n} bytes exceeds {MAX_PAYLOAD} bytes")
+                write!(
+                    f,
+                    "an outbox payload of {n} bytes exceeds {MAX_PAYLOAD} bytes"
+                )
             }
             MessageError::InvalidField(name) => write!(f, "invalid outbox message {name}"),
         }
@@ -119,7 +122,12 @@ impl Message {
         content_type: impl Into<String>,
         payload: impl Into<Vec<u8>>,
     ) -> Result<Message, MessageError> {
-        Message::with_key(message_key(claimed, index), destination, content_type, payload)
+        Message::with_key(
+            message_key(claimed, index),
+            destination,
+            content_type,
+            payload,
+        )
     }
 
     /// A message under a key of the caller's choosing (for a handler that
@@ -138,12 +146,21 @@ impl Message {
         payload: impl Into<Vec<u8>>,
     ) -> Result<Message, MessageError> {
         let key = key.into();
-        if key.is_empty() || key.len() > MAX_KEY_LEN || !key.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
+        if key.is_empty()
+            || key.len() > MAX_KEY_LEN
+            || !key.bytes().all(|b| (0x20..=0x7e).contains(&b))
+        {
             return Err(MessageError::InvalidKey);
         }
-        let (destination, content_type, payload) = (destination.into(), content_type.into(), payload.into());
+        let (destination, content_type, payload) =
+            (destination.into(), content_type.into(), payload.into());
         check_fields(&destination, &content_type, &payload)?;
-        Ok(Message { key, destination, content_type, payload })
+        Ok(Message {
+            key,
+            destination,
+            content_type,
+            payload,
+        })
     }
 
     /// The message's idempotency key, as the receiver gets it (unquoted).
@@ -175,11 +192,17 @@ mod tests {
     fn keys_are_stable_and_distinct() {
         let a = ClaimedKey::new("k1".into(), "alice".into());
         let k = message_key(&a, 0);
-        assert_eq!(k, message_key(&ClaimedKey::new("k1".into(), "alice".into()), 0));
+        assert_eq!(
+            k,
+            message_key(&ClaimedKey::new("k1".into(), "alice".into()), 0)
+        );
         assert_eq!(k.len(), 69);
         assert!(k.starts_with("obx1-"));
         assert_ne!(k, message_key(&a, 1));
-        assert_ne!(k, message_key(&ClaimedKey::new("k1".into(), "bob".into()), 0));
+        assert_ne!(
+            k,
+            message_key(&ClaimedKey::new("k1".into(), "bob".into()), 0)
+        );
         // Framing: moving a byte between scope and key changes the key.
         assert_ne!(
             message_key(&ClaimedKey::new("ab".into(), "c".into()), 0),

@@ -28,7 +28,8 @@ const NOW_MS: &str = "(floor(extract(epoch from clock_timestamp()) * 1000))::big
 /// The database's error.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<(), tokio_postgres::Error> {
     let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock(7261, 15)", &[]).await?;
+    tx.execute("SELECT pg_advisory_xact_lock(7261, 15)", &[])
+        .await?;
     tx.batch_execute(&format!(
         "CREATE TABLE IF NOT EXISTS {TABLE} (
             id BIGSERIAL PRIMARY KEY,
@@ -66,14 +67,22 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<(), tokio_po
 /// The database's error; `relation ... does not exist` if no
 /// [`Outbox::postgres`](super::Outbox::postgres) (or [`migrate`]) has run on
 /// the database.
-pub async fn enqueue<C: GenericClient>(client: &C, message: &Message) -> Result<bool, tokio_postgres::Error> {
+pub async fn enqueue<C: GenericClient>(
+    client: &C,
+    message: &Message,
+) -> Result<bool, tokio_postgres::Error> {
     let n = client
         .execute(
             &format!(
                 "INSERT INTO {TABLE} (msg_key, destination, content_type, payload)
                  VALUES ($1, $2, $3, $4) ON CONFLICT (msg_key) DO NOTHING"
             ),
-            &[&message.key, &message.destination, &message.content_type, &message.payload],
+            &[
+                &message.key,
+                &message.destination,
+                &message.content_type,
+                &message.payload,
+            ],
         )
         .await?;
     Ok(n == 1)
@@ -91,7 +100,9 @@ pub(super) struct PostgresQueue {
 impl PostgresQueue {
     pub(super) async fn open(pool: Pool) -> Result<PostgresQueue, StoreError> {
         let mut client = pool.get().await.map_err(StoreError::unavailable)?;
-        migrate(&mut client).await.map_err(StoreError::unavailable)?;
+        migrate(&mut client)
+            .await
+            .map_err(StoreError::unavailable)?;
         Ok(PostgresQueue { pool })
     }
 
@@ -109,7 +120,12 @@ fn to_u64(v: i64) -> u64 {
 }
 
 impl Queue for PostgresQueue {
-    fn claim(&self, owner: &str, limit: usize, lease: Duration) -> BoxFut<'_, Result<Vec<Claimed>, StoreError>> {
+    fn claim(
+        &self,
+        owner: &str,
+        limit: usize,
+        lease: Duration,
+    ) -> BoxFut<'_, Result<Vec<Claimed>, StoreError>> {
         let owner = owner.to_owned();
         Box::pin(async move {
             let client = self.client().await?;
@@ -206,7 +222,9 @@ impl Queue for PostgresQueue {
         Box::pin(async move {
             let client = self.client().await?;
             let filter = match view {
-                View::Pending => "state = 'pending' AND (lease_until_ms IS NULL OR lease_until_ms <= n.ms)",
+                View::Pending => {
+                    "state = 'pending' AND (lease_until_ms IS NULL OR lease_until_ms <= n.ms)"
+                }
                 View::InFlight => "state = 'pending' AND lease_until_ms > n.ms",
                 View::Dead => "state = 'dead'",
             };
@@ -230,7 +248,10 @@ impl Queue for PostgresQueue {
                         attempts: r.try_get::<_, i32>(3)?.try_into().unwrap_or(0),
                         age_ms: to_u64(r.try_get(4)?),
                         due_in_ms: to_u64(r.try_get(5)?),
-                        lease_remaining_ms: r.try_get::<_, Option<i64>>(6)?.filter(|l| *l > 0).map(to_u64),
+                        lease_remaining_ms: r
+                            .try_get::<_, Option<i64>>(6)?
+                            .filter(|l| *l > 0)
+                            .map(to_u64),
                         last_error: r.try_get(7)?,
                     })
                 })

@@ -80,7 +80,12 @@ pub struct Counts {
 /// The outbox table of one database.
 pub(crate) trait Queue: Send + Sync + 'static {
     /// Claims up to `limit` due messages for `owner`, for `lease`.
-    fn claim(&self, owner: &str, limit: usize, lease: Duration) -> BoxFut<'_, Result<Vec<Claimed>, StoreError>>;
+    fn claim(
+        &self,
+        owner: &str,
+        limit: usize,
+        lease: Duration,
+    ) -> BoxFut<'_, Result<Vec<Claimed>, StoreError>>;
     /// Records how attempt `attempt` of message `id` ended; `false` when
     /// the row was not changed (done already, or reclaimed after the lease).
     fn finish(&self, id: i64, attempt: u32, fate: Fate) -> BoxFut<'_, Result<bool, StoreError>>;

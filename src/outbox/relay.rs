@@ -141,7 +141,9 @@ pub struct Relay {
 
 impl std::fmt::Debug for Relay {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Relay").field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("Relay")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -252,7 +254,8 @@ async fn run(relay: Relay, stop: Arc<Stop>) {
                     let Ok(permit) = slots.clone().try_acquire_owned() else {
                         break;
                     };
-                    let (queue, sink, config) = (relay.queue.clone(), relay.sink.clone(), config.clone());
+                    let (queue, sink, config) =
+                        (relay.queue.clone(), relay.sink.clone(), config.clone());
                     tasks.spawn(async move {
                         attempt(&*queue, &*sink, &config, c).await;
                         drop(permit);
@@ -304,9 +307,11 @@ async fn attempt(queue: &dyn Queue, sink: &dyn Sink, config: &Config, c: Claimed
     };
     let fate = match outcome {
         Outcome::Delivered => Fate::Done,
-        Outcome::Retry(error) if config.max_attempts.is_some_and(|max| c.attempt >= max) => Fate::Dead {
-            error: format!("{error} (attempt {}, the last allowed)", c.attempt),
-        },
+        Outcome::Retry(error) if config.max_attempts.is_some_and(|max| c.attempt >= max) => {
+            Fate::Dead {
+                error: format!("{error} (attempt {}, the last allowed)", c.attempt),
+            }
+        }
         Outcome::Retry(error) => Fate::Retry {
             after: backoff_delay(config.backoff_min, config.backoff_max, c.attempt),
             error,
@@ -331,7 +336,9 @@ async fn attempt(queue: &dyn Queue, sink: &dyn Sink, config: &Config, c: Claimed
         }
         match queue.finish(c.id, c.attempt, fate.clone()).await {
             Ok(_) => return,
-            Err(e) => tracing::warn!(id = c.id, error = %e, "outbox relay: recording an attempt failed"),
+            Err(e) => {
+                tracing::warn!(id = c.id, error = %e, "outbox relay: recording an attempt failed")
+            }
         }
     }
 }
@@ -358,9 +365,15 @@ mod tests {
         let (min, max) = (Duration::from_millis(100), Duration::from_secs(2));
         for _ in 0..50 {
             let first = backoff_delay(min, max, 1);
-            assert!(first >= Duration::from_millis(99) && first <= Duration::from_millis(200), "{first:?}");
+            assert!(
+                first >= Duration::from_millis(99) && first <= Duration::from_millis(200),
+                "{first:?}"
+            );
             let third = backoff_delay(min, max, 3);
-            assert!(third >= Duration::from_millis(399) && third <= Duration::from_millis(800), "{third:?}");
+            assert!(
+                third >= Duration::from_millis(399) && third <= Duration::from_millis(800),
+                "{third:?}"
+            );
             assert!(backoff_delay(min, max, 30) <= max);
             assert!(backoff_delay(min, max, u32::MAX) <= max);
         }

@@ -108,7 +108,8 @@ pub fn sf_string(key: &str) -> String {
 /// a header value.
 pub fn request(d: &Delivery) -> Result<Request<Full<Bytes>>, String> {
     let key = HeaderValue::try_from(sf_string(&d.key)).map_err(|e| format!("key: {e}"))?;
-    let ctype = HeaderValue::try_from(d.content_type.as_str()).map_err(|e| format!("content type: {e}"))?;
+    let ctype =
+        HeaderValue::try_from(d.content_type.as_str()).map_err(|e| format!("content type: {e}"))?;
     Request::builder()
         .method(Method::POST)
         .uri(d.destination.as_str())
@@ -192,13 +193,22 @@ mod tests {
     #[test]
     fn statuses_are_classified() {
         for s in [200, 201, 204, 299] {
-            assert_eq!(classify(StatusCode::from_u16(s).unwrap()), Outcome::Delivered);
+            assert_eq!(
+                classify(StatusCode::from_u16(s).unwrap()),
+                Outcome::Delivered
+            );
         }
         for s in [408, 409, 425, 429, 500, 502, 503, 599] {
-            assert_eq!(classify(StatusCode::from_u16(s).unwrap()), Outcome::Retry(format!("HTTP {s}")));
+            assert_eq!(
+                classify(StatusCode::from_u16(s).unwrap()),
+                Outcome::Retry(format!("HTTP {s}"))
+            );
         }
         for s in [100, 301, 400, 401, 403, 404, 410, 422, 499] {
-            assert_eq!(classify(StatusCode::from_u16(s).unwrap()), Outcome::Reject(format!("HTTP {s}")));
+            assert_eq!(
+                classify(StatusCode::from_u16(s).unwrap()),
+                Outcome::Reject(format!("HTTP {s}"))
+            );
         }
     }
 

@@ -147,7 +147,12 @@ fn entry(r: &rusqlite::Row<'_>, now: i64) -> rusqlite::Result<Entry> {
 }
 
 impl Queue for SqliteQueue {
-    fn claim(&self, owner: &str, limit: usize, lease: Duration) -> BoxFut<'_, Result<Vec<Claimed>, StoreError>> {
+    fn claim(
+        &self,
+        owner: &str,
+        limit: usize,
+        lease: Duration,
+    ) -> BoxFut<'_, Result<Vec<Claimed>, StoreError>> {
         let owner = owner.to_owned();
         let lease = ms(lease);
         self.with(move |conn, now| {

@@ -17,7 +17,15 @@ use axum::http::StatusCode;
 use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use http_body_util::Full;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+#[cfg(feature = "sqlite")]
+use std::path::Path;
 use tower_idempotency::key::ClaimedKey;
+use tower_idempotency::outbox::HttpSink;
+#[cfg(feature = "sqlite")]
+use tower_idempotency::outbox::{self, Message};
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
 
 /// What the downstream does with one attempt.
@@ -74,9 +82,15 @@ impl Downstream {
     pub async fn start(script: Script, hold: Duration) -> Downstream {
         let log = Arc::new(Mutex::new(Log::default()));
         let script = Arc::new(Mutex::new(script));
-        let shared = Shared { log: log.clone(), script: script.clone(), hold };
-        let layer = IdempotencyLayer::new(MemoryStore::new(), |_: &axum::http::request::Parts| "relay".to_owned())
-            .require_key(true);
+        let shared = Shared {
+            log: log.clone(),
+            script: script.clone(),
+            hold,
+        };
+        let layer = IdempotencyLayer::new(MemoryStore::new(), |_: &axum::http::request::Parts| {
+            "relay".to_owned()
+        })
+        .require_key(true);
         let app = Router::new()
             .route("/notify", post(apply))
             .route_layer(layer)
@@ -85,7 +99,12 @@ impl Downstream {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        Downstream { addr, log, script, hold }
+        Downstream {
+            addr,
+            log,
+            script,
+            hold,
+        }
     }
 
     pub fn url(&self) -> String {
@@ -102,7 +121,13 @@ impl Downstream {
 
     /// Attempts per key.
     pub fn attempts_of(&self, key: &str) -> usize {
-        self.log.lock().unwrap().attempts.iter().filter(|a| a.key == key).count()
+        self.log
+            .lock()
+            .unwrap()
+            .attempts
+            .iter()
+            .filter(|a| a.key == key)
+            .count()
     }
 
     /// Effects applied per key.
@@ -117,21 +142,35 @@ impl Downstream {
 
 /// The effect: counted once per applied request (the layer replays repeats).
 async fn apply(State(shared): State<Shared>, claimed: ClaimedKey) -> Response {
-    *shared.log.lock().unwrap().effects.entry(claimed.key().to_owned()).or_default() += 1;
+    *shared
+        .log
+        .lock()
+        .unwrap()
+        .effects
+        .entry(claimed.key().to_owned())
+        .or_default() += 1;
     StatusCode::CREATED.into_response()
 }
 
 /// Logs each attempt, tracks overlapping attempts per key, applies the script.
 async fn record(State(shared): State<Shared>, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
-    let raw_key = parts.headers.get("idempotency-key").map(|v| v.to_str().unwrap_or("").to_owned());
-    let relay = parts.headers.get("x-relay").map(|v| v.to_str().unwrap_or("").to_owned());
+    let raw_key = parts
+        .headers
+        .get("idempotency-key")
+        .map(|v| v.to_str().unwrap_or("").to_owned());
+    let relay = parts
+        .headers
+        .get("x-relay")
+        .map(|v| v.to_str().unwrap_or("").to_owned());
     let key = raw_key
         .as_deref()
         .and_then(|k| k.strip_prefix('"')?.strip_suffix('"'))
         .unwrap_or("")
         .to_owned();
-    let body: Bytes = axum::body::to_bytes(body, 1 << 20).await.unwrap_or_default();
+    let body: Bytes = axum::body::to_bytes(body, 1 << 20)
+        .await
+        .unwrap_or_default();
     let answer = {
         let mut log = shared.log.lock().unwrap();
         let n = log.attempts.iter().filter(|a| a.key == key).count()
@@ -151,7 +190,9 @@ async fn record(State(shared): State<Shared>, req: Request, next: Next) -> Respo
     let response = match answer {
         Answer::FailBefore(status) => StatusCode::from_u16(status).unwrap().into_response(),
         Answer::Pass | Answer::FailAfter(_) => {
-            let inner = next.run(Request::from_parts(parts, Body::from(body.clone()))).await;
+            let inner = next
+                .run(Request::from_parts(parts, Body::from(body.clone())))
+                .await;
             match answer {
                 Answer::FailAfter(status) => {
                     // Read the answer through, so the layer records it, then lose it.
@@ -164,7 +205,12 @@ async fn record(State(shared): State<Shared>, req: Request, next: Next) -> Respo
     };
     let mut log = shared.log.lock().unwrap();
     *log.in_flight.get_mut(&key).unwrap() -= 1;
-    log.attempts.push(Attempt { key, body: body.to_vec(), relay, status: response.status().as_u16() });
+    log.attempts.push(Attempt {
+        key,
+        body: body.to_vec(),
+        relay,
+        status: response.status().as_u16(),
+    });
     response
 }
 
@@ -172,7 +218,10 @@ async fn record(State(shared): State<Shared>, req: Request, next: Next) -> Respo
 pub async fn until(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + limit;
     while !condition() {
-        assert!(tokio::time::Instant::now() < deadline, "not within {limit:?}: {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within {limit:?}: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -185,7 +234,40 @@ where
 {
     let deadline = tokio::time::Instant::now() + limit;
     while !condition().await {
-        assert!(tokio::time::Instant::now() < deadline, "not within {limit:?}: {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within {limit:?}: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+pub const WAIT: Duration = Duration::from_secs(20);
+
+pub fn http_sink()
+-> HttpSink<Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>> {
+    HttpSink::new(Client::builder(TokioExecutor::new()).build_http())
+}
+
+pub fn script(f: impl Fn(&str, &[u8], usize) -> Answer + Send + Sync + 'static) -> Script {
+    Arc::new(f)
+}
+
+/// Enqueues `messages` (key, body) in one transaction of a connection of its own.
+#[cfg(feature = "sqlite")]
+pub fn enqueue_direct(db: &Path, url: &str, messages: &[(&str, &str)]) {
+    let mut conn = rusqlite_conn(db);
+    let tx = conn.transaction().unwrap();
+    for (key, body) in messages {
+        let m = Message::with_key(*key, url, "application/json", body.as_bytes().to_vec()).unwrap();
+        assert!(outbox::sqlite::enqueue(&tx, &m).unwrap());
+    }
+    tx.commit().unwrap();
+}
+
+#[cfg(feature = "sqlite")]
+pub fn rusqlite_conn(db: &Path) -> tower_idempotency::rusqlite::Connection {
+    let conn = tower_idempotency::rusqlite::Connection::open(db).unwrap();
+    conn.busy_timeout(Duration::from_secs(5)).unwrap();
+    conn
 }
