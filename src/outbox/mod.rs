@@ -112,6 +112,7 @@ use crate::store::StoreError;
 use queue::Queue;
 
 /// The outbox's table.
+#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
 pub(crate) const TABLE: &str = "tower_idempotency_outbox";
 
 #[cfg(feature = "metrics")]
@@ -168,6 +169,7 @@ impl Outbox {
         Ok(Outbox::from_queue(Arc::new(queue)))
     }
 
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     fn from_queue(queue: Arc<dyn Queue>) -> Outbox {
         Outbox {
             queue,
