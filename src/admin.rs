@@ -123,7 +123,7 @@ async fn purge<S: Inspect>(State(store): State<S>) -> Response<Body> {
 }
 
 /// `limit` from the query pairs: absent, or once, an integer in 1..=MAX_LIMIT.
-fn parse_limit(pairs: &[(String, String)]) -> Result<usize, String> {
+pub(crate) fn parse_limit(pairs: &[(String, String)]) -> Result<usize, String> {
     if let Some((name, _)) = pairs.iter().find(|(name, _)| name != "limit") {
         return Err(format!(
             "unknown query parameter {}; only limit is accepted",
@@ -142,7 +142,7 @@ fn parse_limit(pairs: &[(String, String)]) -> Result<usize, String> {
 }
 
 /// A JSON string (escaped by serde_json).
-fn string(s: &str) -> String {
+pub(crate) fn string(s: &str) -> String {
     serde_json::Value::from(s).to_string()
 }
 
@@ -166,7 +166,7 @@ fn counts_json(c: &RecordCounts) -> String {
     )
 }
 
-fn json(body: String) -> Response<Body> {
+pub(crate) fn json(body: String) -> Response<Body> {
     let mut response = Response::new(Body::from(body));
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -176,7 +176,7 @@ fn json(body: String) -> Response<Body> {
 }
 
 /// 503 with the crate's `store-unavailable` problem and `Retry-After: 1`.
-fn unavailable(e: &StoreError) -> Response<Body> {
+pub(crate) fn unavailable(e: &StoreError) -> Response<Body> {
     tracing::warn!(error = %e, "the admin router could not read the idempotency store");
     Rejection::StoreUnavailable {
         retry_after_secs: 1,
@@ -187,7 +187,7 @@ fn unavailable(e: &StoreError) -> Response<Body> {
 
 /// 400 with an `about:blank` problem (RFC 9457 §4.2.1: the title is the
 /// status's reason phrase).
-fn bad_request(detail: &str) -> Response<Body> {
+pub(crate) fn bad_request(detail: &str) -> Response<Body> {
     let body = format!(
         "{{\"type\":\"about:blank\",\"title\":\"Bad Request\",\"status\":400,\"detail\":{}}}",
         string(detail)

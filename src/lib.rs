@@ -124,6 +124,8 @@ pub mod fingerprint;
 pub mod key;
 mod layer;
 pub mod mode;
+#[cfg(feature = "outbox")]
+pub mod outbox;
 pub mod policy;
 pub mod problem;
 mod record;

@@ -26,6 +26,7 @@
 mod db;
 #[cfg(feature = "mysql")]
 mod mysql;
+mod notify;
 #[cfg(feature = "postgres")]
 mod pg;
 #[cfg(feature = "sqlx-postgres")]
@@ -51,7 +52,7 @@ use db::{LedgerError, Op, SqliteDb};
 
 const USAGE: &str = "usage: ledger [--db PATH] [--db-driver rusqlite|sqlx] \
 [--mode transactional|separate] [--key-store URL[,URL...]] [--key-store-ca PEM-PATH] [--listen ADDR] \
-[--lease-secs N] [--fault-injection] [--admin-listen ADDR]";
+[--lease-secs N] [--fault-injection] [--admin-listen ADDR] [--notify-url URL]";
 
 /// When the idempotency record is written (see `tower_idempotency::mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +87,8 @@ struct Args {
     fault_injection: bool,
     /// Where the operators' admin router listens; `None`: not served.
     admin_listen: Option<SocketAddr>,
+    /// Where credits are notified (`notify.rs`); `None`: not at all.
+    notify_url: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -99,6 +102,7 @@ fn parse_args() -> Result<Args, String> {
         lease: None,
         fault_injection: false,
         admin_listen: None,
+        notify_url: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -184,6 +188,7 @@ fn parse_args() -> Result<Args, String> {
                         .map_err(|e| format!("--admin-listen: {e}\n{USAGE}"))?,
                 );
             }
+            "--notify-url" => args.notify_url = Some(notify::parse_url(&value()?)?),
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -214,6 +219,18 @@ fn parse_args() -> Result<Args, String> {
     }
     if args.key_store.is_some() && args.mode == Some(Mode::Transactional) {
         return Err("--mode transactional needs the records in the --db database; with --key-store only --mode separate is possible".into());
+    }
+    if args.notify_url.is_some() && (sqlx || url.starts_with("mysql://")) {
+        return Err(
+            "--notify-url works with the default drivers on SQLite and PostgreSQL only".into(),
+        );
+    }
+    if args.notify_url.is_some() && (args.mode == Some(Mode::Separate) || args.key_store.is_some())
+    {
+        return Err(
+            "--notify-url needs --mode transactional: a notification commits with its credit"
+                .into(),
+        );
     }
     Ok(args)
 }
@@ -329,6 +346,7 @@ struct AppState {
     db: Db,
     mode: Mode,
     fault_injection: bool,
+    notify: Option<notify::Notifier>,
 }
 
 /// Keys are scoped per caller: `Authorization: Bearer <token>` names the
@@ -501,10 +519,15 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         };
         (db, writes)
     };
+    let notify = match args.notify_url.clone() {
+        Some(notify_url) => Some(notify::start(notify_url, &url, postgres).await?),
+        None => None,
+    };
     let state = AppState {
         db,
         mode,
         fault_injection: args.fault_injection,
+        notify,
     };
     let addr = listener.local_addr()?;
     {
@@ -764,6 +787,7 @@ async fn credit(
     State(state): State<AppState>,
     Path(id): Path<String>,
     tx: Tx,
+    claimed: Option<tower_idempotency::key::ClaimedKey>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -786,7 +810,7 @@ async fn credit(
         amount: new.amount,
         fail_after_effect,
     };
-    let credit = write(&state, tx, op).await?;
+    let credit = notify::write_credit(&state, tx, op, claimed).await?;
     // Separate mode: the credit is committed. Transactional mode: it commits
     // with the record once this response is returned.
     pause(after_effect).await;

@@ -1,0 +1,233 @@
+//! [`Message`]: one outgoing message and its stable downstream key.
+
+use sha2::{Digest, Sha256};
+
+use crate::key::ClaimedKey;
+
+/// The longest message key accepted, in bytes: what an `IdempotencyLayer`
+/// downstream accepts (1..=255 characters, see [`crate::key`]).
+pub const MAX_KEY_LEN: usize = 255;
+
+/// The largest payload accepted by [`Message::new`] and
+/// [`Message::with_key`], in bytes (1 MiB). Messages are rows: keep them small
+/// and put bulk data where the receiver can fetch it.
+pub const MAX_PAYLOAD: usize = 1024 * 1024;
+
+/// One message to deliver after the handler's transaction commits: its
+/// stable idempotency key, its destination (for [`super::HttpSink`], the
+/// URL it is POSTed to), its content type and its payload bytes.
+///
+/// Enqueue it with [`super::sqlite::enqueue`] or [`super::postgres::enqueue`]
+/// inside the request's transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub(crate) key: String,
+    pub(crate) destination: String,
+    pub(crate) content_type: String,
+    pub(crate) payload: Vec<u8>,
+}
+
+/// Why a [`Message`] could not be built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MessageError {
+    /// The key given to [`Message::with_key`] is empty, longer than
+    /// [`MAX_KEY_LEN`] bytes, or has a character outside printable ASCII
+    /// (`0x20..=0x7e`), which an RFC 8941 sf-string cannot carry.
+    InvalidKey,
+    /// The payload is larger than [`MAX_PAYLOAD`] bytes.
+    PayloadTooLarge(usize),
+    /// The destination is empty or longer than 2048 bytes, or the content
+    /// type is empty or longer than 255 bytes or not visible ASCII.
+    InvalidField(&'static str),
+}
+
+impl std::fmt::Display for MessageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MessageError::InvalidKey => {
+                f.write_str("an outbox message key must be 1..=255 printable ASCII characters")
+            }
+            MessageError::PayloadTooLarge(n) => {
+                write!(
+                    f,
+                    "an outbox payload of {n} bytes exceeds {MAX_PAYLOAD} bytes"
+                )
+            }
+            MessageError::InvalidField(name) => write!(f, "invalid outbox message {name}"),
+        }
+    }
+}
+
+impl std::error::Error for MessageError {}
+
+/// The stable key of message `index` of the request that claimed `claimed`:
+/// `"obx1-"` and 64 hex digits of SHA-256 over a fixed label, the scope, the
+/// key (each framed by its length in 8 bytes, big-endian) and `index` (4
+/// bytes, big-endian).
+///
+/// The same (scope, key, index) gives the same key in every process and
+/// after every restart, so a request that is rolled back and retried
+/// enqueues its messages under the same keys; different scopes, keys or
+/// indexes give different keys (SHA-256's collision resistance). The key
+/// says nothing readable about the request: the hash cannot be reversed,
+/// though whoever knows a request's scope and key can recompute it.
+pub fn message_key(claimed: &ClaimedKey, index: u32) -> String {
+    let mut h = Sha256::new();
+    h.update(b"tower-idempotency outbox message key v1");
+    for part in [claimed.scope().as_bytes(), claimed.key().as_bytes()] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part);
+    }
+    h.update(index.to_be_bytes());
+    let digest = h.finalize();
+    let mut out = String::with_capacity(5 + 64);
+    out.push_str("obx1-");
+    for b in digest {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
+}
+
+fn check_fields(destination: &str, content_type: &str, payload: &[u8]) -> Result<(), MessageError> {
+    if destination.is_empty() || destination.len() > 2048 {
+        return Err(MessageError::InvalidField("destination"));
+    }
+    if content_type.is_empty()
+        || content_type.len() > 255
+        || !content_type.bytes().all(|b| (0x20..=0x7e).contains(&b))
+    {
+        return Err(MessageError::InvalidField("content type"));
+    }
+    if payload.len() > MAX_PAYLOAD {
+        return Err(MessageError::PayloadTooLarge(payload.len()));
+    }
+    Ok(())
+}
+
+impl Message {
+    /// Message `index` (0, 1, ... in the order the handler enqueues them) of
+    /// the request whose claimed key is `claimed`, keyed by
+    /// [`message_key`].
+    ///
+    /// # Errors
+    ///
+    /// [`MessageError`] for a payload over [`MAX_PAYLOAD`] bytes, an empty or
+    /// over-long destination, or a content type that is not 1..=255 visible
+    /// ASCII characters.
+    pub fn new(
+        claimed: &ClaimedKey,
+        index: u32,
+        destination: impl Into<String>,
+        content_type: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Result<Message, MessageError> {
+        Message::with_key(
+            message_key(claimed, index),
+            destination,
+            content_type,
+            payload,
+        )
+    }
+
+    /// A message under a key of the caller's choosing (for a handler that
+    /// has no [`ClaimedKey`], e.g. one that derives keys from its own rows).
+    /// The key must be stable across retries for the receiver to
+    /// de-duplicate.
+    ///
+    /// # Errors
+    ///
+    /// As [`Message::new`], and [`MessageError::InvalidKey`] for a key that
+    /// is empty, over [`MAX_KEY_LEN`] bytes or not printable ASCII.
+    pub fn with_key(
+        key: impl Into<String>,
+        destination: impl Into<String>,
+        content_type: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Result<Message, MessageError> {
+        let key = key.into();
+        if key.is_empty()
+            || key.len() > MAX_KEY_LEN
+            || !key.bytes().all(|b| (0x20..=0x7e).contains(&b))
+        {
+            return Err(MessageError::InvalidKey);
+        }
+        let (destination, content_type, payload) =
+            (destination.into(), content_type.into(), payload.into());
+        check_fields(&destination, &content_type, &payload)?;
+        Ok(Message {
+            key,
+            destination,
+            content_type,
+            payload,
+        })
+    }
+
+    /// The message's idempotency key, as the receiver gets it (unquoted).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Where it goes (for [`super::HttpSink`], the URL).
+    pub fn destination(&self) -> &str {
+        &self.destination
+    }
+
+    /// Its media type, e.g. `application/json`.
+    pub fn content_type(&self) -> &str {
+        &self.content_type
+    }
+
+    /// Its bytes, delivered unchanged on every attempt.
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_stable_and_distinct() {
+        let a = ClaimedKey::new("k1".into(), "alice".into());
+        let k = message_key(&a, 0);
+        assert_eq!(
+            k,
+            message_key(&ClaimedKey::new("k1".into(), "alice".into()), 0)
+        );
+        assert_eq!(k.len(), 69);
+        assert!(k.starts_with("obx1-"));
+        assert_ne!(k, message_key(&a, 1));
+        assert_ne!(
+            k,
+            message_key(&ClaimedKey::new("k1".into(), "bob".into()), 0)
+        );
+        // Framing: moving a byte between scope and key changes the key.
+        assert_ne!(
+            message_key(&ClaimedKey::new("ab".into(), "c".into()), 0),
+            message_key(&ClaimedKey::new("b".into(), "ca".into()), 0)
+        );
+    }
+
+    #[test]
+    fn bad_fields_are_refused() {
+        let ok = |k: &str| Message::with_key(k, "http://x/", "application/json", b"{}".to_vec());
+        assert_eq!(ok(""), Err(MessageError::InvalidKey));
+        assert_eq!(ok("a\"\n"), Err(MessageError::InvalidKey));
+        assert_eq!(ok(&"a".repeat(256)), Err(MessageError::InvalidKey));
+        assert!(ok(&"a".repeat(255)).is_ok());
+        assert_eq!(
+            Message::with_key("k", "", "application/json", vec![]),
+            Err(MessageError::InvalidField("destination"))
+        );
+        assert_eq!(
+            Message::with_key("k", "d", "a\u{7f}", vec![]),
+            Err(MessageError::InvalidField("content type"))
+        );
+        assert_eq!(
+            Message::with_key("k", "d", "t", vec![0; MAX_PAYLOAD + 1]),
+            Err(MessageError::PayloadTooLarge(MAX_PAYLOAD + 1))
+        );
+    }
+}

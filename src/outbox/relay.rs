@@ -1,0 +1,381 @@
+//! [`Relay`]: the task that claims due messages, delivers them through a
+//! [`Sink`] and records each outcome.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinSet;
+use tower::retry::backoff::{Backoff, ExponentialBackoffMaker, MakeBackoff};
+use tower::util::rng::HasherRng;
+
+use super::queue::{Claimed, Fate, Queue};
+use super::sink::{Delivery, Outcome, Sink};
+
+/// A relay's settings; every one has a default and a builder method on
+/// [`Relay`].
+#[derive(Debug, Clone)]
+pub(super) struct Config {
+    pub(super) batch_size: usize,
+    pub(super) max_in_flight: usize,
+    pub(super) answer_timeout: Duration,
+    pub(super) lease: Duration,
+    pub(super) poll_interval: Duration,
+    pub(super) backoff_min: Duration,
+    pub(super) backoff_max: Duration,
+    pub(super) max_attempts: Option<u32>,
+    pub(super) retention: Duration,
+    pub(super) maintenance_every: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            batch_size: 32,
+            max_in_flight: 64,
+            answer_timeout: Duration::from_secs(10),
+            lease: Duration::from_secs(15),
+            poll_interval: Duration::from_millis(250),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(30),
+            max_attempts: Some(20),
+            retention: Duration::from_secs(24 * 3600),
+            maintenance_every: Duration::from_secs(10),
+        }
+    }
+}
+
+impl Config {
+    /// How long one attempt may take: the answer timeout, but never more
+    /// than three quarters of the lease, so the lease outlives the attempt.
+    pub(super) fn attempt_timeout(&self) -> Duration {
+        self.answer_timeout.min(self.lease - self.lease / 4)
+    }
+}
+
+/// The delay before attempt `attempt + 1`, after attempt `attempt` (1 for
+/// the first) failed: tower's capped exponential backoff with full jitter
+/// (`min · 2^(attempt-1)` plus up to as much again at random, never above
+/// `max`).
+pub(super) fn backoff_delay(min: Duration, max: Duration, attempt: u32) -> Duration {
+    let Ok(mut maker) = ExponentialBackoffMaker::new(min, max, 1.0, HasherRng::default()) else {
+        return max;
+    };
+    let mut backoff = maker.make_backoff();
+    // Each step doubles; past 40 steps every delay is capped anyway.
+    for _ in 1..attempt.clamp(1, 40) {
+        drop(backoff.next_backoff());
+    }
+    let sleep = backoff.next_backoff();
+    sleep
+        .deadline()
+        .saturating_duration_since(tokio::time::Instant::now())
+        .min(max)
+}
+
+/// What decides the relay's stop.
+#[derive(Default)]
+pub(super) struct Stop {
+    flag: AtomicBool,
+    notify: Notify,
+}
+
+/// The running relay, from [`Relay::spawn`]. Dropping it leaves the relay
+/// running until the runtime shuts down.
+#[derive(Debug)]
+pub struct RelayHandle {
+    stop: Arc<Stop>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stop").field("flag", &self.flag).finish()
+    }
+}
+
+impl RelayHandle {
+    /// Stops claiming, waits for the attempts in flight to end (each is
+    /// bounded by the answer timeout) and records them.
+    pub async fn shutdown(self) {
+        self.stop.flag.store(true, Ordering::SeqCst);
+        self.stop.notify.notify_one();
+        let _ = self.task.await;
+    }
+
+    /// Stops at once, like a crash: messages in flight keep their lease
+    /// until it ends, and are then delivered again (by any relay).
+    pub fn abort(&self) {
+        self.task.abort();
+    }
+}
+
+/// The delivering side of an [`Outbox`](super::Outbox): from
+/// [`Outbox::relay`](super::Outbox::relay), configured with the methods
+/// below, started with [`Relay::spawn`].
+///
+/// Each round it claims up to [`batch_size`](Relay::batch_size) due messages
+/// (never more than its free [`max_in_flight`](Relay::max_in_flight)
+/// slots) under a [`lease`](Relay::lease), and delivers each in a task of
+/// its own:
+///
+/// * [`Outcome::Delivered`]: marked done, never sent again; purged
+///   [`retention`](Relay::retention) later.
+/// * [`Outcome::Retry`], or no answer within the
+///   [`answer_timeout`](Relay::answer_timeout): due again after a capped,
+///   jittered exponential [`backoff`](Relay::backoff) (tower's
+///   `ExponentialBackoff`), unless it was attempt
+///   [`max_attempts`](Relay::max_attempts): then a dead letter.
+/// * [`Outcome::Reject`]: a dead letter.
+///
+/// When nothing is due it waits [`poll_interval`](Relay::poll_interval)
+/// (or until [`Outbox::wake`](super::Outbox::wake)).
+pub struct Relay {
+    pub(super) queue: Arc<dyn Queue>,
+    pub(super) sink: Arc<dyn Sink>,
+    pub(super) wake: Arc<Notify>,
+    pub(super) config: Config,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Relay {
+    /// Messages claimed per round, at least 1 (default 32).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.config.batch_size = n.max(1);
+        self
+    }
+
+    /// Attempts under way at once, at least 1 (default 64).
+    pub fn max_in_flight(mut self, n: usize) -> Self {
+        self.config.max_in_flight = n.max(1);
+        self
+    }
+
+    /// How long an attempt may wait for the sink's answer (default 10 s),
+    /// capped at three quarters of the lease; past it the attempt counts as
+    /// a retryable failure.
+    pub fn answer_timeout(mut self, d: Duration) -> Self {
+        self.config.answer_timeout = d;
+        self
+    }
+
+    /// How long a claim holds a message (default 15 s, at least 1 s). A
+    /// relay that dies holding messages delays them this long; another
+    /// relay then claims them. No relay claims a message while another's
+    /// lease on it lasts.
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.config.lease = d.max(Duration::from_secs(1));
+        self
+    }
+
+    /// How long an idle relay waits before it looks for due messages again
+    /// (default 250 ms, at least 10 ms).
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.config.poll_interval = d.max(Duration::from_millis(10));
+        self
+    }
+
+    /// The retry delays: `min` after the first failure, doubling, with up
+    /// to as much again of random jitter, never above `max` (default
+    /// 100 ms and 30 s). `max` is at least 1 ms; `min` at most `max`.
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        let max = max.max(Duration::from_millis(1));
+        self.config.backoff_min = min.min(max);
+        self.config.backoff_max = max;
+        self
+    }
+
+    /// The attempts a message gets before it becomes a dead letter
+    /// (default `Some(20)`); `None`: retried without limit.
+    pub fn max_attempts(mut self, n: Option<u32>) -> Self {
+        self.config.max_attempts = n.map(|n| n.max(1));
+        self
+    }
+
+    /// How long delivered messages are kept before the relay deletes them
+    /// (default 24 h). Dead letters are never deleted by the relay.
+    pub fn retention(mut self, d: Duration) -> Self {
+        self.config.retention = d;
+        self
+    }
+
+    /// Starts the relay on the current Tokio runtime.
+    ///
+    /// # Panics
+    ///
+    /// Outside a Tokio runtime.
+    pub fn spawn(self) -> RelayHandle {
+        let stop = Arc::new(Stop::default());
+        let task = tokio::spawn(run(self, stop.clone()));
+        RelayHandle { stop, task }
+    }
+}
+
+/// A random name for this relay's claims (shown nowhere but the table).
+fn owner() -> String {
+    let mut b = [0u8; 8];
+    let _ = getrandom::fill(&mut b);
+    b.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+async fn run(relay: Relay, stop: Arc<Stop>) {
+    let owner = owner();
+    let config = Arc::new(relay.config.clone());
+    let slots = Arc::new(Semaphore::new(config.max_in_flight));
+    let mut tasks = JoinSet::new();
+    let mut next_maintenance = tokio::time::Instant::now();
+    while !stop.flag.load(Ordering::SeqCst) {
+        while tasks.try_join_next().is_some() {}
+        if tokio::time::Instant::now() >= next_maintenance {
+            maintain(&*relay.queue, &config).await;
+            next_maintenance = tokio::time::Instant::now() + config.maintenance_every;
+        }
+        let free = slots.available_permits().min(config.batch_size);
+        if free == 0 {
+            tokio::select! {
+                _ = tasks.join_next() => {}
+                _ = stop.notify.notified() => {}
+            }
+            continue;
+        }
+        match relay.queue.claim(&owner, free, config.lease).await {
+            Ok(claimed) => {
+                let full = claimed.len() == free;
+                for c in claimed {
+                    let Ok(permit) = slots.clone().try_acquire_owned() else {
+                        break;
+                    };
+                    let (queue, sink, config) =
+                        (relay.queue.clone(), relay.sink.clone(), config.clone());
+                    tasks.spawn(async move {
+                        attempt(&*queue, &*sink, &config, c).await;
+                        drop(permit);
+                    });
+                }
+                if full {
+                    continue;
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "outbox relay: claiming messages failed"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(config.poll_interval) => {}
+            _ = relay.wake.notified() => {}
+            _ = stop.notify.notified() => {}
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Purges delivered messages past their retention, and sets the gauge of
+/// the oldest pending message's age.
+async fn maintain(queue: &dyn Queue, config: &Config) {
+    match queue.purge(config.retention, 10_000).await {
+        Ok(n) if n > 0 => tracing::debug!(purged = n, "outbox relay: purged delivered messages"),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "outbox relay: purging delivered messages failed"),
+    }
+    #[cfg(feature = "metrics")]
+    if let Ok(counts) = queue.counts().await {
+        let age = counts.oldest_pending_age_ms.unwrap_or(0) as f64 / 1000.0;
+        metrics::gauge!(super::METRIC_OLDEST_PENDING).set(age);
+    }
+}
+
+/// One attempt at one claimed message, and its record.
+async fn attempt(queue: &dyn Queue, sink: &dyn Sink, config: &Config, c: Claimed) {
+    let delivery = Delivery {
+        key: c.message.key,
+        destination: c.message.destination,
+        content_type: c.message.content_type,
+        payload: Bytes::from(c.message.payload),
+        attempt: c.attempt,
+    };
+    let timeout = config.attempt_timeout();
+    let outcome = match tokio::time::timeout(timeout, sink.deliver(delivery)).await {
+        Ok(outcome) => outcome,
+        Err(_) => Outcome::Retry(format!("no answer within {} ms", timeout.as_millis())),
+    };
+    let fate = match outcome {
+        Outcome::Delivered => Fate::Done,
+        Outcome::Retry(error) if config.max_attempts.is_some_and(|max| c.attempt >= max) => {
+            Fate::Dead {
+                error: format!("{error} (attempt {}, the last allowed)", c.attempt),
+            }
+        }
+        Outcome::Retry(error) => Fate::Retry {
+            after: backoff_delay(config.backoff_min, config.backoff_max, c.attempt),
+            error,
+        },
+        Outcome::Reject(error) => Fate::Dead { error },
+    };
+    count(&fate);
+    match &fate {
+        Fate::Done => tracing::debug!(id = c.id, attempt = c.attempt, "outbox: delivered"),
+        Fate::Retry { after, error } => tracing::info!(
+            id = c.id, attempt = c.attempt, %error, retry_in_ms = after.as_millis() as u64, "outbox: attempt failed"
+        ),
+        Fate::Dead { error } => {
+            tracing::warn!(id = c.id, attempt = c.attempt, %error, "outbox: message is a dead letter")
+        }
+    }
+    // The record is retried a few times; if it still fails, the lease ends
+    // and the message is delivered again (at least once).
+    for pause in [0u64, 100, 400, 1600] {
+        if pause > 0 {
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+        }
+        match queue.finish(c.id, c.attempt, fate.clone()).await {
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(id = c.id, error = %e, "outbox relay: recording an attempt failed")
+            }
+        }
+    }
+}
+
+#[cfg(feature = "metrics")]
+fn count(fate: &Fate) {
+    let name = match fate {
+        Fate::Done => super::METRIC_DELIVERIES,
+        Fate::Retry { .. } => super::METRIC_RETRIES,
+        Fate::Dead { .. } => super::METRIC_DEAD_LETTERS,
+    };
+    metrics::counter!(name).increment(1);
+}
+
+#[cfg(not(feature = "metrics"))]
+fn count(_: &Fate) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn backoff_doubles_and_is_capped() {
+        let (min, max) = (Duration::from_millis(100), Duration::from_secs(2));
+        for _ in 0..50 {
+            let first = backoff_delay(min, max, 1);
+            assert!(
+                first >= Duration::from_millis(99) && first <= Duration::from_millis(200),
+                "{first:?}"
+            );
+            let third = backoff_delay(min, max, 3);
+            assert!(
+                third >= Duration::from_millis(399) && third <= Duration::from_millis(800),
+                "{third:?}"
+            );
+            assert!(backoff_delay(min, max, 30) <= max);
+            assert!(backoff_delay(min, max, u32::MAX) <= max);
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! Crash and restart across the outbox boundary: a real ledger process with
+//! `--notify-url` (the example, built beside the tests) is SIGKILLed while
+//! its relay delivers to a downstream that fails a share of attempts and
+//! loses some answers. After restarts, every credit has been applied
+//! downstream exactly once, under one key and one body.
+
+#![cfg(all(feature = "sqlite", feature = "outbox"))]
+
+#[path = "../examples/storm/driver.rs"]
+mod driver;
+mod outbox_support;
+
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_support::{Answer, Downstream, until};
+
+/// One ledger process with `--notify-url`.
+struct Ledger {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Ledger {
+    fn start(db: &Path, notify_url: &str) -> Ledger {
+        let mut child = Command::new(driver::ledger_beside_tests())
+            .arg("--db")
+            .arg(db)
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--lease-secs",
+                "2",
+                "--notify-url",
+                notify_url,
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start the ledger");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on http://")
+            .unwrap_or_else(|| {
+                panic!("unexpected first line (is the ledger built with `outbox`?): {line:?}")
+            })
+            .parse()
+            .unwrap();
+        Ledger { child, addr }
+    }
+
+    /// SIGKILL, and wait until the process is gone.
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+/// POSTs until an answer other than 409 arrives; `None` if the connection
+/// died (the process was killed).
+async fn post(
+    addr: SocketAddr,
+    path: &'static str,
+    key: String,
+    body: String,
+) -> Option<driver::Answer> {
+    tokio::task::spawn_blocking(move || {
+        for _ in 0..200 {
+            let k = format!("\"{key}\"");
+            let answer = driver::request(addr, "POST", path, &[("idempotency-key", &k)], &body)?;
+            if answer.status != 409 {
+                return Some(answer);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_credit_is_applied_downstream_once_across_kills() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("ledger.sqlite3");
+    // Per key: the first attempt fails before the receiver, the second is
+    // applied and its answer lost, the third is replayed by the receiver.
+    let ds = Downstream::start(
+        Arc::new(|_: &str, _: &[u8], n| match n {
+            0 => Answer::FailBefore(503),
+            1 => Answer::FailAfter(503),
+            _ => Answer::Pass,
+        }),
+        Duration::from_millis(20),
+    )
+    .await;
+    let mut ledger = Ledger::start(&db, &ds.url());
+    let account = post(
+        ledger.addr,
+        "/accounts",
+        "acct".into(),
+        r#"{"name":"a"}"#.into(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(account.status, 201, "{}", account.body);
+    let id = serde_json::from_str::<serde_json::Value>(&account.body).unwrap()["id"]
+        .as_i64()
+        .unwrap();
+    let path: &'static str = Box::leak(format!("/accounts/{id}/credits").into_boxed_str());
+    let mut credits: HashMap<i64, i64> = HashMap::new(); // credit id -> amount
+    let mut kills = 0;
+    for round in 0..4i64 {
+        let mut pending: Vec<(String, i64)> = (0..8)
+            .map(|i| (format!("c-{round}-{i}"), round * 100 + i + 1))
+            .collect();
+        while !pending.is_empty() {
+            let sends = pending.iter().map(|(k, amount)| {
+                post(
+                    ledger.addr,
+                    path,
+                    k.clone(),
+                    format!("{{\"amount\":{amount}}}"),
+                )
+            });
+            let answers = futures_join(sends).await;
+            let mut retry = Vec::new();
+            for ((key, amount), answer) in pending.into_iter().zip(answers) {
+                match answer {
+                    Some(a) if a.status == 201 => {
+                        let doc: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+                        credits.insert(doc["credit_id"].as_i64().unwrap(), amount);
+                    }
+                    _ => retry.push((key, amount)),
+                }
+            }
+            pending = retry;
+        }
+        // Kill while the relay is at work on this round's notifications.
+        let first = round * 100 + 1;
+        until(Duration::from_secs(20), "an attempt of this round", || {
+            ds.attempts().iter().any(|a| {
+                serde_json::from_slice::<serde_json::Value>(&a.body)
+                    .ok()
+                    .and_then(|d| d["amount"].as_i64())
+                    == Some(first)
+            })
+        })
+        .await;
+        ledger.kill();
+        kills += 1;
+        ledger = Ledger::start(&db, &ds.url());
+    }
+    assert_eq!((kills, credits.len()), (4, 32));
+    // Converge: every credit applied once (a killed relay's claims wait out
+    // the 15 s lease).
+    until(Duration::from_secs(60), "every credit applied", || {
+        let effects = ds.effects();
+        effects.len() == 32 && effects.values().all(|n| *n >= 1)
+    })
+    .await;
+    ledger.kill();
+    let attempts = ds.attempts();
+    let mut key_of: HashMap<i64, HashSet<String>> = HashMap::new();
+    let mut bodies: HashMap<String, HashSet<Vec<u8>>> = HashMap::new();
+    for a in &attempts {
+        let doc: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+        let credit = doc["credit_id"].as_i64().unwrap();
+        assert_eq!(
+            Some(&doc["amount"].as_i64().unwrap()),
+            credits.get(&credit),
+            "{doc}"
+        );
+        key_of.entry(credit).or_default().insert(a.key.clone());
+        bodies
+            .entry(a.key.clone())
+            .or_default()
+            .insert(a.body.clone());
+    }
+    assert_eq!(
+        key_of.len(),
+        32,
+        "a notification for every credit, none other"
+    );
+    assert!(key_of.values().all(|k| k.len() == 1), "one key per credit");
+    assert!(bodies.values().all(|b| b.len() == 1), "one body per key");
+    let effects = ds.effects();
+    assert_eq!(effects.len(), 32);
+    assert!(effects.values().all(|n| *n == 1), "0 doubles: {effects:?}");
+}
+
+/// Awaits all futures, in order (a dependency-free `join_all`).
+async fn futures_join<F: std::future::Future + Send + 'static>(
+    futs: impl Iterator<Item = F>,
+) -> Vec<F::Output>
+where
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futs.map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
+}
