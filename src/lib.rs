@@ -77,6 +77,10 @@
 //!   a problem from [`problem`].
 //! * `admin` (feature `admin`): an axum router for operators over a store's
 //!   [`store::Inspect`]: stuck records, counts, purge.
+//! * `outbox/` (feature `outbox`): a transactional outbox: messages
+//!   enqueued in the handler's transaction (`sqlite.rs`, `postgres.rs`) with
+//!   stable keys (`message.rs`), delivered by a leased relay (`relay.rs`)
+//!   through sinks (`sink.rs`); `admin.rs` with the `admin` feature.
 //! * `test_util/` (feature `test-util`): the store contract as a test suite
 //!   (`store_suite!`, the checks in `suite.rs`) and `ManualClock`, for tests
 //!   of this crate's stores and of stores written elsewhere.

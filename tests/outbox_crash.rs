@@ -11,9 +11,9 @@ mod driver;
 mod outbox_support;
 
 use std::collections::{HashMap, HashSet};
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +27,7 @@ struct Ledger {
 }
 
 impl Ledger {
-    fn start(db: &Path, notify_url: &str) -> Ledger {
+    fn start(db: &OsStr, notify_url: &str) -> Ledger {
         let mut child = Command::new(driver::ledger_beside_tests())
             .arg("--db")
             .arg(db)
@@ -92,7 +92,28 @@ async fn post(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_credit_is_applied_downstream_once_across_kills() {
     let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("ledger.sqlite3");
+    storm(dir.path().join("ledger.sqlite3").as_os_str()).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_credit_is_applied_downstream_once_across_kills_on_postgres() {
+    let url = std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    storm(OsStr::new(&url)).await;
+}
+
+/// Kills per run: `TOWER_IDEMPOTENCY_OUTBOX_KILLS` (default 4), for longer
+/// storms by hand.
+fn kills() -> i64 {
+    std::env::var("TOWER_IDEMPOTENCY_OUTBOX_KILLS").map_or(4, |v| v.parse().expect("an integer"))
+}
+
+/// Rounds of 8 credits on a fresh account, each followed by a SIGKILL while
+/// the relay is at work and a restart; then convergence and the counts.
+async fn storm(db: &OsStr) {
+    let rounds = kills();
+    let total = (rounds * 8) as usize;
     // Per key: the first attempt fails before the receiver, the second is
     // applied and its answer lost, the third is replayed by the receiver.
     let ds = Downstream::start(
@@ -104,11 +125,20 @@ async fn every_credit_is_applied_downstream_once_across_kills() {
         Duration::from_millis(20),
     )
     .await;
-    let mut ledger = Ledger::start(&db, &ds.url());
+    let mut ledger = Ledger::start(db, &ds.url());
+    // Keys of their own: a PostgreSQL database outlives the run.
+    let run = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
     let account = post(
         ledger.addr,
         "/accounts",
-        "acct".into(),
+        format!("acct-{run}"),
         r#"{"name":"a"}"#.into(),
     )
     .await
@@ -120,9 +150,9 @@ async fn every_credit_is_applied_downstream_once_across_kills() {
     let path: &'static str = Box::leak(format!("/accounts/{id}/credits").into_boxed_str());
     let mut credits: HashMap<i64, i64> = HashMap::new(); // credit id -> amount
     let mut kills = 0;
-    for round in 0..4i64 {
+    for round in 0..rounds {
         let mut pending: Vec<(String, i64)> = (0..8)
-            .map(|i| (format!("c-{round}-{i}"), round * 100 + i + 1))
+            .map(|i| (format!("c-{run}-{round}-{i}"), round * 100 + i + 1))
             .collect();
         while !pending.is_empty() {
             let sends = pending.iter().map(|(k, amount)| {
@@ -159,14 +189,15 @@ async fn every_credit_is_applied_downstream_once_across_kills() {
         .await;
         ledger.kill();
         kills += 1;
-        ledger = Ledger::start(&db, &ds.url());
+        ledger = Ledger::start(db, &ds.url());
     }
-    assert_eq!((kills, credits.len()), (4, 32));
+    assert_eq!((kills, credits.len()), (rounds, total));
+    println!("{kills} kills, {total} credits");
     // Converge: every credit applied once (a killed relay's claims wait out
     // the 15 s lease).
     until(Duration::from_secs(60), "every credit applied", || {
         let effects = ds.effects();
-        effects.len() == 32 && effects.values().all(|n| *n >= 1)
+        effects.len() == total && effects.values().all(|n| *n >= 1)
     })
     .await;
     ledger.kill();
@@ -189,13 +220,13 @@ async fn every_credit_is_applied_downstream_once_across_kills() {
     }
     assert_eq!(
         key_of.len(),
-        32,
+        total,
         "a notification for every credit, none other"
     );
     assert!(key_of.values().all(|k| k.len() == 1), "one key per credit");
     assert!(bodies.values().all(|b| b.len() == 1), "one body per key");
     let effects = ds.effects();
-    assert_eq!(effects.len(), 32);
+    assert_eq!(effects.len(), total);
     assert!(effects.values().all(|n| *n == 1), "0 doubles: {effects:?}");
 }
 

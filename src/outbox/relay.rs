@@ -321,7 +321,7 @@ async fn attempt(queue: &dyn Queue, sink: &dyn Sink, config: &Config, c: Claimed
     count(&fate);
     match &fate {
         Fate::Done => tracing::debug!(id = c.id, attempt = c.attempt, "outbox: delivered"),
-        Fate::Retry { after, error } => tracing::info!(
+        Fate::Retry { after, error } => tracing::debug!(
             id = c.id, attempt = c.attempt, %error, retry_in_ms = after.as_millis() as u64, "outbox: attempt failed"
         ),
         Fate::Dead { error } => {
