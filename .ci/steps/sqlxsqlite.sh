@@ -10,8 +10,8 @@ fail() { echo "FATAL (sqlxsqlite): $*" >&2; exit 1; }
 check=../shared/conformance/check_ledger.py
 [ -f "$check" ] || fail "$check is missing"
 
-step "cargo test --features sqlx-sqlite (store suite, transactional effects, faults, model)"
-cargo test --features sqlx-sqlite --test sqlx_sqlite --test sqlx_sqlite_faults --test model
+# The store's tests (suite, transactional effects, faults, model) run in
+# .ci/run's `cargo test --all-features`.
 
 step "the ledger on SqlxSqliteStore (--db-driver sqlx), both modes"
 cargo build --release --example ledger --all-features
@@ -23,7 +23,9 @@ done
 
 step "coexistence: sqlx's SQLite driver and rusqlite in one app (ci/sqlx-sqlite-app)"
 app=ci/sqlx-sqlite-app/Cargo.toml
-cargo check --manifest-path "$app" --target-dir target/compat
+# The repository's target dir: the dependencies it shares with the crate's
+# own builds are not compiled again.
+cargo check --manifest-path "$app" --target-dir target
 sqlite_libs=$(cargo tree --manifest-path "$app" -e normal --prefix none --format '{p}' \
     | sed 's/ (\*)$//' | grep '^libsqlite3-sys ' | sort -u)
 echo "$sqlite_libs"
