@@ -26,6 +26,10 @@ use tower_idempotency::sqlx::{self, AssertSqlSafe};
 use tower_idempotency::store::{FencingToken, MySqlTransaction};
 use tower_idempotency::{IdempotencyLayer, MySqlStore};
 
+/// One test of this file at a time: `connections_killed_separate` kills every
+/// idle connection to the database, which would fail a test running beside it.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn url() -> String {
     std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
         .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
@@ -171,6 +175,7 @@ fn assert_replay_of(r: &Raw, first: &Raw) {
 /// run; a fingerprint of the wrong length: 422. Repaired, it replays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_record() {
+    let _serial = SERIAL.lock().await;
     let db = Db::new(&url(), &url(), Duration::from_secs(30)).await;
     let (addr, app) = start(&db, false).await;
     let first = request(addr, "k", &[]).await;
@@ -217,6 +222,7 @@ async fn corrupt_record() {
 /// answer is stored and replayed, the handler ran once, the next key works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_killed_separate() {
+    let _serial = SERIAL.lock().await;
     let db = Db::new(&url(), &url(), Duration::from_secs(30)).await;
     let (addr, app) = start(&db, false).await;
     let mut entered = app.h.watch();
@@ -226,7 +232,7 @@ async fn connections_killed_separate() {
         .fetch_one(&db.admin)
         .await
         .unwrap();
-    let ids: Vec<u64> = sqlx::query_scalar(
+    let ids: Vec<i64> = sqlx::query_scalar(
         "SELECT id FROM information_schema.processlist WHERE db = DATABASE() AND command = 'Sleep' AND id <> ?",
     )
     .bind(mine)
@@ -254,6 +260,7 @@ async fn connections_killed_separate() {
 /// back with it and the key given back, so the retry runs once and commits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transaction_connection_killed() {
+    let _serial = SERIAL.lock().await;
     let db = Db::new(&url(), &url(), Duration::from_secs(30)).await;
     let (addr, app) = start(&db, true).await;
     let mut entered = app.h.watch();
@@ -338,6 +345,7 @@ async fn pipe(
 /// committed: exactly one credit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn partitioned_server_never_causes_a_second_effect() {
+    let _serial = SERIAL.lock().await;
     let direct = url();
     let (host_port, db_name) = {
         let rest = direct.split_once("@").map_or(direct.as_str(), |(_, r)| r);

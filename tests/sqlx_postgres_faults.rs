@@ -247,7 +247,7 @@ async fn charge_in_transaction(
     tx: SqlxPostgresTransaction,
     headers: HeaderMap,
 ) -> Response {
-    let mut conn = tx.acquire().await.unwrap();
+    let mut conn = tx.connection().await.unwrap();
     let pid: i32 = sqlx::query_scalar(AssertSqlSafe(format!(
         "INSERT INTO {} (note) VALUES ('charged') RETURNING pg_backend_pid()",
         s.items

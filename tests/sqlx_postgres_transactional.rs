@@ -116,7 +116,7 @@ async fn credit(
     headers: HeaderMap,
 ) -> Result<Response, SqlxPostgresError> {
     let t = &app.table;
-    let mut conn = tx.acquire().await?;
+    let mut conn = tx.connection().await?;
     let balance: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "UPDATE {t}_accounts SET balance = balance + 5 WHERE id = 1 RETURNING balance"
     )))
@@ -330,7 +330,7 @@ async fn a_failed_commit_answers_503_and_gives_the_key_back() {
         .route(
             "/swallows",
             post(move |tx: SqlxPostgresTransaction| async move {
-                let mut conn = tx.acquire().await.unwrap();
+                let mut conn = tx.connection().await.unwrap();
                 sqlx::query(AssertSqlSafe(format!(
                     "INSERT INTO {t}_credits (amount) VALUES (5)"
                 )))
@@ -508,7 +508,7 @@ async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503() 
             post(
                 move |tx: SqlxPostgresTransaction, headers: HeaderMap| async move {
                     let insert = format!("INSERT INTO {t}_credits (amount) VALUES (5)");
-                    let mut conn = tx.acquire().await.unwrap();
+                    let mut conn = tx.connection().await.unwrap();
                     sqlx::query(AssertSqlSafe(insert))
                         .execute(&mut *conn)
                         .await
@@ -518,7 +518,7 @@ async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503() 
                     if headers.contains_key("x-hold") {
                         handed.send(tx.clone()).await.unwrap();
                         wake.notified().await;
-                        let again = tx.acquire().await.map(drop).map_err(|e| e.to_string());
+                        let again = tx.connection().await.map(drop).map_err(|e| e.to_string());
                         late.send(again).await.unwrap();
                     }
                     (StatusCode::CREATED, "held")
@@ -568,7 +568,7 @@ async fn a_statement_running_past_the_max_hold_is_cancelled() {
         .route(
             "/sleeps",
             post(move |tx: SqlxPostgresTransaction| async move {
-                let mut conn = tx.acquire().await.unwrap();
+                let mut conn = tx.connection().await.unwrap();
                 sqlx::query(AssertSqlSafe(format!(
                     "INSERT INTO {t}_credits (amount) VALUES (5)"
                 )))

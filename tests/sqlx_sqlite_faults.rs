@@ -119,7 +119,8 @@ impl Db {
                 .unwrap_or("anonymous")
                 .to_owned()
         };
-        let layer = IdempotencyLayer::new(store, user);
+        // Retry-After shows the remaining lease: the clock state under test.
+        let layer = IdempotencyLayer::new(store, user).in_flight_retry_after(Duration::MAX);
         let router = Router::new().route("/charge", post(charge));
         let router = match mode {
             Mode::Separate => router.route_layer(layer),

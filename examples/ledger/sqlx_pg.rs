@@ -70,7 +70,7 @@ impl SqlxPgDb {
 /// `transactional` mode's writes): the layer commits it with the record.
 pub async fn in_idempotency_tx(tx: &SqlxPostgresTransaction, op: Op) -> Result<Json, LedgerError> {
     let mut conn = tx
-        .acquire()
+        .connection()
         .await
         .map_err(|e| LedgerError::Database(Box::new(e)))?;
     on_sqlx(op, &mut conn).await

@@ -189,8 +189,8 @@ pub use sqlx_postgres::{
 };
 #[cfg(feature = "sqlx-sqlite")]
 pub use sqlx_sqlite::{
-    SqlxSqliteError, SqlxSqliteStore, SqlxSqliteStoreBuilder, SqlxSqliteTransaction,
-    SqlxSqliteTxConnection,
+    SqlxSqliteConnection, SqlxSqliteError, SqlxSqliteStore, SqlxSqliteStoreBuilder,
+    SqlxSqliteTransaction,
 };
 
 /// The default lease: how long an in-flight claim holds, 60 seconds.

@@ -24,7 +24,7 @@ pub use error::SqlxPostgresError;
 
 /// An open `sqlx::Transaction<'static, Postgres>` of the store's pool in
 /// which the layer has claimed the request's key. The handler runs its own
-/// statements in it through [`SqlxPostgresTransaction::acquire`]; the layer
+/// statements in it through [`SqlxPostgresTransaction::connection`]; the layer
 /// commits them with the record and the stored response, or rolls
 /// everything back.
 ///
@@ -46,7 +46,7 @@ pub use error::SqlxPostgresError;
 /// (`pg_cancel_backend`, from a connection of its own), rolls it back, gives
 /// the key back and the connection to the pool;
 /// [`SqlxPostgresTransaction::closed`] resolves, the handler's later
-/// [`SqlxPostgresTransaction::acquire`] calls fail with
+/// [`SqlxPostgresTransaction::connection`] calls fail with
 /// [`StoreError::Unavailable`], and the layer answers the request 503 with
 /// `Retry-After` (or passes on a response its policy does not store). A
 /// handler that keeps a [`SqlxPostgresConnection`] without running a
@@ -63,7 +63,7 @@ pub use error::SqlxPostgresError;
 /// // `SqlxPostgresError` answers as a problem (503 for the store, 500 for
 /// // the SQL, which is logged and not sent), so `?` is enough.
 /// async fn credit(tx: SqlxPostgresTransaction) -> Result<String, SqlxPostgresError> {
-///     let mut conn = tx.acquire().await?;
+///     let mut conn = tx.connection().await?;
 ///     let balance: i64 = sqlx::query_scalar(
 ///         "UPDATE accounts SET balance = balance + 5 WHERE id = 1 RETURNING balance",
 ///     )
@@ -168,7 +168,7 @@ impl SqlxPostgresTransaction {
     ///
     /// [`StoreError::Unavailable`] when the transaction has already ended
     /// (committed, rolled back, or rolled back past its max hold time).
-    pub async fn acquire(&self) -> Result<SqlxPostgresConnection<'_>, StoreError> {
+    pub async fn connection(&self) -> Result<SqlxPostgresConnection<'_>, StoreError> {
         let guard = self.connection.lock().await;
         if self.fate.expired() {
             return Err(self.over());

@@ -23,7 +23,7 @@ mod claim;
 mod inspect;
 mod transaction;
 
-pub use transaction::{SqlxSqliteError, SqlxSqliteTransaction, SqlxSqliteTxConnection};
+pub use transaction::{SqlxSqliteConnection, SqlxSqliteError, SqlxSqliteTransaction};
 
 /// The schema version this crate writes, kept in `PRAGMA user_version`: the
 /// same table as [`SqliteStore`](crate::SqliteStore)'s (feature `sqlite`),

@@ -136,11 +136,11 @@ impl std::fmt::Debug for SqlxSqliteTransaction {
 /// `.execute(&mut *conn)`; do not `COMMIT` or `ROLLBACK` (the layer does).
 /// Savepoints of its own (`conn.begin()`) are fine. While it is held, the
 /// max-hold rollback and other clones of the handle wait.
-pub struct SqlxSqliteTxConnection<'a> {
+pub struct SqlxSqliteConnection<'a> {
     guard: tokio::sync::MappedMutexGuard<'a, sqlx::Transaction<'static, Sqlite>>,
 }
 
-impl std::ops::Deref for SqlxSqliteTxConnection<'_> {
+impl std::ops::Deref for SqlxSqliteConnection<'_> {
     type Target = SqliteConnection;
 
     fn deref(&self) -> &SqliteConnection {
@@ -148,7 +148,7 @@ impl std::ops::Deref for SqlxSqliteTxConnection<'_> {
     }
 }
 
-impl std::ops::DerefMut for SqlxSqliteTxConnection<'_> {
+impl std::ops::DerefMut for SqlxSqliteConnection<'_> {
     fn deref_mut(&mut self) -> &mut SqliteConnection {
         &mut self.guard
     }
@@ -166,13 +166,13 @@ impl SqlxSqliteTransaction {
     ///
     /// [`StoreError::Unavailable`] when the transaction has already ended
     /// (committed, rolled back, or rolled back past its max hold time).
-    pub async fn connection(&self) -> Result<SqlxSqliteTxConnection<'_>, StoreError> {
+    pub async fn connection(&self) -> Result<SqlxSqliteConnection<'_>, StoreError> {
         let guard = self.shared.open.lock().await;
         if self.shared.fate.expired() {
             return Err(self.over());
         }
         tokio::sync::MutexGuard::try_map(guard, |open| open.as_mut().map(|o| &mut o.tx))
-            .map(|guard| SqlxSqliteTxConnection { guard })
+            .map(|guard| SqlxSqliteConnection { guard })
             .map_err(|_| self.over())
     }
 

@@ -6,7 +6,7 @@ use crate::store::StoreError;
 
 /// The error of a handler writing through a
 /// [`SqlxPostgresTransaction`](super::SqlxPostgresTransaction): the
-/// transaction could not be had ([`SqlxPostgresTransaction::acquire`](super::SqlxPostgresTransaction::acquire)
+/// transaction could not be had ([`SqlxPostgresTransaction::connection`](super::SqlxPostgresTransaction::connection)
 /// failed), or a statement failed. `From` both, so a handler returning
 /// `Result<_, SqlxPostgresError>` uses `?` on each call and gets one flat
 /// `Result`.
