@@ -59,7 +59,12 @@
 //!   scripts as `.lua` files, `inspect.rs`) and `sqlx_sqlite/`
 //!   (`SqlxSqliteStore` over the app's `sqlx::SqlitePool`: `claim.rs`,
 //!   `transaction.rs` with `transaction/hold.rs` and `transaction/error.rs`,
-//!   `inspect.rs`).
+//!   `inspect.rs`). `postgres/` also holds `connect.rs` (libpq's URL
+//!   parameters) and `tls.rs` (feature `postgres-tls`); `sqlx_postgres/`
+//!   is `SqlxPostgresStore` over the app's `sqlx::PgPool` (`sql.rs`,
+//!   `transaction.rs`, `inspect.rs`); `mysql/` is `MySqlStore`
+//!   (`transaction.rs`, `hold.rs`, `inspect.rs`); `redis/` splits into
+//!   `builder.rs`, `conn.rs` (one server or a cluster) and `reply.rs`.
 //! * `fencing.rs`: [`store::FencingToken`] and its generator.
 //! * `config.rs`: what a layer is configured with, and the body limits
 //!   ([`DEFAULT_MAX_REQUEST_BODY`], [`DEFAULT_MAX_RESPONSE_BODY`]); the
