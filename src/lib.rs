@@ -150,6 +150,10 @@ pub use response::{StoredBody, StoredResponse};
 #[cfg(feature = "sqlite")]
 pub use rusqlite;
 pub use service::{Idempotency, ResponseFuture};
+/// The sqlx this crate is built with (0.9), for the statements a handler
+/// runs through [`store::MySqlTransaction::connection`].
+#[cfg(feature = "mysql")]
+pub use sqlx;
 #[cfg(feature = "mysql")]
 pub use store::MySqlStore;
 #[cfg(feature = "postgres")]
@@ -164,7 +168,3 @@ pub use store::{MemoryStore, Store, StoreError};
 /// runs through [`store::PostgresTransaction::client`].
 #[cfg(feature = "postgres")]
 pub use tokio_postgres;
-/// The sqlx this crate is built with (0.9), for the statements a handler
-/// runs through [`store::MySqlTransaction::connection`].
-#[cfg(feature = "mysql")]
-pub use sqlx;

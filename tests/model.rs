@@ -889,7 +889,12 @@ mod my {
             .time_offset(Offset(clock.clone()))
             .open()
             .await
-            .unwrap_or_else(|e| panic!("MySQL/MariaDB at {} is required for these tests: {e}", url()));
+            .unwrap_or_else(|e| {
+                panic!(
+                    "MySQL/MariaDB at {} is required for these tests: {e}",
+                    url()
+                )
+            });
         let pool = store.pool().clone();
         let result = case(store).await;
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))

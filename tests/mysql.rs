@@ -49,10 +49,12 @@ impl Drop for DropTables {
                 .unwrap();
             runtime.block_on(async {
                 let pool = sqlx::MySqlPool::connect(&url()).await.unwrap();
-                sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {tables}")))
-                    .execute(&pool)
-                    .await
-                    .unwrap();
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP TABLE IF EXISTS {tables}"
+                )))
+                .execute(&pool)
+                .await
+                .unwrap();
             });
         })
         .join();
@@ -64,7 +66,12 @@ async fn open(table: &str) -> MySqlStore {
         .table(table)
         .open()
         .await
-        .unwrap_or_else(|e| panic!("MySQL/MariaDB at {} is required for these tests: {e}", url()))
+        .unwrap_or_else(|e| {
+            panic!(
+                "MySQL/MariaDB at {} is required for these tests: {e}",
+                url()
+            )
+        })
 }
 
 async fn mysql(clock: ManualClock) -> (MySqlStore, DropTables) {
@@ -74,7 +81,12 @@ async fn mysql(clock: ManualClock) -> (MySqlStore, DropTables) {
         .time_offset(ClockOffset(clock))
         .open()
         .await
-        .unwrap_or_else(|e| panic!("MySQL/MariaDB at {} is required for these tests: {e}", url()));
+        .unwrap_or_else(|e| {
+            panic!(
+                "MySQL/MariaDB at {} is required for these tests: {e}",
+                url()
+            )
+        });
     (store, DropTables(vec![table]))
 }
 
@@ -227,7 +239,11 @@ async fn credit(
         .get("x-status")
         .and_then(|v| v.to_str().ok()?.parse().ok())
         .unwrap_or(201);
-    (StatusCode::from_u16(status).unwrap(), format!("credit run {n}")).into_response()
+    (
+        StatusCode::from_u16(status).unwrap(),
+        format!("credit run {n}"),
+    )
+        .into_response()
 }
 
 async fn start(db: &Db) -> (std::net::SocketAddr, Harness) {
@@ -243,10 +259,24 @@ async fn start(db: &Db) -> (std::net::SocketAddr, Harness) {
 async fn transactional_effect_record_and_response_commit_together() {
     let db = Db::default().await;
     let (addr, h) = start(&db).await;
-    let first = send(addr, "POST", "/credits", &[("idempotency-key", b"k")], b"{}").await;
+    let first = send(
+        addr,
+        "POST",
+        "/credits",
+        &[("idempotency-key", b"k")],
+        b"{}",
+    )
+    .await;
     assert_eq!(first.status, 201);
     assert_eq!(first.body, b"credit run 1");
-    let again = send(addr, "POST", "/credits", &[("idempotency-key", b"k")], b"{}").await;
+    let again = send(
+        addr,
+        "POST",
+        "/credits",
+        &[("idempotency-key", b"k")],
+        b"{}",
+    )
+    .await;
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
     assert_eq!((db.effects().await, h.runs()), ((1, 5, 1), 1));
@@ -262,7 +292,14 @@ async fn transactional_effect_record_and_response_commit_together() {
     .await;
     assert_eq!(failed.status, 500);
     assert_eq!(db.effects().await, (1, 5, 1), "rolled back");
-    let retry = send(addr, "POST", "/credits", &[("idempotency-key", b"f")], b"{}").await;
+    let retry = send(
+        addr,
+        "POST",
+        "/credits",
+        &[("idempotency-key", b"f")],
+        b"{}",
+    )
+    .await;
     assert_eq!((retry.status, retry.replayed()), (201, false));
     assert_eq!(db.effects().await, (2, 10, 2));
 }
@@ -282,8 +319,14 @@ async fn parallel_identical_requests_credit_exactly_once() {
                 let (barrier, key) = (barrier.clone(), key.clone());
                 tokio::spawn(async move {
                     barrier.wait().await;
-                    send(addr, "POST", "/credits", &[("idempotency-key", key.as_bytes())], b"{}")
-                        .await
+                    send(
+                        addr,
+                        "POST",
+                        "/credits",
+                        &[("idempotency-key", key.as_bytes())],
+                        b"{}",
+                    )
+                    .await
                 })
             })
             .collect();
@@ -325,7 +368,14 @@ async fn transactional_duplicate_gets_409_without_blocking() {
         .await
     });
     assert_eq!(entered.recv().await.unwrap(), "g");
-    let busy = send(addr, "POST", "/credits", &[("idempotency-key", b"k")], b"{}").await;
+    let busy = send(
+        addr,
+        "POST",
+        "/credits",
+        &[("idempotency-key", b"k")],
+        b"{}",
+    )
+    .await;
     assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
     let other = send(
         addr,
@@ -338,7 +388,14 @@ async fn transactional_duplicate_gets_409_without_blocking() {
     assert_eq!(other.assert_problem(422), types::MISMATCH);
     h.open("g");
     assert_eq!(first.await.unwrap().status, 201);
-    let replay = send(addr, "POST", "/credits", &[("idempotency-key", b"k")], b"{}").await;
+    let replay = send(
+        addr,
+        "POST",
+        "/credits",
+        &[("idempotency-key", b"k")],
+        b"{}",
+    )
+    .await;
     assert!(replay.replayed());
     assert_eq!((db.effects().await, h.runs()), ((1, 5, 1), 1));
 }
@@ -362,7 +419,15 @@ async fn transactional_dropped_request_rolls_back() {
         .unwrap();
     assert_eq!(entered.recv().await.unwrap(), "g");
     drop(conn);
-    let post = || send(addr, "POST", "/credits", &[("idempotency-key", b"k")], b"{}");
+    let post = || {
+        send(
+            addr,
+            "POST",
+            "/credits",
+            &[("idempotency-key", b"k")],
+            b"{}",
+        )
+    };
     let retry = common::until_not_in_flight(post, |r| r.status).await;
     assert_eq!((retry.status, retry.replayed()), (201, false));
     assert_eq!((db.effects().await, h.runs()), ((1, 5, 1), 2));
@@ -391,7 +456,14 @@ async fn held_past_max_hold_is_rolled_back_and_answered_503() {
     assert_eq!(slow.assert_problem(503), types::STORE_UNAVAILABLE);
     assert_eq!(db.store.transactions_held_too_long(), 1);
     assert_eq!(db.effects().await, (0, 0, 0));
-    let retry = send(addr, "POST", "/credits", &[("idempotency-key", b"k")], b"{}").await;
+    let retry = send(
+        addr,
+        "POST",
+        "/credits",
+        &[("idempotency-key", b"k")],
+        b"{}",
+    )
+    .await;
     assert_eq!((retry.status, retry.replayed()), (201, false));
     assert_eq!((db.effects().await, h.runs()), ((1, 5, 1), 2));
 }

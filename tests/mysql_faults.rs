@@ -184,13 +184,11 @@ async fn corrupt_record() {
         ),
         ("fingerprint", &b"\x01"[..], 422, types::MISMATCH),
     ] {
-        let good: Vec<u8> = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT {column} FROM {}",
-            db.table
-        )))
-        .fetch_one(&db.admin)
-        .await
-        .unwrap();
+        let good: Vec<u8> =
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT {column} FROM {}", db.table)))
+                .fetch_one(&db.admin)
+                .await
+                .unwrap();
         let set = format!("UPDATE {} SET {column} = ?", db.table);
         let done = sqlx::query(AssertSqlSafe(set.clone()))
             .bind(garbage)
@@ -215,7 +213,7 @@ async fn corrupt_record() {
 }
 
 /// Separate mode: while the handler is held, the server kills every idle
-/// connection of the store's pool. The pool notices and opens new ones: the
+/// connection of the store's pool (the claim's among them). The pool notices and opens new ones: the
 /// answer is stored and replayed, the handler ran once, the next key works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_killed_separate() {
@@ -224,23 +222,25 @@ async fn connections_killed_separate() {
     let mut entered = app.h.watch();
     let held = tokio::spawn(async move { request(addr, "k", &[("x-gate", b"g")]).await });
     assert_eq!(entered.recv().await.as_deref(), Some("g"));
-    let mine: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-        .fetch_one(&db.admin)
-        .await
-        .unwrap();
-    let ids: Vec<u64> = sqlx::query_scalar(
-        "SELECT id FROM information_schema.processlist WHERE db = DATABASE() AND command = 'Sleep' AND id <> ?",
-    )
-    .bind(mine)
-    .fetch_all(&db.admin)
-    .await
-    .unwrap();
+    // Every idle connection of the store's pool (the claim's among them),
+    // held at once so that each is a different one, then killed.
+    let pool = db.store.pool();
+    let idle = pool.num_idle();
+    assert!(idle >= 1, "the claim's connection is back in the pool");
+    let mut held_connections = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..idle {
+        let mut conn = pool.acquire().await.unwrap();
+        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        ids.push(id);
+        held_connections.push(conn);
+    }
+    drop(held_connections);
     for id in ids {
-        // Other tests' connections may be among them: a kill that finds a
-        // connection already gone is fine.
-        let _ = sqlx::query(AssertSqlSafe(format!("KILL CONNECTION {id}")))
-            .execute(&db.admin)
-            .await;
+        db.kill(id).await;
     }
     app.h.open("g");
     let first = held.await.unwrap();
@@ -364,9 +364,11 @@ async fn partitioned_server_never_causes_a_second_effect() {
         .await
         .unwrap();
     let serve_on = |store: MySqlStore, app: App| async move {
-        let router = Router::new()
-            .route("/charge", post(charge_tx))
-            .route_layer(IdempotencyLayer::new(store, GlobalScope).lease(lease).transactional());
+        let router = Router::new().route("/charge", post(charge_tx)).route_layer(
+            IdempotencyLayer::new(store, GlobalScope)
+                .lease(lease)
+                .transactional(),
+        );
         serve(router.with_state(app)).await
     };
     let app_a = App {
@@ -393,12 +395,38 @@ async fn partitioned_server_never_causes_a_second_effect() {
     assert_eq!((retry.status, retry.replayed()), (201, false), "{retry:?}");
     assert!(recovered <= lease + Duration::from_secs(5), "{recovered:?}");
     assert_eq!(db.credits().await, 1);
+    // The database itself ends A's transaction (its session's wait_timeout:
+    // 2 s hold + 1 s), while A is still cut off.
+    let a_connection = app_a.connection.load(Ordering::SeqCst);
+    let deadline = cut + Duration::from_secs(10);
+    let ended = loop {
+        let alive = db
+            .i64(format!(
+                "SELECT COUNT(*) FROM information_schema.processlist WHERE id = {a_connection}"
+            ))
+            .await;
+        if alive == 0 {
+            break cut.elapsed();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the database never ended the cut-off session"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(ended < lease + Duration::from_secs(5), "{ended:?}");
     proxy.heal();
     let late = held.await.unwrap();
     assert_eq!(late.assert_problem(503), types::STORE_UNAVAILABLE);
     assert_eq!(db.credits().await, 1);
     assert_replay_of(&request(b, "k", &[]).await, &retry);
-    assert_eq!(app_a.h.runs(), 2, "A ran once, B once (they share the counter)");
-    println!("partition: retry on B completed {recovered:?} after the cut (lease {lease:?})");
+    assert_eq!(
+        app_a.h.runs(),
+        2,
+        "A ran once, B once (they share the counter)"
+    );
+    println!(
+        "partition: retry on B completed {recovered:?} after the cut, the database ended A's session {ended:?} after it (lease {lease:?})"
+    );
     db.drop_tables().await;
 }

@@ -309,10 +309,11 @@ impl MySqlStoreBuilder {
         let mut sql = Sql::new(&self.table);
         // MariaDB (and MySQL versions that have it) tells whether a
         // transaction is open; see `MySqlTransaction`, "Errors inside".
-        sql.in_transaction_check = sqlx::query_scalar::<_, i64>("SELECT CAST(@@in_transaction AS SIGNED)")
-            .fetch_one(&pool)
-            .await
-            .is_ok();
+        sql.in_transaction_check =
+            sqlx::query_scalar::<_, i64>("SELECT CAST(@@in_transaction AS SIGNED)")
+                .fetch_one(&pool)
+                .await
+                .is_ok();
         pool.execute(AssertSqlSafe(sql.schema()))
             .await
             .map_err(unavailable)?;
@@ -324,7 +325,10 @@ impl MySqlStoreBuilder {
         .fetch_optional(&pool)
         .await
         .map_err(unavailable)?;
-        if !engine.as_deref().is_some_and(|e| e.eq_ignore_ascii_case("InnoDB")) {
+        if !engine
+            .as_deref()
+            .is_some_and(|e| e.eq_ignore_ascii_case("InnoDB"))
+        {
             return Err(StoreError::config(format!(
                 "table {} uses the {} engine; the store needs InnoDB (transactions and row locks)",
                 self.table,

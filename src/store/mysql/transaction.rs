@@ -218,7 +218,10 @@ impl MySqlStore {
     /// Rolls the transaction back and gives the key back, in a task of its
     /// own. Without a runtime, dropping the transaction rolls it back; the
     /// claim then waits for its lease.
-    fn spawn_rollback(&self, transaction: &MySqlTransaction) -> Option<tokio::task::JoinHandle<()>> {
+    fn spawn_rollback(
+        &self,
+        transaction: &MySqlTransaction,
+    ) -> Option<tokio::task::JoinHandle<()>> {
         let (store, transaction) = (self.clone(), transaction.clone());
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => Some(handle.spawn(async move {
@@ -279,15 +282,21 @@ impl TransactionalStore for MySqlStore {
         };
         // Until the transaction is handed over, a cancelled or failed open
         // gives the key back.
-        let claim = ReleaseOnDrop(Some((self.clone(), RecordId::new(scope.clone(), key.clone()), token)));
+        let claim = ReleaseOnDrop(Some((
+            self.clone(),
+            RecordId::new(scope.clone(), key.clone()),
+            token,
+        )));
         // Phase two: the handler's writes and the completion, in one
         // transaction that commits only if the record still carries our token.
         let hold = self.max_hold.min(lease);
         let backstop_s = hold.as_secs() + u64::from(hold.subsec_nanos() > 0) + 1;
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
-        tx.execute(AssertSqlSafe(format!("SET SESSION wait_timeout = {backstop_s}")))
-            .await
-            .map_err(unavailable)?;
+        tx.execute(AssertSqlSafe(format!(
+            "SET SESSION wait_timeout = {backstop_s}"
+        )))
+        .await
+        .map_err(unavailable)?;
         let connection_id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
             .fetch_one(&mut *tx)
             .await
