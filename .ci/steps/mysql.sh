@@ -26,8 +26,10 @@ mysql -h 127.0.0.1 -P 3306 -u root -e "CREATE DATABASE IF NOT EXISTS \`$db\`" \
 export TOWER_IDEMPOTENCY_MYSQL_URL="${TOWER_IDEMPOTENCY_MYSQL_URL:-mysql://root@127.0.0.1:3306/$db}"
 echo "TOWER_IDEMPOTENCY_MYSQL_URL=$TOWER_IDEMPOTENCY_MYSQL_URL"
 
-echo "== cargo test: MySqlStore (store suite, transactional effects, faults, partition, model tests)"
-cargo test --features mysql --test mysql --test mysql_faults
+echo "== cargo test: MySqlStore (store suite, transactional effects, faults, partition, fleet, model tests)"
+# tests/mysql_fleet.rs runs the ledger example built beside the tests.
+cargo build --features mysql --example ledger
+cargo test --features mysql --test mysql --test mysql_faults --test mysql_fleet
 cargo test --features mysql --test model -- mysql
 
 echo "== the ledger on MySQL: check_ledger.py in both modes"
