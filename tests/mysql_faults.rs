@@ -26,10 +26,6 @@ use tower_idempotency::sqlx::{self, AssertSqlSafe};
 use tower_idempotency::store::{FencingToken, MySqlTransaction};
 use tower_idempotency::{IdempotencyLayer, MySqlStore};
 
-/// One test of this file at a time: `connections_killed_separate` kills every
-/// idle connection to the database, which would fail a test running beside it.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 fn url() -> String {
     std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
         .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
@@ -175,7 +171,6 @@ fn assert_replay_of(r: &Raw, first: &Raw) {
 /// run; a fingerprint of the wrong length: 422. Repaired, it replays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_record() {
-    let _serial = SERIAL.lock().await;
     let db = Db::new(&url(), &url(), Duration::from_secs(30)).await;
     let (addr, app) = start(&db, false).await;
     let first = request(addr, "k", &[]).await;
@@ -218,33 +213,34 @@ async fn corrupt_record() {
 }
 
 /// Separate mode: while the handler is held, the server kills every idle
-/// connection of the store's pool. The pool notices and opens new ones: the
+/// connection of the store's pool (the claim's among them). The pool notices and opens new ones: the
 /// answer is stored and replayed, the handler ran once, the next key works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_killed_separate() {
-    let _serial = SERIAL.lock().await;
     let db = Db::new(&url(), &url(), Duration::from_secs(30)).await;
     let (addr, app) = start(&db, false).await;
     let mut entered = app.h.watch();
     let held = tokio::spawn(async move { request(addr, "k", &[("x-gate", b"g")]).await });
     assert_eq!(entered.recv().await.as_deref(), Some("g"));
-    let mine: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-        .fetch_one(&db.admin)
-        .await
-        .unwrap();
-    let ids: Vec<i64> = sqlx::query_scalar(
-        "SELECT id FROM information_schema.processlist WHERE db = DATABASE() AND command = 'Sleep' AND id <> ?",
-    )
-    .bind(mine)
-    .fetch_all(&db.admin)
-    .await
-    .unwrap();
+    // Every idle connection of the store's pool (the claim's among them),
+    // held at once so that each is a different one, then killed.
+    let pool = db.store.pool();
+    let idle = pool.num_idle();
+    assert!(idle >= 1, "the claim's connection is back in the pool");
+    let mut held_connections = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..idle {
+        let mut conn = pool.acquire().await.unwrap();
+        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        ids.push(id);
+        held_connections.push(conn);
+    }
+    drop(held_connections);
     for id in ids {
-        // Other tests' connections may be among them: a kill that finds a
-        // connection already gone is fine.
-        let _ = sqlx::query(AssertSqlSafe(format!("KILL CONNECTION {id}")))
-            .execute(&db.admin)
-            .await;
+        db.kill(id).await;
     }
     app.h.open("g");
     let first = held.await.unwrap();
@@ -260,7 +256,6 @@ async fn connections_killed_separate() {
 /// back with it and the key given back, so the retry runs once and commits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transaction_connection_killed() {
-    let _serial = SERIAL.lock().await;
     let db = Db::new(&url(), &url(), Duration::from_secs(30)).await;
     let (addr, app) = start(&db, true).await;
     let mut entered = app.h.watch();
@@ -345,7 +340,6 @@ async fn pipe(
 /// committed: exactly one credit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn partitioned_server_never_causes_a_second_effect() {
-    let _serial = SERIAL.lock().await;
     let direct = url();
     let (host_port, db_name) = {
         let rest = direct.split_once("@").map_or(direct.as_str(), |(_, r)| r);
@@ -401,6 +395,26 @@ async fn partitioned_server_never_causes_a_second_effect() {
     assert_eq!((retry.status, retry.replayed()), (201, false), "{retry:?}");
     assert!(recovered <= lease + Duration::from_secs(5), "{recovered:?}");
     assert_eq!(db.credits().await, 1);
+    // The database itself ends A's transaction (its session's wait_timeout:
+    // 2 s hold + 1 s), while A is still cut off.
+    let a_connection = app_a.connection.load(Ordering::SeqCst);
+    let deadline = cut + Duration::from_secs(10);
+    let ended = loop {
+        let alive = db
+            .i64(format!(
+                "SELECT COUNT(*) FROM information_schema.processlist WHERE id = {a_connection}"
+            ))
+            .await;
+        if alive == 0 {
+            break cut.elapsed();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the database never ended the cut-off session"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(ended < lease + Duration::from_secs(5), "{ended:?}");
     proxy.heal();
     let late = held.await.unwrap();
     assert_eq!(late.assert_problem(503), types::STORE_UNAVAILABLE);
@@ -411,6 +425,8 @@ async fn partitioned_server_never_causes_a_second_effect() {
         2,
         "A ran once, B once (they share the counter)"
     );
-    println!("partition: retry on B completed {recovered:?} after the cut (lease {lease:?})");
+    println!(
+        "partition: retry on B completed {recovered:?} after the cut, the database ended A's session {ended:?} after it (lease {lease:?})"
+    );
     db.drop_tables().await;
 }

@@ -4,13 +4,14 @@
 //! * `transaction.rs`: [`MySqlTransaction`] and the
 //!   [`TransactionalStore`](crate::store::TransactionalStore) impl
 //!   (transactional mode); `hold.rs`: its max hold time.
-//! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
+//! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL; `sql.rs`: the
+//!   statements and the schema.
 
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, Executor, Row};
 
 use super::{
@@ -22,7 +23,10 @@ use crate::response::StoredResponse;
 
 mod hold;
 mod inspect;
+mod sql;
 mod transaction;
+
+use sql::{Sql, q};
 
 pub use transaction::{MySqlTransaction, MySqlTransactionConnection};
 
@@ -99,114 +103,6 @@ pub struct MySqlStoreBuilder {
     wait_timeout: Duration,
     offset: Option<Arc<dyn Clock>>,
     max_hold: Duration,
-}
-
-/// The statements, with the table name in them.
-struct Sql {
-    table: String,
-    now: Arc<str>,
-    insert: Arc<str>,
-    select: Arc<str>,
-    take_over: Arc<str>,
-    complete: Arc<str>,
-    /// `complete` that also requires an open transaction (MariaDB's
-    /// `@@in_transaction`), used when the server has the variable.
-    complete_in_transaction: Arc<str>,
-    in_transaction_check: bool,
-    release: Arc<str>,
-    purge: Arc<str>,
-    stuck: Arc<str>,
-    counts: Arc<str>,
-}
-
-/// The server's clock in Unix milliseconds (the session's time zone is UTC,
-/// so no daylight-saving fold), shifted by one `?` parameter (ms).
-const NOW_MS: &str = "(CAST(FLOOR(UNIX_TIMESTAMP(NOW(6)) * 1000) AS SIGNED) + ?)";
-
-impl Sql {
-    fn new(table: &str) -> Sql {
-        let s = |text: String| Arc::<str>::from(text);
-        Sql {
-            table: table.to_owned(),
-            now: s(format!("SELECT {NOW_MS}")),
-            // `claims` changes on a duplicate, so the affected-row count is
-            // 1 for an insert and 2 for a duplicate whatever the client's
-            // CLIENT_FOUND_ROWS flag; the update also takes the row's
-            // exclusive lock.
-            insert: s(format!(
-                "INSERT INTO {table}
-                    (id, scope, `key`, fingerprint, token, state, lease_until, expires_at, claims)
-                 VALUES (?, ?, ?, ?, ?, 'in_flight', ?, ?, 1)
-                 ON DUPLICATE KEY UPDATE claims = claims + 1"
-            )),
-            select: s(format!(
-                "SELECT fingerprint, state, lease_until, expires_at, response, {NOW_MS}
-                 FROM {table} WHERE id = ? FOR UPDATE"
-            )),
-            take_over: s(format!(
-                "UPDATE {table}
-                 SET fingerprint = ?, token = ?, state = 'in_flight',
-                     lease_until = ?, expires_at = ?, response = NULL
-                 WHERE id = ?"
-            )),
-            complete: s(format!(
-                "UPDATE {table} SET state = 'completed', response = ?
-                 WHERE id = ? AND token = ? AND state = 'in_flight'"
-            )),
-            complete_in_transaction: s(format!(
-                "UPDATE {table} SET state = 'completed', response = ?
-                 WHERE id = ? AND token = ? AND state = 'in_flight' AND @@in_transaction = 1"
-            )),
-            in_transaction_check: false,
-            release: s(format!(
-                "DELETE FROM {table} WHERE id = ? AND token = ? AND state = 'in_flight'"
-            )),
-            purge: s(format!("DELETE FROM {table} WHERE expires_at <= {NOW_MS}")),
-            // `NOW(6)` is read once per statement: every row is judged at
-            // the same instant.
-            stuck: s(format!(
-                "SELECT t.scope, t.`key`, t.fingerprint, t.lease_until, t.expires_at, n.ms
-                 FROM {table} AS t CROSS JOIN (SELECT {NOW_MS} AS ms) AS n
-                 WHERE t.state = 'in_flight' AND t.lease_until <= n.ms AND t.expires_at > n.ms
-                 ORDER BY t.lease_until, t.scope, t.`key`
-                 LIMIT ?"
-            )),
-            counts: s(format!(
-                "SELECT
-                    CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'in_flight' AND t.lease_until > n.ms), 0) AS SIGNED),
-                    CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'in_flight' AND t.lease_until <= n.ms), 0) AS SIGNED),
-                    CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'completed'), 0) AS SIGNED),
-                    CAST(COALESCE(SUM(t.expires_at <= n.ms), 0) AS SIGNED)
-                 FROM {table} AS t CROSS JOIN (SELECT {NOW_MS} AS ms) AS n"
-            )),
-        }
-    }
-
-    fn schema(&self) -> String {
-        let table = &self.table;
-        format!(
-            "CREATE TABLE IF NOT EXISTS {table} (
-                id          BINARY(32)  NOT NULL, -- SHA-256 of (scope, key)
-                scope       BLOB        NOT NULL,
-                `key`       BLOB        NOT NULL,
-                fingerprint BINARY(32)  NOT NULL,
-                token       BIGINT      NOT NULL,
-                state       VARCHAR(9) CHARACTER SET ascii NOT NULL,
-                lease_until BIGINT      NOT NULL, -- unix ms, server clock
-                expires_at  BIGINT      NOT NULL, -- unix ms, server clock
-                response    LONGBLOB,
-                claims      BIGINT      NOT NULL,
-                PRIMARY KEY (id),
-                KEY {table}_expires_at (expires_at),
-                CHECK (state IN ('in_flight', 'completed'))
-            ) ENGINE=InnoDB"
-        )
-    }
-}
-
-/// The query of one of the statements.
-fn q(sql: &Arc<str>) -> sqlx::query::Query<'static, MySql, sqlx::mysql::MySqlArguments> {
-    sqlx::query(AssertSqlSafe(sql.clone()))
 }
 
 pub(super) fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
