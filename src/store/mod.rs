@@ -1,5 +1,22 @@
 //! Stores: where records live, and the one atomic claim that decides who is first.
 //!
+//! # Which store
+//!
+//! | your service | store (feature) | modes |
+//! |---|---|---|
+//! | one process, SQLite file | `SqliteStore` (`sqlite`, default) | separate, transactional |
+//! | already on sqlx with SQLite | `SqlxSqliteStore` (`sqlx-sqlite`) | separate, transactional |
+//! | PostgreSQL through tokio-postgres, or a managed one over TLS | `PostgresStore` (`postgres`, `postgres-tls`) | separate, transactional |
+//! | already on sqlx with PostgreSQL | `SqlxPostgresStore` (`sqlx-postgres`) | separate, transactional |
+//! | MySQL 8 or MariaDB | `MySqlStore` (`mysql`) | separate, transactional |
+//! | a fleet whose data lives elsewhere: Redis, one server or a cluster | `RedisStore` (`redis`, `redis-tls`) | separate |
+//! | tests, a single process that may forget on restart | [`MemoryStore`] | separate |
+//!
+//! Transactional mode (the handler writes through the request's
+//! transaction, so its writes and the record commit together) needs the
+//! records in the database the handler writes to. The rest of this page is
+//! the contract every store keeps, for readers and implementors.
+//!
 //! # Example
 //!
 //! ```
