@@ -4,6 +4,8 @@
 //! * `builder.rs`: [`SqliteStoreBuilder`], the schema and its migration.
 //! * `claim.rs`: the claim's and the completion's SQL.
 //! * `writer.rs`: the writer thread and its group commit.
+//! * `batch.rs`: one batch of the writer, its stack of request savepoints.
+//! * `cache.rs`: the optional cache of completed records for replays.
 //! * `transaction.rs`: [`SqliteTransaction`], the handler's handle.
 //! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
 

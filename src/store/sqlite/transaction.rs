@@ -32,6 +32,14 @@ use crate::store::{Completion, StoreError};
 /// A request that rolls back (a response that is not stored, an error, a
 /// panic, a dropped request) rolls back only its savepoint.
 ///
+/// By default one request at a time is open on the writer: between two
+/// requests' SQL, the writer waits for the first one's handler to answer.
+/// [`SqliteStoreBuilder::concurrent_transactions`](super::SqliteStoreBuilder::concurrent_transactions)
+/// lets several be open at once, each in a savepoint of its own stacked on
+/// the ones before, their SQL run back to back; a request that rolls back
+/// then also rolls back (503) the requests whose SQL ran after its own
+/// savepoint.
+///
 /// Async worker threads never block on the transaction. A request waits for
 /// the writer at most the store's busy timeout, then gets 503; when
 /// [`SqliteStoreBuilder::writer_queue`](super::SqliteStoreBuilder::writer_queue)

@@ -1,8 +1,9 @@
-//! The writer thread: one connection holding SQLite's write lock, fed by a
-//! bounded queue (its capacity, and a wait of at most the busy timeout). It
-//! runs every write of a store, one savepoint per request, and commits them
-//! in batches (group commit, see [`SqliteTransaction`]). A transactional
-//! request holds it at most its max hold time.
+//! The writer thread: one connection holding SQLite's write lock, fed by one
+//! queue (new work, admitted by a semaphore of the builder's queue size and
+//! a wait of at most the busy timeout, and the commands of open requests).
+//! It runs every write of a store, one savepoint per request (`batch.rs`),
+//! and commits them in batches (group commit, see [`SqliteTransaction`]). A
+//! transactional request holds its savepoint at most its max hold time.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
