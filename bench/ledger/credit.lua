@@ -1,6 +1,8 @@
--- One new idempotency key per request: thread id and a counter.
+-- One new idempotency key per request: a run id (wrk's first script
+-- argument, else the time), the thread id and a counter.
 local counter = 0
 local tid = 0
+local run = ""
 
 function setup(thread)
   tid = tid + 1
@@ -8,10 +10,11 @@ function setup(thread)
 end
 function init(args)
   counter = 0
+  run = args[1] or tostring(os.time())
 end
 request = function()
   counter = counter + 1
-  local key = string.format('"wrk-%d-%d-%d"', tid, counter, math.random(1, 1000000000))
+  local key = string.format('"wrk-%s-%d-%d"', run, tid, counter)
   return wrk.format("POST", "/accounts/1/credits", {
     ["Content-Type"] = "application/json",
     ["Authorization"] = "Bearer bench",

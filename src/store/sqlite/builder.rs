@@ -56,6 +56,8 @@ pub struct SqliteStoreBuilder {
     pool_size: u32,
     clock: Arc<dyn Clock>,
     group_commit: usize,
+    concurrent_transactions: usize,
+    replay_cache: usize,
     max_hold: Duration,
     writer_queue: usize,
     on_connect: Option<ConnectHook>,
@@ -98,6 +100,48 @@ impl SqliteStoreBuilder {
     /// request is waiting for the writer.
     pub fn group_commit(mut self, requests: usize) -> Self {
         self.group_commit = requests.max(1);
+        self
+    }
+
+    /// How many transactional requests may be open in the writer's batch at
+    /// once (default 1; at most [`group_commit`](Self::group_commit) count).
+    ///
+    /// With 1, a request holds the writer from its claim until the layer
+    /// commits or rolls it back, and every other write of the store waits:
+    /// handlers run one at a time, and between two handlers' SQL the
+    /// writer waits for the async hand-offs of each (claim answered,
+    /// handler scheduled, its SQL sent, its response committed).
+    ///
+    /// With more, the writer claims a request, and while its handler runs,
+    /// claims the next one and runs other handlers' SQL: their statements
+    /// run back to back, each request in a savepoint of its own on a stack
+    /// (SQLite savepoints nest), and one commit makes the batch durable. A
+    /// claim of a key that a request of the batch holds waits for it, as it
+    /// waits for the writer with 1. The cost: requests' statements
+    /// interleave in one transaction, so a request sees the uncommitted
+    /// writes of the requests before it, and when a request rolls back (a
+    /// response that is not stored, a panic, its max hold time, a dropped
+    /// request), every request with SQL after its savepoint is rolled back
+    /// with it and answered 503 with `Retry-After` (nothing of it happened;
+    /// its retry runs again). Use it when handlers rarely fail and are
+    /// short, e.g. a ledger's credit. Measured in `BENCHMARKS.md`.
+    pub fn concurrent_transactions(mut self, requests: usize) -> Self {
+        self.concurrent_transactions = requests.max(1);
+        self
+    }
+
+    /// Keeps up to `records` completed records that were replayed in memory
+    /// (default 0: off), so that their next replays need no read: no trip
+    /// to the blocking pool, no SQL. A completed record does not change
+    /// until it expires (a claim replaces only an expired record, a purge
+    /// deletes only expired ones), and every hit is checked against the
+    /// store's clock, so a cached replay is the one the database would
+    /// give. Only a record changed behind the store's back (by hand, with
+    /// SQL) is not seen until its entry is evicted. Bounds: `records`
+    /// entries, 4 MiB of encoded responses in all, none over 64 KiB; the
+    /// oldest goes first.
+    pub fn replay_cache(mut self, records: usize) -> Self {
+        self.replay_cache = records;
         self
     }
 
@@ -175,6 +219,9 @@ impl SqliteStoreBuilder {
                 ));
             }
             c.busy_timeout(Duration::from_millis(busy_ms as u64))?;
+            // The store's statements, a savepoint's three per stack depth,
+            // and a handler's own: parsed once per connection.
+            c.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
             c.pragma_update(None, "synchronous", synchronous)?;
             // For the handler's own tables in transactional mode.
             c.pragma_update(None, "foreign_keys", "ON")?;
@@ -201,6 +248,10 @@ impl SqliteStoreBuilder {
                 .max_size(pool_size)
                 .min_idle(Some(1))
                 .connection_timeout(busy_timeout + Duration::from_secs(1))
+                // r2d2's check runs an empty batch on every checkout, which
+                // cannot fail on an open SQLite connection: a cost on every
+                // replay read and every batch of the writer, for nothing.
+                .test_on_check_out(false)
                 .build(manager)
                 .map_err(StoreError::unavailable)?;
             migrate(&mut *pool.get().map_err(StoreError::unavailable)?)?;
@@ -214,13 +265,18 @@ impl SqliteStoreBuilder {
             busy_timeout,
             limits: Limits {
                 batch: self.group_commit,
+                concurrent: self.concurrent_transactions,
                 max_hold: self.max_hold,
                 queue: self.writer_queue,
             },
             writer: Arc::new(std::sync::OnceLock::new()),
+            completed: Arc::new(super::cache::Completed::new(self.replay_cache)),
         })
     }
 }
+
+/// Prepared statements kept per connection (rusqlite's default is 16).
+const STATEMENT_CACHE: usize = 256;
 
 fn migrate(conn: &mut rusqlite::Connection) -> Result<(), StoreError> {
     let tx = conn
@@ -260,6 +316,8 @@ impl SqliteStore {
             pool_size: 8,
             clock: Arc::new(SystemClock),
             group_commit: 32,
+            concurrent_transactions: 1,
+            replay_cache: 0,
             max_hold: Duration::from_secs(30),
             writer_queue: 1024,
             on_connect: None,

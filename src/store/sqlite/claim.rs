@@ -68,20 +68,20 @@ pub(super) fn read_record(
     scope: &str,
     key: &str,
 ) -> rusqlite::Result<Option<Record>> {
-    conn.query_row(
+    // Cached: parsing the statement cost more than running it.
+    conn.prepare_cached(
         "SELECT fingerprint, state, lease_until, expires_at, response
          FROM idempotency_records WHERE scope = ?1 AND key = ?2",
-        params![scope, key],
-        |r| {
-            Ok(Record {
-                fingerprint: r.get(0)?,
-                state: r.get(1)?,
-                lease_until: r.get(2)?,
-                expires_at: r.get(3)?,
-                response: r.get(4)?,
-            })
-        },
-    )
+    )?
+    .query_row(params![scope, key], |r| {
+        Ok(Record {
+            fingerprint: r.get(0)?,
+            state: r.get(1)?,
+            lease_until: r.get(2)?,
+            expires_at: r.get(3)?,
+            response: r.get(4)?,
+        })
+    })
     .optional()
 }
 
@@ -97,20 +97,21 @@ pub(super) fn claim_in(
     let lease_until = now.saturating_add(duration_ms(req.lease));
     let expires_at = now.saturating_add(duration_ms(req.ttl));
     let fingerprint = &req.fingerprint.0[..];
-    let inserted = tx.execute(
-        "INSERT INTO idempotency_records
+    let inserted = tx
+        .prepare_cached(
+            "INSERT INTO idempotency_records
             (scope, key, fingerprint, token, state, lease_until, expires_at)
          VALUES (?1, ?2, ?3, ?4, 'in_flight', ?5, ?6)
          ON CONFLICT (scope, key) DO NOTHING",
-        params![
+        )?
+        .execute(params![
             req.scope,
             req.key,
             fingerprint,
             req.token.0,
             lease_until,
             expires_at
-        ],
-    )?;
+        ])?;
     if inserted == 1 {
         return Ok(Found::Acquired { taken_over: false });
     }
@@ -130,20 +131,20 @@ pub(super) fn claim_in(
             return Ok(Found::Refused(Refused::InFlight(lease_remaining)));
         }
     };
-    tx.execute(
+    tx.prepare_cached(
         "UPDATE idempotency_records
          SET fingerprint = ?3, token = ?4, state = 'in_flight',
              lease_until = ?5, expires_at = ?6, response = NULL
          WHERE scope = ?1 AND key = ?2",
-        params![
-            req.scope,
-            req.key,
-            fingerprint,
-            req.token.0,
-            lease_until,
-            expires_at
-        ],
-    )?;
+    )?
+    .execute(params![
+        req.scope,
+        req.key,
+        fingerprint,
+        req.token.0,
+        lease_until,
+        expires_at
+    ])?;
     Ok(Found::Acquired { taken_over })
 }
 
@@ -155,11 +156,12 @@ pub(super) fn complete_in(
     token: FencingToken,
     blob: &[u8],
 ) -> rusqlite::Result<Completion> {
-    let updated = conn.execute(
-        "UPDATE idempotency_records SET state = 'completed', response = ?4
+    let updated = conn
+        .prepare_cached(
+            "UPDATE idempotency_records SET state = 'completed', response = ?4
          WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight'",
-        params![scope, key, token.0, blob],
-    )?;
+        )?
+        .execute(params![scope, key, token.0, blob])?;
     Ok(if updated == 1 {
         Completion::Stored
     } else {

@@ -4,6 +4,8 @@
 //! * `builder.rs`: [`SqliteStoreBuilder`], the schema and its migration.
 //! * `claim.rs`: the claim's and the completion's SQL.
 //! * `writer.rs`: the writer thread and its group commit.
+//! * `batch.rs`: one batch of the writer, its stack of request savepoints.
+//! * `cache.rs`: the optional cache of completed records for replays.
 //! * `transaction.rs`: [`SqliteTransaction`], the handler's handle.
 //! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
 
@@ -20,7 +22,9 @@ use crate::store::{
     StoreError, TransactionClaim, TransactionalStore, decide,
 };
 
+mod batch;
 mod builder;
+mod cache;
 mod claim;
 mod inspect;
 mod transaction;
@@ -31,7 +35,7 @@ use claim::{Refused, claim_in, complete_in, read_record};
 use transaction::{Command, transaction_over};
 pub use transaction::{SqliteTransaction, TransactionError};
 pub use writer::GroupCommitStats;
-use writer::{ABANDONED, Begin, Limits, WAITING, Work, WriteJob, Writer};
+use writer::{ABANDONED, Begin, Event, Limits, WAITING, Work, WriteJob, Writer};
 
 /// Records in one SQLite file, in WAL mode.
 ///
@@ -86,6 +90,8 @@ pub struct SqliteStore {
     busy_timeout: Duration,
     limits: Limits,
     writer: Arc<std::sync::OnceLock<Writer>>,
+    /// Completed records recently replayed (bounded; see `cache.rs`).
+    completed: Arc<cache::Completed>,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -246,36 +252,43 @@ impl SqliteStore {
     /// Queues new work (a claim) for the writer, or fails at once when its
     /// queue is full.
     fn send(&self, work: Work) -> Result<(), StoreError> {
-        use std::sync::atomic::Ordering::Relaxed;
-        use tokio::sync::mpsc::error::TrySendError;
         let writer = self.writer()?;
+        let permit = writer
+            .admission
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| self.queue_full())?;
+        self.enqueue(writer, work, permit)
+    }
+
+    fn enqueue(
+        &self,
+        writer: &Writer,
+        work: Work,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<(), StoreError> {
+        use std::sync::atomic::Ordering::Relaxed;
         writer.counters.waiting.fetch_add(1, Relaxed);
-        writer.queue.try_send(work).map_err(|e| {
+        writer.events.send(Event::Work(work, permit)).map_err(|_| {
             writer.counters.waiting.fetch_sub(1, Relaxed);
-            match e {
-                TrySendError::Full(_) => self.queue_full(),
-                TrySendError::Closed(_) => writer_stopped(),
-            }
+            writer_stopped()
         })
     }
 
-    /// Queues work that finishes a claim, waiting for room until `deadline`.
+    /// Sends `work`, waiting for room in the queue until `deadline`.
     async fn send_waiting(
         &self,
         work: Work,
         deadline: tokio::time::Instant,
     ) -> Result<(), StoreError> {
-        use std::sync::atomic::Ordering::Relaxed;
         let writer = self.writer()?;
-        writer.counters.waiting.fetch_add(1, Relaxed);
-        let sent = tokio::time::timeout_at(deadline, writer.queue.send(work)).await;
-        let failed = match sent {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(_)) => writer_stopped(),
-            Err(_) => self.busy(),
-        };
-        writer.counters.waiting.fetch_sub(1, Relaxed);
-        Err(failed)
+        let admitted =
+            tokio::time::timeout_at(deadline, writer.admission.clone().acquire_owned()).await;
+        match admitted {
+            Ok(Ok(permit)) => self.enqueue(writer, work, permit),
+            Ok(Err(_)) => Err(writer_stopped()),
+            Err(_) => Err(self.busy()),
+        }
     }
 
     fn queue_full(&self) -> StoreError {
@@ -330,6 +343,13 @@ impl SqliteStore {
     /// What the committed record says, read without the write lock: a
     /// replay, a 422 or a 409 that needs no writer. `None`: the writer decides.
     async fn committed_refusal(&self, req: &ClaimRequest) -> Result<Option<Refusal>, StoreError> {
+        let now = self.clock.now_ms();
+        if let Some(refusal) = self
+            .completed
+            .refusal(&req.scope, &req.key, &req.fingerprint, now)
+        {
+            return Ok(Some(refusal));
+        }
         let (scope, key, fingerprint, lease) = (
             req.scope.clone(),
             req.key.clone(),
@@ -345,18 +365,40 @@ impl SqliteStore {
                 Ok(
                     match decide(&existing, &fingerprint, clock.now_ms(), lease) {
                         Decision::Replace { .. } => None,
-                        Decision::Mismatch => Some(Refused::Mismatch),
-                        Decision::Replay => Some(Refused::Completed(
-                            record.response.clone().unwrap_or_default(),
+                        Decision::Mismatch => Some((Refused::Mismatch, None)),
+                        Decision::Replay => Some((
+                            Refused::Completed(record.response.clone().unwrap_or_default()),
+                            Some((existing.fingerprint.to_vec(), existing.expires_at)),
                         )),
                         Decision::InFlight(lease_remaining) => {
-                            Some(Refused::InFlight(lease_remaining))
+                            Some((Refused::InFlight(lease_remaining), None))
                         }
                     },
                 )
             })
             .await?;
-        found.map(Refused::decode).transpose()
+        let Some((refused, completed)) = found else {
+            return Ok(None);
+        };
+        let size = match &refused {
+            Refused::Completed(blob) => blob.len(),
+            _ => 0,
+        };
+        let refusal = refused.decode()?;
+        if let (Refusal::Completed(response), Some((fingerprint, expires_at))) =
+            (&refusal, completed)
+        {
+            // Immutable until it expires: later replays need no read.
+            self.completed.insert(
+                &req.scope,
+                &req.key,
+                &fingerprint,
+                expires_at,
+                response,
+                size,
+            );
+        }
+        Ok(Some(refusal))
     }
 }
 
@@ -390,7 +432,8 @@ impl TransactionalStore for SqliteStore {
             return Ok(TransactionClaim::Refused(refused));
         }
         let (reply, answer) = tokio::sync::oneshot::channel();
-        self.send(Work::Request(Begin { req, reply }))?;
+        let events = self.writer()?.events.clone();
+        self.send(Work::Request(Begin { req, reply, events }))?;
         self.answer(answer).await?
     }
 
@@ -402,13 +445,13 @@ impl TransactionalStore for SqliteStore {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let response = response.encode();
         transaction
-            .commands
+            .handle
             .send(Command::Commit { response, reply })
-            .map_err(|_| transaction.over())?;
+            .map_err(|()| transaction.over())?;
         answer.await.map_err(|_| transaction.over())?
     }
 
     fn rollback(&self, transaction: &SqliteTransaction) {
-        let _ = transaction.commands.send(Command::Rollback);
+        let _ = transaction.handle.send(Command::Rollback);
     }
 }

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use super::writer::Event;
 use crate::store::{Completion, StoreError};
 
 /// An open SQLite transaction in which the layer has claimed the request's
@@ -30,6 +31,14 @@ use crate::store::{Completion, StoreError};
 /// therefore fails its batch mates too: they get 503 and their retries run.
 /// A request that rolls back (a response that is not stored, an error, a
 /// panic, a dropped request) rolls back only its savepoint.
+///
+/// By default one request at a time is open on the writer: between two
+/// requests' SQL, the writer waits for the first one's handler to answer.
+/// [`SqliteStoreBuilder::concurrent_transactions`](super::SqliteStoreBuilder::concurrent_transactions)
+/// lets several be open at once, each in a savepoint of its own stacked on
+/// the ones before, their SQL run back to back; a request that rolls back
+/// then also rolls back (503) the requests whose SQL ran after its own
+/// savepoint.
 ///
 /// Async worker threads never block on the transaction. A request waits for
 /// the writer at most the store's busy timeout, then gets 503; when
@@ -74,9 +83,31 @@ use crate::store::{Completion, StoreError};
 /// ```
 #[derive(Clone)]
 pub struct SqliteTransaction {
-    pub(super) commands: std::sync::mpsc::Sender<Command>,
+    pub(super) handle: std::sync::Arc<Handle>,
     /// Why the transaction ended; its sender is dropped when it ends.
     pub(super) ended: tokio::sync::watch::Receiver<Ended>,
+}
+
+/// The writer's queue and the request's id there. Dropped with the last
+/// clone of the transaction: a request still open then rolls back.
+pub(super) struct Handle {
+    pub(super) events: std::sync::mpsc::Sender<Event>,
+    pub(super) id: u64,
+}
+
+impl Handle {
+    pub(super) fn send(&self, command: Command) -> Result<(), ()> {
+        self.events
+            .send(Event::Command(self.id, command))
+            .map_err(|_| ())
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // Ignored by the writer when the request has ended already.
+        let _ = self.send(Command::Rollback);
+    }
 }
 
 /// How a transaction ended, as far as its handle can tell.
@@ -86,6 +117,9 @@ pub(super) enum Ended {
     Open,
     /// Rolled back by the writer: it held the writer this long.
     HeldTooLong(Duration),
+    /// Rolled back because a request it ran after in the same batch rolled
+    /// back (see [`SqliteStoreBuilder::concurrent_transactions`](super::SqliteStoreBuilder::concurrent_transactions)).
+    BatchMateRolledBack,
 }
 
 impl std::fmt::Debug for SqliteTransaction {
@@ -119,6 +153,9 @@ pub(super) fn ended(state: Ended) -> StoreError {
             "the idempotency transaction was rolled back: it held the SQLite writer past its max hold time ({} ms)",
             hold.as_millis()
         )),
+        Ended::BatchMateRolledBack => StoreError::unavailable(
+            "the idempotency transaction was rolled back with a request it ran after in the same SQLite batch; nothing of it happened",
+        ),
     }
 }
 
@@ -160,9 +197,9 @@ impl SqliteTransaction {
             let _ = reply.send(outcome);
             ran
         });
-        self.commands
+        self.handle
             .send(Command::Run(job))
-            .map_err(|_| self.over())?;
+            .map_err(|()| self.over())?;
         match answer.await.map_err(|_| self.over())? {
             Ok(result) => Ok(result?),
             Err(panic) => std::panic::resume_unwind(panic),

@@ -1,17 +1,20 @@
-//! The writer thread: one connection holding SQLite's write lock, fed by a
-//! bounded queue (its capacity, and a wait of at most the busy timeout). It
-//! runs every write of a store, one savepoint per request, and commits them
-//! in batches (group commit, see [`SqliteTransaction`]). A transactional
-//! request holds it at most its max hold time.
+//! The writer thread: one connection holding SQLite's write lock, fed by one
+//! queue (new work, admitted by a semaphore of the builder's queue size and
+//! a wait of at most the busy timeout, and the commands of open requests).
+//! It runs every write of a store, one savepoint per request (`batch.rs`),
+//! and commits them in batches (group commit, see [`SqliteTransaction`]). A
+//! transactional request holds its savepoint at most its max hold time.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::TransactionBehavior;
 
-use super::claim::{Found, Refused, claim_in, complete_in};
-use super::transaction::{Command, Ended, SqliteTransaction};
+use super::batch::{Batch, fail};
+use super::claim::Refused;
+use super::transaction::{Command, SqliteTransaction};
 use crate::store::{ClaimRequest, Clock, Completion, StoreError, TransactionClaim};
 
 /// How many transactional requests the writer has committed, and in how many
@@ -34,6 +37,18 @@ pub(super) type ClaimReply =
 pub(super) struct Begin {
     pub(super) req: ClaimRequest,
     pub(super) reply: ClaimReply,
+    /// For the handle's commands (the writer holds no sender of its own, so
+    /// that it ends when the store and every handle are gone).
+    pub(super) events: std::sync::mpsc::Sender<Event>,
+}
+
+/// What reaches the writer thread, in one queue.
+pub(super) enum Event {
+    /// New work, admitted by the store's semaphore (its permit is returned
+    /// when the writer starts the work).
+    Work(Work, tokio::sync::OwnedSemaphorePermit),
+    /// A handler's command for the open request with this id.
+    Command(u64, Command),
 }
 
 /// What the writer is asked to do.
@@ -117,10 +132,9 @@ where
         if start.is_err() {
             return None;
         }
-        let written = tx
-            .execute_batch(SAVEPOINT)
+        let written = exec(tx, SAVEPOINT)
             .and_then(|()| write(tx, clock))
-            .and_then(|value| tx.execute_batch(RELEASE).map(|()| value));
+            .and_then(|value| exec(tx, RELEASE).map(|()| value));
         match written {
             Ok(value) => Some(Box::new(move |failed: Option<&str>| {
                 let _ = reply.send(match failed {
@@ -145,8 +159,10 @@ fn batch_failed(why: &str) -> StoreError {
 
 /// The writer's side of a store: its queue, and what it reports.
 pub(super) struct Writer {
-    /// Bounded: at most the builder's `writer_queue` jobs wait in it.
-    pub(super) queue: tokio::sync::mpsc::Sender<Work>,
+    pub(super) events: std::sync::mpsc::Sender<Event>,
+    /// At most the builder's `writer_queue` jobs wait for the writer: a job
+    /// holds one permit from its sending until the writer starts it.
+    pub(super) admission: Arc<tokio::sync::Semaphore>,
     pub(super) counters: Arc<WriterCounters>,
 }
 
@@ -160,11 +176,12 @@ pub(super) struct WriterCounters {
     pub(super) held_too_long: std::sync::atomic::AtomicU64,
 }
 
-/// How the writer runs: its batch size, and how long one transactional
-/// request may hold it.
+/// How the writer runs: its batch size, how many transactional requests may
+/// be open in a batch at once, and how long one may hold it.
 #[derive(Clone, Copy)]
 pub(super) struct Limits {
     pub(super) batch: usize,
+    pub(super) concurrent: usize,
     pub(super) max_hold: Duration,
     pub(super) queue: usize,
 }
@@ -175,19 +192,23 @@ impl Writer {
         clock: Arc<dyn Clock>,
         limits: Limits,
     ) -> Result<Writer, StoreError> {
-        let (queue, mut inbox) = tokio::sync::mpsc::channel(limits.queue.max(1));
+        let (events, inbox) = std::sync::mpsc::channel();
         let counters = Arc::new(WriterCounters::default());
         let report = counters.clone();
         std::thread::Builder::new()
             .name("tower-idempotency-sqlite-writer".into())
-            .spawn(move || write_batches(&pool, &*clock, &mut inbox, limits, &report))
+            .spawn(move || write_batches(&pool, &*clock, &inbox, limits, &report))
             .map_err(StoreError::unavailable)?;
-        Ok(Writer { queue, counters })
+        Ok(Writer {
+            events,
+            admission: Arc::new(tokio::sync::Semaphore::new(limits.queue.max(1))),
+            counters,
+        })
     }
 }
 
 /// An answer held back until the batch it depends on has committed.
-enum Deferred {
+pub(super) enum Deferred {
     /// The request's writes and record; answered `Stored`.
     Commit(tokio::sync::oneshot::Sender<Result<Completion, StoreError>>),
     /// A refusal (replay, 422) read from a record written in this batch.
@@ -196,29 +217,88 @@ enum Deferred {
     Write(Answer),
 }
 
-/// The writer thread: one transaction per batch, one savepoint per request.
-/// Ends when every handle of the store is gone.
+/// A job the writer has received and not started: its permit (`None` for a
+/// claim that waited for a request of its own key) returns when it starts.
+pub(super) struct Queued(
+    pub(super) Work,
+    pub(super) Option<tokio::sync::OwnedSemaphorePermit>,
+);
+
+/// What the writer waits for next.
+enum Next {
+    Event(Event),
+    /// An open request's max hold time has passed.
+    Timeout,
+    /// Nothing is queued right now (only when not waiting).
+    Empty,
+    /// Every sender is gone.
+    Closed,
+}
+
+fn receive(inbox: &std::sync::mpsc::Receiver<Event>, wait: Option<Option<Instant>>) -> Next {
+    use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
+    match wait {
+        None => match inbox.try_recv() {
+            Ok(event) => Next::Event(event),
+            Err(TryRecvError::Empty) => Next::Empty,
+            Err(TryRecvError::Disconnected) => Next::Closed,
+        },
+        Some(None) => inbox.recv().map_or(Next::Closed, Next::Event),
+        Some(Some(deadline)) => {
+            match inbox.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(event) => Next::Event(event),
+                Err(RecvTimeoutError::Timeout) => Next::Timeout,
+                Err(RecvTimeoutError::Disconnected) => Next::Closed,
+            }
+        }
+    }
+}
+
+/// The writer thread: one transaction per batch, one savepoint per request
+/// (see `batch.rs`). Ends when every handle of the store is gone.
 fn write_batches(
     pool: &r2d2::Pool<SqliteConnectionManager>,
     clock: &dyn Clock,
-    inbox: &mut tokio::sync::mpsc::Receiver<Work>,
+    inbox: &std::sync::mpsc::Receiver<Event>,
     limits: Limits,
     counters: &WriterCounters,
 ) {
     use std::sync::atomic::Ordering::Relaxed;
-    // The next request whose caller still waits.
-    let mut next = |wait: bool| loop {
-        let work = if wait {
-            inbox.blocking_recv()?
-        } else {
-            inbox.try_recv().ok()?
-        };
-        counters.waiting.fetch_sub(1, Relaxed);
-        if !work.abandoned() {
-            return Some(work);
+    // Jobs received but not started yet, with their permits.
+    let mut pending: VecDeque<Queued> = VecDeque::new();
+    let mut next_id = 0u64;
+    // Takes a job to start now (returning its permit); `None` if none waits.
+    let take = |pending: &mut VecDeque<Queued>| -> Option<Work> {
+        while let Some(Queued(work, permit)) = pending.pop_front() {
+            if permit.is_some() {
+                counters.waiting.fetch_sub(1, Relaxed);
+            }
+            if !work.abandoned() {
+                return Some(work);
+            }
         }
+        None
     };
-    while let Some(first) = next(true) {
+    let mut closed = false;
+    loop {
+        // The batch's first job.
+        let first = loop {
+            if let Some(work) = take(&mut pending) {
+                break Some(work);
+            }
+            if closed {
+                break None;
+            }
+            match receive(inbox, Some(None)) {
+                Next::Event(Event::Work(work, permit)) => {
+                    pending.push_back(Queued(work, Some(permit)));
+                }
+                // A late command for a request that has ended.
+                Next::Event(Event::Command(..)) | Next::Timeout | Next::Empty => {}
+                Next::Closed => closed = true,
+            }
+        };
+        let Some(first) = first else { return };
         let mut conn = match pool.get() {
             Ok(conn) => conn,
             Err(e) => {
@@ -233,32 +313,52 @@ fn write_batches(
                 continue;
             }
         };
-        let mut deferred = Vec::new();
-        let mut work = Some(first);
-        let mut members = 0;
-        while let Some(item) = work.take() {
-            match item {
-                Work::Request(begin) => {
-                    serve_request(&tx, clock, begin, limits.max_hold, &mut deferred, counters);
-                }
-                Work::Write(write) => {
-                    if let Some(answer) = write.run(&tx, clock) {
-                        deferred.push(Deferred::Write(answer));
-                    }
-                }
-            }
-            members += 1;
+        let mut batch = Batch::new(&tx, clock, counters, limits.max_hold);
+        batch.start(first, &mut next_id);
+        loop {
             // SQLite itself rolls the whole transaction back on some errors
             // (a full disk, an I/O error): the batch is over.
-            if tx.is_autocommit() || members >= limits.batch {
+            if tx.is_autocommit() {
+                batch.abort(&mut pending);
                 break;
             }
-            work = next(false);
+            let room = batch.open() < limits.concurrent && batch.started < limits.batch;
+            if room && let Some(work) = take(&mut pending) {
+                batch.start(work, &mut next_id);
+                continue;
+            }
+            let wait = match batch.open() {
+                // Nothing open: commit unless more work is queued already.
+                0 if !room || closed => break,
+                0 => None,
+                _ => Some(batch.deadline()),
+            };
+            match receive(inbox, wait) {
+                Next::Event(Event::Work(work, permit)) => {
+                    pending.push_back(Queued(work, Some(permit)));
+                }
+                Next::Event(Event::Command(id, command)) => {
+                    batch.command(id, command, &mut pending);
+                }
+                Next::Timeout => batch.expire(&mut pending),
+                Next::Empty => break,
+                Next::Closed => {
+                    // No sender left, so no handle either: nothing open can
+                    // ever finish. Roll it back.
+                    closed = true;
+                    batch.abort(&mut pending);
+                    break;
+                }
+            }
         }
-        let committed = if deferred.is_empty() {
-            tx.rollback()
+        let deferred = batch.into_deferred();
+        let broken = tx.is_autocommit();
+        let committed = if broken {
+            Err("SQLite rolled the batch's transaction back".to_owned())
+        } else if deferred.is_empty() {
+            tx.rollback().map_err(|e| e.to_string())
         } else {
-            tx.commit()
+            tx.commit().map_err(|e| e.to_string())
         };
         let stored = deferred
             .iter()
@@ -268,164 +368,41 @@ fn write_batches(
             counters.commits.fetch_add(1, Relaxed);
             counters.requests.fetch_add(stored, Relaxed);
         }
-        let failed = committed.err().map(|e| e.to_string());
-        for answer in deferred {
-            let error = || {
-                StoreError::unavailable(format!(
-                    "the batch this request was committed in failed, so nothing of it happened: {}",
-                    failed.as_deref().unwrap_or_default()
-                ))
-            };
-            match answer {
-                Deferred::Commit(reply) => {
-                    let _ = reply.send(match failed {
-                        None => Ok(Completion::Stored),
-                        Some(_) => Err(error()),
-                    });
+        match committed {
+            Ok(()) => {
+                for answer in deferred {
+                    match answer {
+                        Deferred::Commit(reply) => drop(reply.send(Ok(Completion::Stored))),
+                        Deferred::Refusal(reply, found) => {
+                            drop(reply.send(found.decode().map(TransactionClaim::Refused)));
+                        }
+                        Deferred::Write(answer) => answer(None),
+                    }
                 }
-                Deferred::Refusal(reply, found) => {
-                    let _ = reply.send(match failed {
-                        None => found.decode().map(TransactionClaim::Refused),
-                        Some(_) => Err(error()),
-                    });
+            }
+            Err(why) => {
+                let error = batch_failed(&why);
+                for answer in deferred {
+                    fail(answer, &error);
                 }
-                Deferred::Write(answer) => answer(failed.as_deref()),
             }
         }
     }
 }
 
-/// The savepoint each request's claim, SQL and record live in.
-pub(super) const SAVEPOINT: &str = "SAVEPOINT tower_idempotency_request";
-pub(super) const RELEASE: &str = "RELEASE tower_idempotency_request";
-const ROLLBACK: &str = "ROLLBACK TO tower_idempotency_request; RELEASE tower_idempotency_request";
+/// The savepoint a separate-mode write lives in.
+const SAVEPOINT: &str = "SAVEPOINT tower_idempotency_write";
+const RELEASE: &str = "RELEASE tower_idempotency_write";
+const ROLLBACK: &str = "ROLLBACK TO tower_idempotency_write";
 
-/// Undoes the request's savepoint. Errors are ignored: they mean SQLite has
+/// Runs one statement without parameters through the connection's cache of
+/// prepared statements (parsing it would cost more than running it).
+pub(super) fn exec(tx: &rusqlite::Transaction<'_>, sql: &str) -> rusqlite::Result<()> {
+    tx.prepare_cached(sql)?.execute([]).map(drop)
+}
+
+/// Undoes a write's savepoint. Errors are ignored: they mean SQLite has
 /// already rolled the whole transaction back, which the batch then sees.
 fn roll_back_request(tx: &rusqlite::Transaction<'_>) {
-    let _ = tx.execute_batch(ROLLBACK);
-}
-
-/// One request inside the writer's transaction: its claim, then its
-/// handler's jobs until the layer commits or rolls back, or until it has
-/// held the writer for `max_hold` or its lease, whichever is shorter: then
-/// its savepoint is rolled back, and its later SQL and its commit fail.
-fn serve_request(
-    tx: &rusqlite::Transaction<'_>,
-    clock: &dyn Clock,
-    Begin { req, reply }: Begin,
-    max_hold: Duration,
-    deferred: &mut Vec<Deferred>,
-    counters: &WriterCounters,
-) {
-    let hold = max_hold.min(req.lease);
-    let deadline = Instant::now().checked_add(hold);
-    if let Err(e) = tx.execute_batch(SAVEPOINT) {
-        let _ = reply.send(Err(StoreError::unavailable(e)));
-        return;
-    }
-    let found = match claim_in(tx, &req, clock.now_ms()) {
-        Ok(found) => found,
-        Err(e) => {
-            roll_back_request(tx);
-            let _ = reply.send(Err(StoreError::unavailable(e)));
-            return;
-        }
-    };
-    let taken_over = match found {
-        Found::Acquired { taken_over } => taken_over,
-        Found::Refused(refused) => {
-            // Nothing was written. The record it read may be one this batch
-            // wrote: answer only once the batch is durable.
-            let _ = tx.execute_batch(RELEASE);
-            if deferred
-                .iter()
-                .any(|d| matches!(d, Deferred::Commit(_) | Deferred::Write(_)))
-            {
-                deferred.push(Deferred::Refusal(reply, refused));
-            } else {
-                let _ = reply.send(refused.decode().map(TransactionClaim::Refused));
-            }
-            return;
-        }
-    };
-    let (commands, inbox) = std::sync::mpsc::channel();
-    // Dropped when this function returns: the handle's `closed` resolves.
-    let (ended, watch) = tokio::sync::watch::channel(Ended::Open);
-    let transaction = SqliteTransaction {
-        commands,
-        ended: watch,
-    };
-    let acquired = TransactionClaim::Acquired {
-        transaction,
-        taken_over,
-    };
-    if reply.send(Ok(acquired)).is_err() {
-        // The caller gave up waiting: the claim never happened.
-        roll_back_request(tx);
-        return;
-    }
-    // Every handle gone without a commit: roll back.
-    loop {
-        let command = match deadline {
-            Some(deadline) => {
-                inbox.recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            }
-            None => inbox
-                .recv()
-                .map_err(|_| std::sync::mpsc::RecvTimeoutError::Disconnected),
-        };
-        let command = match command {
-            Ok(command) => command,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                counters
-                    .held_too_long
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tracing::warn!(
-                    max_hold_ms = hold.as_millis() as u64,
-                    "an idempotency transaction held the SQLite writer past its max hold time; rolled back"
-                );
-                ended.send_replace(Ended::HeldTooLong(hold));
-                break;
-            }
-        };
-        match command {
-            Command::Run(job) => {
-                if !job(tx) {
-                    tracing::error!(
-                        "a closure passed to SqliteTransaction::run panicked; its request was rolled back"
-                    );
-                    break;
-                }
-            }
-            Command::Commit { response, reply } => {
-                let completed = complete_in(tx, &req.scope, &req.key, req.token, &response)
-                    .and_then(|completion| {
-                        if completion == Completion::Stored {
-                            tx.execute_batch(RELEASE)?;
-                        }
-                        Ok(completion)
-                    });
-                match completed {
-                    Ok(Completion::Stored) => deferred.push(Deferred::Commit(reply)),
-                    // Only the handler's own SQL could have removed the
-                    // record inside this transaction: keep nothing of it.
-                    Ok(Completion::Fenced) => {
-                        roll_back_request(tx);
-                        let _ = reply.send(Err(StoreError::Corrupt(
-                            "the claimed record vanished inside its transaction".into(),
-                        )));
-                    }
-                    Err(e) => {
-                        roll_back_request(tx);
-                        let _ = reply.send(Err(StoreError::unavailable(e)));
-                    }
-                }
-                return;
-            }
-            Command::Rollback => break,
-        }
-    }
-    roll_back_request(tx);
+    let _ = exec(tx, ROLLBACK).and_then(|()| exec(tx, RELEASE));
 }
