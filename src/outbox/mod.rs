@@ -90,6 +90,8 @@
 #[cfg(feature = "admin")]
 pub mod admin;
 mod message;
+#[cfg(feature = "outbox-nats")]
+pub mod nats;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 mod queue;
