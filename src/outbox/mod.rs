@@ -55,6 +55,9 @@
 //! retried. [`HttpSink`] sends it as `Idempotency-Key`, so a receiver behind
 //! this crate's `IdempotencyLayer` applies each message once.
 //!
+//! Sinks: [`HttpSink`], [`from_fn`], and with the feature `outbox-nats`
+//! `nats::NatsSink` (NATS JetStream, de-duplicated by `Nats-Msg-Id`).
+//!
 //! # What the relay promises
 //!
 //! * At least once: a message is retried until a sink reports it
