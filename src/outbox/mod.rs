@@ -93,6 +93,8 @@
 #[cfg(feature = "admin")]
 pub mod admin;
 mod message;
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "outbox-nats")]
 pub mod nats;
 #[cfg(feature = "postgres")]
@@ -117,7 +119,10 @@ use crate::store::StoreError;
 use queue::Queue;
 
 /// The outbox's table.
-#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
 pub(crate) const TABLE: &str = "tower_idempotency_outbox";
 
 #[cfg(feature = "metrics")]
@@ -174,7 +179,23 @@ impl Outbox {
         Ok(Outbox::from_queue(Arc::new(queue)))
     }
 
-    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    /// The outbox in the MySQL (8.0.1+) or MariaDB (10.6+) database of
+    /// `store`, over its pool. Creates its table if missing.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] when no connection can be had or the
+    /// table cannot be created.
+    #[cfg(feature = "mysql")]
+    pub async fn mysql(store: &crate::MySqlStore) -> Result<Outbox, StoreError> {
+        let queue = mysql::MySqlQueue::open(store.pool().clone()).await?;
+        Ok(Outbox::from_queue(Arc::new(queue)))
+    }
+
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     fn from_queue(queue: Arc<dyn Queue>) -> Outbox {
         Outbox {
             queue,
