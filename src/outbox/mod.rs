@@ -43,7 +43,9 @@
 //! transaction ([`sqlite::enqueue`] inside
 //! [`SqliteTransaction::run`](crate::store::SqliteTransaction::run), or
 //! [`postgres::enqueue`] through the
-//! [`PostgresTransaction`](crate::store::PostgresTransaction)): the row
+//! [`PostgresTransaction`](crate::store::PostgresTransaction), or
+//! `mysql::enqueue` through the `MySqlTransaction` with the feature
+//! `mysql`): the row
 //! commits with the handler's writes and the idempotency record, or neither
 //! does. A [`Relay`] delivers committed rows afterwards.
 //!
@@ -79,7 +81,8 @@
 //!
 //! The outbox keeps its messages in its own table,
 //! `tower_idempotency_outbox`, in the store's database, which
-//! [`Outbox::sqlite`] and [`Outbox::postgres`] create if missing.
+//! [`Outbox::sqlite`], [`Outbox::postgres`] and `Outbox::mysql` create if
+//! missing.
 //!
 //! # Metrics (with the `metrics` feature)
 //!
