@@ -43,7 +43,9 @@
 //! transaction ([`sqlite::enqueue`] inside
 //! [`SqliteTransaction::run`](crate::store::SqliteTransaction::run), or
 //! [`postgres::enqueue`] through the
-//! [`PostgresTransaction`](crate::store::PostgresTransaction)): the row
+//! [`PostgresTransaction`](crate::store::PostgresTransaction), or
+//! `mysql::enqueue` through the `MySqlTransaction` with the feature
+//! `mysql`): the row
 //! commits with the handler's writes and the idempotency record, or neither
 //! does. A [`Relay`] delivers committed rows afterwards.
 //!
@@ -54,6 +56,9 @@
 //! on every attempt, after every restart, and for a request rolled back and
 //! retried. [`HttpSink`] sends it as `Idempotency-Key`, so a receiver behind
 //! this crate's `IdempotencyLayer` applies each message once.
+//!
+//! Sinks: [`HttpSink`], [`from_fn`], and with the feature `outbox-nats`
+//! `nats::NatsSink` (NATS JetStream, de-duplicated by `Nats-Msg-Id`).
 //!
 //! # What the relay promises
 //!
@@ -76,7 +81,8 @@
 //!
 //! The outbox keeps its messages in its own table,
 //! `tower_idempotency_outbox`, in the store's database, which
-//! [`Outbox::sqlite`] and [`Outbox::postgres`] create if missing.
+//! [`Outbox::sqlite`], [`Outbox::postgres`] and `Outbox::mysql` create if
+//! missing.
 //!
 //! # Metrics (with the `metrics` feature)
 //!
@@ -90,6 +96,10 @@
 #[cfg(feature = "admin")]
 pub mod admin;
 mod message;
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "outbox-nats")]
+pub mod nats;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 mod queue;
@@ -112,7 +122,10 @@ use crate::store::StoreError;
 use queue::Queue;
 
 /// The outbox's table.
-#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
 pub(crate) const TABLE: &str = "tower_idempotency_outbox";
 
 #[cfg(feature = "metrics")]
@@ -169,7 +182,23 @@ impl Outbox {
         Ok(Outbox::from_queue(Arc::new(queue)))
     }
 
-    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    /// The outbox in the MySQL (8.0.1+) or MariaDB (10.6+) database of
+    /// `store`, over its pool. Creates its table if missing.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] when no connection can be had or the
+    /// table cannot be created.
+    #[cfg(feature = "mysql")]
+    pub async fn mysql(store: &crate::MySqlStore) -> Result<Outbox, StoreError> {
+        let queue = mysql::MySqlQueue::open(store.pool().clone()).await?;
+        Ok(Outbox::from_queue(Arc::new(queue)))
+    }
+
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     fn from_queue(queue: Arc<dyn Queue>) -> Outbox {
         Outbox {
             queue,

@@ -27,6 +27,26 @@ pub struct Delivery {
     pub attempt: u32,
 }
 
+impl Delivery {
+    /// An attempt as a relay would make it: for calling a [`Sink`]
+    /// directly (in a test of a sink, say).
+    pub fn new(
+        key: impl Into<String>,
+        destination: impl Into<String>,
+        content_type: impl Into<String>,
+        payload: impl Into<Bytes>,
+        attempt: u32,
+    ) -> Delivery {
+        Delivery {
+            key: key.into(),
+            destination: destination.into(),
+            content_type: content_type.into(),
+            payload: payload.into(),
+            attempt,
+        }
+    }
+}
+
 /// How an attempt ended, as a sink reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
