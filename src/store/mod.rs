@@ -172,6 +172,8 @@ mod decide;
 mod memory;
 #[cfg(feature = "mysql")]
 mod mysql;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod pg_sql;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "redis")]

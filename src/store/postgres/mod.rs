@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use deadpool_postgres::{GenericClient, Object, Pool};
 
+use super::pg_sql::{answer_completed, completed, lock_now};
 use super::{
     Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, RecordId, Refusal,
     Store, StoreError, decide, duration_ms,
@@ -31,9 +32,15 @@ pub use transaction::{PostgresTransaction, TransactionClient};
 /// Records in a PostgreSQL table; leases and TTLs judged by the database
 /// server's clock.
 ///
-/// * The claim runs in a transaction that first takes a transaction-level
-///   advisory lock on the key, then `INSERT ... ON CONFLICT DO NOTHING`: the
-///   primary key `(scope, key)` decides who is first, across every app server.
+/// * A claim first reads the record with one plain `SELECT` (no lock): a
+///   completed record within its TTL is answered from it (a replay, or 422
+///   for another fingerprint), so replays of one key run in parallel.
+/// * Otherwise the claim runs in a transaction that first takes a
+///   transaction-level advisory lock on the key, then `INSERT ... ON CONFLICT
+///   DO NOTHING`: the primary key `(scope, key)` decides who is first, across
+///   every app server. That transaction commits with `synchronous_commit =
+///   off` (visible at once, made durable by the next durable commit); why
+///   that loses no effect is in `docs/contract.md` §8.
 /// * Transactional mode ([`crate::mode::Transactional`]) runs in two phases,
 ///   as brandur's "atomic phases": the claim commits at once (so every server
 ///   sees the key in flight, with its fingerprint: a duplicate gets 409 or
@@ -97,6 +104,8 @@ pub struct PostgresStoreBuilder {
 /// The statements, with the table name in them.
 struct Sql {
     table: String,
+    lock_now: String,
+    completed: String,
     insert: String,
     select: String,
     take_over: String,
@@ -116,6 +125,8 @@ impl Sql {
     fn new(table: &str) -> Sql {
         Sql {
             table: table.to_owned(),
+            lock_now: lock_now(),
+            completed: completed(table),
             insert: format!(
                 "INSERT INTO {table} (scope, key, fingerprint, token, state, lease_until, expires_at)
                  VALUES ($1, $2, $3, $4, 'in_flight', $5, $6)
@@ -435,14 +446,25 @@ impl PostgresStore {
 impl Store for PostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         let mut client = self.client().await?;
+        // Read first: a completed record is answered by one plain SELECT,
+        // without the lock (see `store::pg_sql`).
+        let row = client
+            .query_opt(
+                &self.sql.completed,
+                &[&req.scope, &req.key, &self.offset_ms()],
+            )
+            .await
+            .map_err(unavailable)?;
+        if let Some(row) = row {
+            let fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
+            let blob: Option<Vec<u8>> = row.try_get(1).map_err(unavailable)?;
+            return answer_completed(&fingerprint, blob, &req);
+        }
         // Dropped unfinished (an error below), the transaction rolls back.
         let tx = client.transaction().await.map_err(unavailable)?;
         let lock = advisory_key(&self.sql.table, &req.scope, &req.key);
         let row = tx
-            .query_one(
-                &format!("SELECT {} FROM pg_advisory_xact_lock($1)", now_ms(2)),
-                &[&lock, &self.offset_ms()],
-            )
+            .query_one(&self.sql.lock_now, &[&lock, &self.offset_ms()])
             .await
             .map_err(unavailable)?;
         let now: i64 = row.try_get(0).map_err(unavailable)?;

@@ -47,8 +47,11 @@ pub use transaction::{SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresTra
 /// The same records, statements and rules as `PostgresStore` (feature
 /// `postgres`, tokio-postgres), over sqlx instead:
 ///
-/// * The claim runs in a transaction that first takes a transaction-level
-///   advisory lock on the key, then `INSERT ... ON CONFLICT DO NOTHING`: the
+/// * A claim first reads the record with one plain `SELECT` (no lock): a
+///   completed record within its TTL is answered from it, so replays of one
+///   key run in parallel. Otherwise it runs in a transaction (committed with
+///   `synchronous_commit = off`, see `docs/contract.md` §8) that first takes
+///   a transaction-level advisory lock on the key, then `INSERT ... ON CONFLICT DO NOTHING`: the
 ///   primary key `(scope, key)` decides who is first, across every app
 ///   server. The lock key, the table and its columns are `PostgresStore`'s:
 ///   the two stores may share a table, e.g. while a fleet moves from one to
@@ -373,6 +376,20 @@ impl Store for SqlxPostgresStore {
         // Dropped unfinished (an error below, a cancelled request), the
         // transaction rolls back (sqlx queues the ROLLBACK on the connection
         // before the pool hands it out again).
+        // Read first: a completed record is answered by one plain SELECT,
+        // without the lock (see `store::pg_sql`).
+        let row = query(&self.sql.completed)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .bind(self.offset_ms())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        if let Some(row) = row {
+            let fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
+            let blob: Option<Vec<u8>> = row.try_get(1).map_err(unavailable)?;
+            return super::pg_sql::answer_completed(&fingerprint, blob, &req);
+        }
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         let now: i64 = sqlx::query_scalar(self.sql.lock_now.clone())
             .bind(advisory_key(&self.sql.table, &req.scope, &req.key))

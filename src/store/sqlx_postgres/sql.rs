@@ -14,6 +14,8 @@ pub(super) struct Sql {
     pub(super) table: String,
     /// The key's advisory lock, then the server's clock (unix ms) plus `$2`.
     pub(super) lock_now: SqlStr,
+    /// The read-first replay (see `store::pg_sql`).
+    pub(super) completed: SqlStr,
     pub(super) insert: SqlStr,
     pub(super) select: SqlStr,
     pub(super) take_over: SqlStr,
@@ -45,10 +47,8 @@ impl Sql {
     pub(super) fn new(table: &str) -> Sql {
         Sql {
             table: table.to_owned(),
-            lock_now: checked(format!(
-                "SELECT {} FROM pg_advisory_xact_lock($1)",
-                now_ms(2)
-            )),
+            lock_now: checked(crate::store::pg_sql::lock_now()),
+            completed: checked(crate::store::pg_sql::completed(table)),
             insert: checked(format!(
                 "INSERT INTO {table} (scope, key, fingerprint, token, state, lease_until, expires_at)
                  VALUES ($1, $2, $3, $4, 'in_flight', $5, $6)

@@ -1,0 +1,104 @@
+//! SQL text shared by the two PostgreSQL stores (`PostgresStore`, feature
+//! `postgres`; `SqlxPostgresStore`, feature `sqlx-postgres`): the read-first
+//! replay and the claim's lock statement, with the reasoning behind both.
+//!
+//! # Read first: replays take no lock
+//!
+//! A claim first runs [`completed`], one plain `SELECT` outside any
+//! transaction: no advisory lock, no row lock. If it finds a completed
+//! record whose TTL has not ended (judged on the server's clock in the same
+//! statement), the claim answers at once: the stored response for the same
+//! fingerprint, 422 for another (the order of `decide`: past the TTL first,
+//! then the fingerprint, then the state). Anything else (no record, a record
+//! in flight, an expired one) falls through to the locking claim, unchanged.
+//!
+//! This is safe because a completed record is immutable until its TTL ends:
+//! `complete` and `release` only touch a record in flight with the caller's
+//! token, a take-over only replaces an in-flight record whose lease ended or
+//! a record past its TTL, and the purge deletes only records past their TTL.
+//! So a completed, unexpired record seen at the statement's instant is the
+//! record every locking claim at that instant would see too, and its answer
+//! (a replay or a 422) is the one the locking claim would give. The read
+//! decides no race: it never creates or changes a record; who is first is
+//! decided only by the locking claim's `INSERT ... ON CONFLICT`. Before this
+//! read, concurrent replays of one key each took that key's advisory lock in
+//! a transaction and so ran one at a time.
+//!
+//! # The claim's commit does not wait for the WAL flush
+//!
+//! The claim's transaction runs with `synchronous_commit = off` (set by
+//! [`lock_now`] with `set_config(..., true)`, i.e. `SET LOCAL`: it ends with
+//! the transaction, and the pooled connection goes back to the server's
+//! setting). Its commit is visible to every session at once; only its
+//! durability is deferred (PostgreSQL's WAL writer flushes it within
+//! `3 * wal_writer_delay`, 600 ms by default). WAL is flushed in order, so
+//! any later durable commit on the server (the handler's transaction with
+//! the completion in transactional mode, `complete` in separate mode) also
+//! makes the claim durable. If the server crashes first, the claim may be
+//! lost, and with it everything written after it on that server: in
+//! transactional mode the handler's writes and the completion (they commit
+//! after the claim, in one transaction), so a retry runs once, with no
+//! second effect; a request still running against a lost claim fails at its
+//! completion (the fencing check finds no record with its token) and its
+//! writes roll back. What is lost is only the wait for the lease: a retry
+//! of a request whose completion had not committed runs at once instead of
+//! getting 409 until the lease ends. In separate mode the handler's effect
+//! may live outside this server; a lost claim then also lets the retry run
+//! at once, where with a durable claim it would have run after the lease
+//! (separate mode already allows a second effect after a crash once the
+//! lease ends; this only shortens the wait). Under synchronous replication
+//! the same holds at a failover: a claim not yet on the standby is lost,
+//! and the retry of that request (whose completion had not committed, since
+//! a synchronous commit waits for the standby to have all WAL before it,
+//! claim included) runs at once instead of waiting for the lease.
+
+use super::{Claim, ClaimRequest, Refusal, StoreError};
+use crate::response::StoredResponse;
+
+/// The server's clock in unix milliseconds, shifted by parameter `$n` (ms).
+fn now_ms(n: u8) -> String {
+    format!("(floor(extract(epoch from clock_timestamp()) * 1000)::bigint + ${n}::bigint)")
+}
+
+/// Inside the claim's transaction: takes the key's advisory lock (`$1`),
+/// sets `synchronous_commit = off` for this transaction only, and returns
+/// the server's clock (unix ms) plus `$2` as column 0.
+pub(crate) fn lock_now() -> String {
+    format!(
+        "SELECT {}, set_config('synchronous_commit', 'off', true)
+         FROM pg_advisory_xact_lock($1)",
+        now_ms(2)
+    )
+}
+
+/// The read-first replay: `fingerprint, response` of the record
+/// `($1 scope, $2 key)` if it is completed and its TTL has not ended on the
+/// server's clock plus `$3` (ms); no row otherwise. Takes no lock.
+pub(crate) fn completed(table: &str) -> String {
+    format!(
+        "SELECT fingerprint, response FROM {table}
+         WHERE scope = $1 AND key = $2 AND state = 'completed'
+           AND expires_at > {}",
+        now_ms(3)
+    )
+}
+
+/// The answer to a claim that found a completed, unexpired record with
+/// `fingerprint` and stored `response`: a replay, or 422 for another
+/// fingerprint.
+///
+/// # Errors
+///
+/// [`StoreError::Corrupt`] for a stored response that does not decode.
+pub(crate) fn answer_completed(
+    fingerprint: &[u8],
+    response: Option<Vec<u8>>,
+    req: &ClaimRequest,
+) -> Result<Claim, StoreError> {
+    if fingerprint != req.fingerprint.0 {
+        return Ok(Refusal::Mismatch.into());
+    }
+    StoredResponse::decode(&response.unwrap_or_default())
+        .map(|stored| Refusal::Completed(stored).into())
+        .map_err(|e| StoreError::Corrupt(e.to_string()))
+}
