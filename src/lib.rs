@@ -47,9 +47,12 @@
 //!
 //! # Where things are
 //!
-//! * [`store`] (`store/mod.rs`): the [`Store`], [`store::Inspect`] and
+//! * [`store`] (`store/mod.rs`): the [`Store`] and
 //!   [`store::TransactionalStore`] traits and the contract of one record.
-//!   Beside it: `decide.rs` (the state machine of one record, shared by the
+//!   Beside it: `error.rs` ([`StoreError`]), `inspect.rs`
+//!   ([`store::Inspect`], for operators), `extractor.rs` (the axum extractor
+//!   of every store's transaction), `pg_sql.rs` (SQL both PostgreSQL stores
+//!   share), `decide.rs` (the state machine of one record, shared by the
 //!   stores written in Rust), `clock.rs` ([`store::Clock`]), and one file or
 //!   folder per store: `memory.rs` ([`MemoryStore`]), `sqlite/`
 //!   ([`SqliteStore`]: `builder.rs`, `claim.rs`, `writer.rs` for group

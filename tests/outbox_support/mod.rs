@@ -184,6 +184,14 @@ async fn record(State(shared): State<Shared>, req: Request, next: Next) -> Respo
         let script = shared.script.lock().unwrap().clone();
         script(&key, &body, n)
     };
+    // An attempt ends when its future ends, answered or dropped: a relay that
+    // gives up on an attempt (its answer timeout) drops the connection, and
+    // the server then drops this future. Counting only answered attempts as
+    // ended would leave a dropped one "in flight" for ever.
+    let mut in_flight = InFlight {
+        log: Arc::clone(&shared.log),
+        key: Some(key.clone()),
+    };
     if !shared.hold.is_zero() {
         tokio::time::sleep(shared.hold).await;
     }
@@ -203,8 +211,8 @@ async fn record(State(shared): State<Shared>, req: Request, next: Next) -> Respo
             }
         }
     };
+    in_flight.end();
     let mut log = shared.log.lock().unwrap();
-    *log.in_flight.get_mut(&key).unwrap() -= 1;
     log.attempts.push(Attempt {
         key,
         body: body.to_vec(),
@@ -212,6 +220,29 @@ async fn record(State(shared): State<Shared>, req: Request, next: Next) -> Respo
         status: response.status().as_u16(),
     });
     response
+}
+
+/// One attempt under way at the downstream, until [`InFlight::end`] or drop.
+struct InFlight {
+    log: Arc<Mutex<Log>>,
+    key: Option<String>,
+}
+
+impl InFlight {
+    fn end(&mut self) {
+        if let Some(key) = self.key.take() {
+            let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(c) = log.in_flight.get_mut(&key) {
+                *c -= 1;
+            }
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.end();
+    }
 }
 
 /// Polls `condition` every 10 ms until it holds; panics after `limit`.

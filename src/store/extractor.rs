@@ -1,0 +1,57 @@
+//! The axum extractor of every store's transaction type, as one macro.
+
+/// Makes a store's transaction type an axum extractor: `T` answers a request
+/// without one with a 500 problem (the handler would otherwise write outside
+/// the idempotency transaction), and logs the misconfiguration once per
+/// process and type; `Option<T>` is `None` for requests that passed through
+/// without a key.
+macro_rules! transaction_extractor {
+    ($transaction:ty) => {
+        /// Extracts the request's transaction in a handler behind a
+        /// [`crate::IdempotencyLayer::transactional`] layer. A request without
+        /// one (a route whose layer is not `.transactional()`, or has no
+        /// `require_key(true)`) is answered with a 500 problem saying so, and
+        /// the first such request of the process is logged at error level.
+        /// The compiler cannot catch this: the extractor does not see the
+        /// layer's type.
+        #[cfg(feature = "axum")]
+        impl<S: Sync> axum_core::extract::FromRequestParts<S> for $transaction {
+            type Rejection = http::Response<axum_core::body::Body>;
+
+            async fn from_request_parts(
+                parts: &mut http::request::Parts,
+                _state: &S,
+            ) -> Result<Self, Self::Rejection> {
+                static LOGGED: std::sync::Once = std::sync::Once::new();
+                parts
+                    .extensions
+                    .get::<$transaction>()
+                    .cloned()
+                    .ok_or_else(|| {
+                        $crate::extract::misconfigured(
+                            &LOGGED,
+                            concat!(
+                                "this handler takes a ",
+                                stringify!($transaction),
+                                ", and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)"
+                            ),
+                        )
+                    })
+            }
+        }
+
+        /// `Option<_>`: `None` for requests that passed through without a key.
+        #[cfg(feature = "axum")]
+        impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for $transaction {
+            type Rejection = std::convert::Infallible;
+
+            async fn from_request_parts(
+                parts: &mut http::request::Parts,
+                _state: &S,
+            ) -> Result<Option<Self>, Self::Rejection> {
+                Ok(parts.extensions.get::<$transaction>().cloned())
+            }
+        }
+    };
+}
+pub(crate) use transaction_extractor;
