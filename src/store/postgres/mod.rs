@@ -23,6 +23,7 @@ use crate::response::StoredResponse;
 
 mod connect;
 mod inspect;
+mod sslmode;
 #[cfg(feature = "postgres-tls")]
 mod tls;
 mod transaction;

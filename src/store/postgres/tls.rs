@@ -39,7 +39,7 @@ use rustls::{
 };
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::connect::{RootCert, SslMode};
+use super::sslmode::{RootCert, SslMode};
 use crate::store::StoreError;
 
 /// The connector for `mode` and `root_cert`.
