@@ -55,8 +55,10 @@
 //!   share), `decide.rs` (the state machine of one record, shared by the
 //!   stores written in Rust), `clock.rs` ([`store::Clock`]), and one file or
 //!   folder per store: `memory.rs` ([`MemoryStore`]), `sqlite/`
-//!   ([`SqliteStore`]: `builder.rs`, `claim.rs`, `writer.rs` for group
-//!   commit and max hold time, `transaction.rs`, `inspect.rs`), `postgres/`
+//!   ([`SqliteStore`]: `builder.rs`, `claim.rs`, `writer.rs` (the writer
+//!   thread: group commit, max hold time) with `queue.rs` (what it is sent)
+//!   and `batch.rs` (the requests open in one batch), `cache.rs`,
+//!   `transaction.rs`, `inspect.rs`), `postgres/`
 //!   (`PostgresStore`: `transaction.rs` with `transaction/hold.rs` for its
 //!   max hold time, `inspect.rs`), `redis/` (`RedisStore`: its Lua
 //!   scripts as `.lua` files, `inspect.rs`) and `sqlx_sqlite/`

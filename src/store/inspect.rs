@@ -32,7 +32,8 @@ use crate::fingerprint::Fingerprint;
 /// # Example
 ///
 /// ```
-/// /// use tower_idempotency::fingerprint::Fingerprint;
+/// use std::time::Duration;
+/// use tower_idempotency::fingerprint::Fingerprint;
 /// use tower_idempotency::store::{ClaimRequest, FencingToken, Inspect, MemoryStore, RecordCounts, RecordId, Store};
 /// use tower_idempotency::test_util::ManualClock; // feature `test-util`
 ///

@@ -20,8 +20,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::claim::{Found, Refused, claim_in, complete_in};
+use super::queue::{Begin, Deferred, Queued, Work, WriterCounters, exec};
 use super::transaction::{Command, Ended, Handle, Job, SqliteTransaction};
-use super::writer::{Begin, Deferred, Queued, Work, WriterCounters, exec};
 use crate::store::{Clock, Completion, FencingToken, StoreError, TransactionClaim};
 
 /// A transactional request of the batch.
@@ -195,7 +195,10 @@ impl<'t, 'c> Batch<'t, 'c> {
         };
         let (ended, watch) = tokio::sync::watch::channel(Ended::Open);
         let transaction = SqliteTransaction {
-            handle: std::sync::Arc::new(Handle { events, id }),
+            handle: std::sync::Arc::new(Handle {
+                events: Box::new(events),
+                id,
+            }),
             ended: watch,
         };
         let acquired = TransactionClaim::Acquired {

@@ -27,15 +27,17 @@ mod builder;
 mod cache;
 mod claim;
 mod inspect;
+mod queue;
 mod transaction;
 mod writer;
 
 pub use builder::{SqliteStoreBuilder, Synchronous};
 use claim::{Refused, claim_in, complete_in, read_record};
+use queue::{ABANDONED, Begin, Event, WAITING, Work, WriteJob};
 use transaction::{Command, transaction_over};
 pub use transaction::{SqliteTransaction, TransactionError};
 pub use writer::GroupCommitStats;
-use writer::{ABANDONED, Begin, Event, Limits, WAITING, Work, WriteJob, Writer};
+use writer::{Limits, Writer};
 
 /// Records in one SQLite file, in WAL mode.
 ///

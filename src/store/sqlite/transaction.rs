@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use super::writer::Event;
 use crate::store::{Completion, StoreError};
 
 /// An open SQLite transaction in which the layer has claimed the request's
@@ -91,15 +90,25 @@ pub struct SqliteTransaction {
 /// The writer's queue and the request's id there. Dropped with the last
 /// clone of the transaction: a request still open then rolls back.
 pub(super) struct Handle {
-    pub(super) events: std::sync::mpsc::Sender<Event>,
+    pub(super) events: Box<dyn Mailbox>,
     pub(super) id: u64,
+}
+
+/// Where a handle's commands go: the writer's queue (`queue.rs`). A trait,
+/// so that this file needs nothing of the writer's.
+pub(super) trait Mailbox: Send + Sync {
+    /// Posts `command` for the open request `id`; `false` when the writer
+    /// is gone.
+    fn post(&self, id: u64, command: Command) -> bool;
 }
 
 impl Handle {
     pub(super) fn send(&self, command: Command) -> Result<(), ()> {
-        self.events
-            .send(Event::Command(self.id, command))
-            .map_err(|_| ())
+        if self.events.post(self.id, command) {
+            Ok(())
+        } else {
+            Err(())
+        }
     }
 }
 
