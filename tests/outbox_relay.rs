@@ -329,3 +329,108 @@ async fn the_admin_router_lists_and_requeues_dead_letters() {
         (Some(id), Some(0))
     );
 }
+
+/// The relay's counters through the `metrics` facade: one delivery, one
+/// retry and one dead letter, for a message delivered at its second attempt
+/// and one refused at its first. The relay runs on this test's
+/// current-thread runtime, so the thread's local recorder sees it.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "current_thread")]
+async fn metrics_count_deliveries_retries_and_dead_letters() {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
+    use metrics::{
+        Counter, CounterFn, Gauge, GaugeFn, Histogram, Key, KeyName, Metadata, Recorder,
+        SharedString, Unit,
+    };
+
+    /// Counter totals and the last gauge value, by name.
+    #[derive(Clone, Default)]
+    struct Recorded(Arc<Mutex<BTreeMap<String, f64>>>);
+    struct Cell(String, Recorded);
+    impl CounterFn for Cell {
+        fn increment(&self, value: u64) {
+            *self.1.0.lock().unwrap().entry(self.0.clone()).or_default() += value as f64;
+        }
+        fn absolute(&self, value: u64) {
+            self.1
+                .0
+                .lock()
+                .unwrap()
+                .insert(self.0.clone(), value as f64);
+        }
+    }
+    impl GaugeFn for Cell {
+        fn increment(&self, value: f64) {
+            *self.1.0.lock().unwrap().entry(self.0.clone()).or_default() += value;
+        }
+        fn decrement(&self, value: f64) {
+            *self.1.0.lock().unwrap().entry(self.0.clone()).or_default() -= value;
+        }
+        fn set(&self, value: f64) {
+            self.1.0.lock().unwrap().insert(self.0.clone(), value);
+        }
+    }
+    impl Recorder for Recorded {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::from_arc(Arc::new(Cell(key.name().to_owned(), self.clone())))
+        }
+        fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::from_arc(Arc::new(Cell(key.name().to_owned(), self.clone())))
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    let recorded = Recorded::default();
+    let _guard = metrics::set_default_local_recorder(&recorded);
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.sqlite3");
+    let outbox = Outbox::sqlite(&db).await.unwrap();
+    enqueue_direct(&db, "local:", &[("retried", "{}"), ("refused", "{}")]);
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let seen = attempts.clone();
+    let sink = outbox::from_fn(move |d: Delivery| {
+        let n = seen.fetch_add(1, Ordering::SeqCst);
+        async move {
+            match d.key.as_str() {
+                "refused" => Outcome::Reject("HTTP 400".into()),
+                _ if n < 2 => Outcome::Retry("HTTP 503".into()),
+                _ => Outcome::Delivered,
+            }
+        }
+    });
+    let relay = outbox
+        .relay(sink)
+        .backoff(Duration::from_millis(5), Duration::from_millis(20))
+        .poll_interval(Duration::from_millis(10))
+        .spawn();
+    until_async(WAIT, "1 done, 1 dead", || async {
+        let c = outbox.counts().await.unwrap();
+        (c.done, c.dead) == (1, 1)
+    })
+    .await;
+    relay.shutdown().await;
+    let counters: BTreeMap<String, f64> = recorded
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(name, _)| name.ends_with("_total"))
+        .map(|(name, value)| (name.clone(), *value))
+        .collect();
+    let expected: BTreeMap<String, f64> = [
+        ("tower_idempotency_outbox_dead_letters_total", 1.0),
+        ("tower_idempotency_outbox_deliveries_total", 1.0),
+        ("tower_idempotency_outbox_retries_total", 1.0),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    assert_eq!(counters, expected);
+}
