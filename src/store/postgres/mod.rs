@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{GenericClient, Object, Pool};
+use tokio_postgres::Statement;
 
 use super::pg_sql::{answer_completed, completed, lock_now};
 use super::{
@@ -199,6 +200,15 @@ fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreE
     StoreError::unavailable(e)
 }
 
+/// `sql` prepared once per pooled connection (deadpool's statement cache),
+/// so that each later run is one round trip (bind and execute) instead of
+/// two (parse, then bind and execute). The store runs a fixed set of
+/// statements (those of [`Sql`]), so each connection's cache holds at most
+/// that many.
+async fn cached<C: GenericClient>(client: &C, sql: &str) -> Result<Statement, StoreError> {
+    client.prepare_cached(sql).await.map_err(unavailable)
+}
+
 impl PostgresStoreBuilder {
     /// The table (default `idempotency_records`): ASCII letters, digits and
     /// underscores, not starting with a digit, at most 48 characters.
@@ -379,7 +389,7 @@ impl PostgresStore {
         for _ in 0..3 {
             let inserted = client
                 .execute(
-                    &sql.insert,
+                    &cached(client, &sql.insert).await?,
                     &[
                         &req.scope,
                         &req.key,
@@ -395,7 +405,7 @@ impl PostgresStore {
                 return Ok(Claim::Acquired { taken_over: false });
             }
             found = client
-                .query_opt(&sql.select, &[&req.scope, &req.key])
+                .query_opt(&cached(client, &sql.select).await?, &[&req.scope, &req.key])
                 .await
                 .map_err(unavailable)?;
             if found.is_some() {
@@ -428,7 +438,7 @@ impl PostgresStore {
         };
         client
             .execute(
-                &sql.take_over,
+                &cached(client, &sql.take_over).await?,
                 &[
                     &req.scope,
                     &req.key,
@@ -451,7 +461,7 @@ impl Store for PostgresStore {
         // without the lock (see `store::pg_sql`).
         let row = client
             .query_opt(
-                &self.sql.completed,
+                &cached(&client, &self.sql.completed).await?,
                 &[&req.scope, &req.key, &self.offset_ms()],
             )
             .await
@@ -465,7 +475,10 @@ impl Store for PostgresStore {
         let tx = client.transaction().await.map_err(unavailable)?;
         let lock = advisory_key(&self.sql.table, &req.scope, &req.key);
         let row = tx
-            .query_one(&self.sql.lock_now, &[&lock, &self.offset_ms()])
+            .query_one(
+                &cached(&tx, &self.sql.lock_now).await?,
+                &[&lock, &self.offset_ms()],
+            )
             .await
             .map_err(unavailable)?;
         let now: i64 = row.try_get(0).map_err(unavailable)?;
@@ -484,7 +497,10 @@ impl Store for PostgresStore {
         let blob = response.encode();
         let client = self.client().await?;
         let updated = client
-            .execute(&self.sql.complete, &[&scope, &key, &token.0, &blob])
+            .execute(
+                &cached(&client, &self.sql.complete).await?,
+                &[&scope, &key, &token.0, &blob],
+            )
             .await
             .map_err(unavailable)?;
         Ok(if updated == 1 {
@@ -498,7 +514,10 @@ impl Store for PostgresStore {
         let (scope, key) = id.into_parts();
         let client = self.client().await?;
         let deleted = client
-            .execute(&self.sql.release, &[&scope, &key, &token.0])
+            .execute(
+                &cached(&client, &self.sql.release).await?,
+                &[&scope, &key, &token.0],
+            )
             .await
             .map_err(unavailable)?;
         Ok(deleted == 1)

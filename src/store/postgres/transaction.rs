@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use deadpool_postgres::Object;
 
-use super::{PostgresStore, unavailable};
+use super::{PostgresStore, cached, unavailable};
 use crate::response::StoredResponse;
 use crate::store::duration_ms;
 use crate::store::{
@@ -301,10 +301,14 @@ impl TransactionalStore for PostgresStore {
             connection.key.clone(),
             connection.token,
         );
-        let completed = connection
-            .client()?
-            .execute(&self.sql.complete, &[&scope, &key, &token.0, &blob])
-            .await;
+        let client = connection.client()?;
+        let completed = match cached(client, &self.sql.complete).await {
+            Ok(statement) => client
+                .execute(&statement, &[&scope, &key, &token.0, &blob])
+                .await
+                .map_err(unavailable),
+            Err(e) => Err(e),
+        };
         let failure = match completed {
             Ok(1) => None,
             // The lease ended and another request took the key over (or the
@@ -314,7 +318,7 @@ impl TransactionalStore for PostgresStore {
             )),
             // E.g. the handler's own statement failed and PostgreSQL aborted
             // the transaction.
-            Err(e) => Some(unavailable(e)),
+            Err(e) => Some(e),
         };
         if let Some(e) = failure {
             // Nothing was committed: give the key back (token-checked, so a
