@@ -118,6 +118,17 @@ impl From<r2d2::Error> for LedgerError {
     }
 }
 
+/// The busy handler of the ledger's own connections: waits for SQLite's
+/// write lock in steps of 100 µs, for at most about 5 s (50,000 tries).
+/// In separate mode the store's writer shares the file and holds the lock
+/// for one commit at a time (about one fsync); SQLite's default handler
+/// (`busy_timeout`) sleeps 1, 2, 5, 10 ms and more between tries, so each
+/// collision would cost a credit a millisecond or more.
+fn wait_for_write_lock(tries: i32) -> bool {
+    std::thread::sleep(Duration::from_micros(100));
+    tries < 50_000
+}
+
 impl SqliteDb {
     pub async fn open(path: &Path) -> Result<SqliteDb, LedgerError> {
         // WAL belongs to the file: set it once, not per pooled connection.
@@ -130,7 +141,7 @@ impl SqliteDb {
         .await
         .map_err(|e| LedgerError::Database(Box::new(e)))??;
         let manager = SqliteConnectionManager::file(path).with_init(|c| {
-            c.busy_timeout(Duration::from_secs(5))?;
+            c.busy_handler(Some(wait_for_write_lock))?;
             c.pragma_update(None, "synchronous", "FULL")?;
             c.pragma_update(None, "foreign_keys", "ON")
         });

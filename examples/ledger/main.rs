@@ -639,7 +639,6 @@ async fn mysql_app(_: &str, _: Mode, _: &Args) -> Result<Built, Box<dyn std::err
     Err("this build has no MySQL store: build with `--features mysql`".into())
 }
 
-/// Records in Redis, the ledger's data in --db: separate mode only.
 /// Records in Redis (one server, or a cluster through its seeds), the
 /// ledger's data in --db: separate mode only.
 #[cfg(feature = "redis")]

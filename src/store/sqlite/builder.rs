@@ -268,6 +268,7 @@ impl SqliteStoreBuilder {
                 concurrent: self.concurrent_transactions,
                 max_hold: self.max_hold,
                 queue: self.writer_queue,
+                lock_wait: busy_timeout,
             },
             writer: Arc::new(std::sync::OnceLock::new()),
             completed: Arc::new(super::cache::Completed::new(self.replay_cache)),

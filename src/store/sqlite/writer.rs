@@ -46,6 +46,8 @@ pub(super) struct Limits {
     pub(super) concurrent: usize,
     pub(super) max_hold: Duration,
     pub(super) queue: usize,
+    /// How long a batch waits for SQLite's write lock (the busy timeout).
+    pub(super) lock_wait: Duration,
 }
 
 impl Writer {
@@ -68,6 +70,41 @@ impl Writer {
         })
     }
 }
+
+/// Opens the batch's transaction, waiting at most `wait` for SQLite's write
+/// lock, in steps of at most [`LOCK_STEP`].
+///
+/// Another connection to the file (the application's own, in separate mode)
+/// holds the lock for one commit at a time, about one fsync. SQLite's own
+/// busy handler sleeps 1, 2, 5, 10 ms and more between tries
+/// (`sqliteDefaultBusyCallback`), so each collision would stall every
+/// request queued behind the writer for a millisecond or more; here the
+/// writer tries again after 20 µs, doubling up to `LOCK_STEP`.
+fn begin_immediate(
+    conn: &rusqlite::Connection,
+    wait: Duration,
+) -> rusqlite::Result<rusqlite::Transaction<'_>> {
+    let deadline = Instant::now() + wait;
+    let mut step = Duration::from_micros(20);
+    conn.busy_timeout(Duration::ZERO)?;
+    let begun = loop {
+        match rusqlite::Transaction::new_unchecked(conn, TransactionBehavior::Immediate) {
+            Err(rusqlite::Error::SqliteFailure(e, _))
+                if e.code == rusqlite::ErrorCode::DatabaseBusy && Instant::now() < deadline =>
+            {
+                std::thread::sleep(step);
+                step = (step * 2).min(LOCK_STEP);
+            }
+            begun => break begun,
+        }
+    };
+    // Statements inside the transaction keep the store's busy timeout.
+    conn.busy_timeout(wait)?;
+    begun
+}
+
+/// The longest pause between two tries for the write lock.
+const LOCK_STEP: Duration = Duration::from_micros(250);
 
 /// What the writer waits for next.
 enum Next {
@@ -144,14 +181,14 @@ fn write_batches(
             }
         };
         let Some(first) = first else { return };
-        let mut conn = match pool.get() {
+        let conn = match pool.get() {
             Ok(conn) => conn,
             Err(e) => {
                 first.fail(StoreError::unavailable(e));
                 continue;
             }
         };
-        let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+        let tx = match begin_immediate(&conn, limits.lock_wait) {
             Ok(tx) => tx,
             Err(e) => {
                 first.fail(StoreError::unavailable(e));
