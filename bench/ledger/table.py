@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""The ledger-against-naive tables from compare.sh's raw results.
+
+    python3 bench/ledger/table.py RESULTS
+
+RESULTS has one line per wrk window: ROUND BACKEND SERVER PATH VALUE CONNS
+(VALUE is requests/s, or ms for p50ms). Prints, per backend and per number
+of connections, the medians over the rounds and each mode's ratio to the
+naive ledger, as Markdown. Python 3 standard library only.
+"""
+
+import statistics
+import sys
+from collections import defaultdict
+
+ROWS = (
+    ("GET /accounts/1 (passed through), req/s", "get", "get"),
+    ("credit, new key, req/s", "credit", "credit"),
+    ("replayed credit vs naive GET, req/s", "replay", "get"),
+)
+
+
+def medians(path):
+    v = defaultdict(list)
+    for line in open(path):
+        f = line.split()
+        if len(f) < 5:
+            continue
+        conns = f[5] if len(f) > 5 else "32"
+        v[(f[1], conns, f[2], f[3])].append(float(f[4]))
+    return {k: (statistics.median(x), len(x)) for k, x in v.items()}
+
+
+def main():
+    med = medians(sys.argv[1])
+    groups = sorted({(b, c) for b, c, _, _ in med}, key=lambda g: (g[0] != "sqlite", int(g[1])))
+    for backend, conns in groups:
+        def m(label, metric):
+            return med.get((backend, conns, label, metric), (None, 0))[0]
+        rounds = max(n for (b, c, _, _), (_, n) in med.items() if (b, c) == (backend, conns))
+        print(f"\n### {backend}, wrk -c{conns}, median of {rounds} round(s)\n")
+        print("| path | naive | transactional | ratio | separate | ratio |")
+        print("|---|---|---|---|---|---|")
+        for name, metric, base in ROWS:
+            n = m("naive", base)
+            if n is None:
+                continue
+            cells = [f"{n:,.0f}"]
+            for mode in ("transactional", "separate"):
+                x = m(mode, metric)
+                cells += ["", ""] if x is None else [f"{x:,.0f}", f"**{x / n:.2f}**"]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        n = m("naive", "p50ms")
+        if n is not None:
+            cells = [f"{n:.3f}"]
+            for mode in ("transactional", "separate"):
+                x = m(mode, "p50ms")
+                cells += ["", ""] if x is None else [f"{x:.3f}", f"**{x - n:+.3f} ms**"]
+            print("| one client, credit p50 latency, ms (difference) | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
