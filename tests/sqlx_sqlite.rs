@@ -77,7 +77,7 @@ async fn two_pools_one_file_one_winner() {
         .await
         .unwrap();
     two_handles_one_winner(one.clone(), two).await;
-    // The rusqlite store opens the same schema (version 1) and sees the
+    // The rusqlite store opens the same schema (version 2) and sees the
     // 10 records the rounds' winners hold.
     let rusqlite = tower_idempotency::SqliteStore::open(&path).await.unwrap();
     let counts = rusqlite.counts().await.unwrap();
@@ -96,6 +96,92 @@ async fn newer_schema_is_refused() {
         .unwrap();
     let err = SqlxSqliteStore::new(pool).await.unwrap_err();
     assert!(err.to_string().contains("schema version 99"), "{err}");
+}
+
+/// Version 1 of the schema: the records in a `WITHOUT ROWID` table.
+const SCHEMA_V1: &str = "
+CREATE TABLE idempotency_records (
+    scope TEXT NOT NULL, key TEXT NOT NULL, fingerprint BLOB NOT NULL,
+    token INTEGER NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('in_flight', 'completed')),
+    lease_until INTEGER NOT NULL, expires_at INTEGER NOT NULL, response BLOB,
+    PRIMARY KEY (scope, key)
+) WITHOUT ROWID;
+CREATE INDEX idempotency_records_expires_at ON idempotency_records (expires_at);
+INSERT INTO idempotency_records VALUES
+    ('s', 'done', x'01', 7, 'completed', 0, 9000000000000, randomblob(200000)),
+    ('s', 'open', x'02', 8, 'in_flight', 5, 9000000000000, NULL),
+    ('t', 'done', x'03', 9, 'completed', 0, 1, x'00ff');
+PRAGMA user_version = 1;
+";
+
+/// One record's columns, in the table's order.
+type Record = (
+    String,
+    String,
+    Vec<u8>,
+    i64,
+    String,
+    i64,
+    i64,
+    Option<Vec<u8>>,
+);
+
+/// Every column of every record, in key order.
+async fn rows(pool: &SqlitePool) -> Vec<Record> {
+    sqlx::query_as(
+        "SELECT scope, key, fingerprint, token, state, lease_until, expires_at, response
+         FROM idempotency_records ORDER BY scope, key",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// What the file says of the table: its version and whether it is still
+/// `WITHOUT ROWID`.
+async fn schema(pool: &SqlitePool) -> (i64, bool) {
+    let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let sql: String = sqlx::query_scalar(
+        "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'idempotency_records'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    (version, sql.contains("WITHOUT ROWID"))
+}
+
+/// A version 1 file (a `WITHOUT ROWID` table, whose large rows made every
+/// lookup that met them read their overflow pages) becomes version 2, a
+/// rowid table, with every record kept byte for byte: opened by either
+/// SQLite store.
+#[tokio::test]
+async fn a_version_1_table_becomes_a_rowid_table_with_every_record_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    for store in ["sqlx", "rusqlite"] {
+        let path = dir.path().join(format!("{store}.sqlite3"));
+        let pool = pool(&path, Duration::from_secs(5)).await;
+        sqlx::raw_sql(SCHEMA_V1).execute(&pool).await.unwrap();
+        let before = rows(&pool).await;
+        assert_eq!(before.len(), 3);
+        assert_eq!(schema(&pool).await, (1, true));
+        match store {
+            "sqlx" => drop(SqlxSqliteStore::new(pool.clone()).await.unwrap()),
+            _ => drop(tower_idempotency::SqliteStore::open(&path).await.unwrap()),
+        }
+        assert_eq!(schema(&pool).await, (2, false), "{store}");
+        assert_eq!(rows(&pool).await, before, "{store}");
+        let index: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM sqlite_master WHERE name = 'idempotency_records_expires_at'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(index, 1, "{store}");
+    }
 }
 
 // ----------------------------------------------------------- behind a layer

@@ -54,7 +54,9 @@ balance() {
 wrk_run() {
   local out=$1; shift
   wrk "$@" > "$out"
-  if grep -q "Non-2xx" "$out"; then fail "non-2xx answers: $(cat "$out")"; fi
+  if grep -q "Non-2xx" "$out"; then
+    fail "non-2xx answers: $(cat "$out"); the servers' last errors: $(tail -n 3 "$dir"/*.err)"
+  fi
   rps=$(awk '/Requests\/sec/ {print $2}' "$out")
 }
 # check_credits BEFORE OUT LABEL SLACK: the balance grew by 5 per counted credit

@@ -2,7 +2,7 @@
 # How the ledger's cost grows (BENCHMARKS.md, "How the cost grows"). One
 # subcommand per question; each prints its windows and a Markdown table.
 #
-#   bench/ledger/scale.sh sweep   # credits and replays at 1, 8, 32, 128 connections
+#   bench/ledger/scale.sh sweep   # GETs, credits and replays at 1, 8, 32, 128 connections
 #   bench/ledger/scale.sh fill    # 1,000,000 stored records against 1,000
 #   bench/ledger/scale.sh sizes   # replays of 1 KiB, 64 KiB, 1 MiB against the same bytes without the layer
 #   bench/ledger/scale.sh rss     # VmRSS every 10 s over 1,000,000 requests per server
@@ -27,7 +27,7 @@ echo "load average at the start: $(cut -d' ' -f1-3 /proc/loadavg)"
 sweep() {
   local out=$dir/sweep
   for c in 1 8 32 128; do
-    CONNS=$c PATHS="credit replay" ROUNDS=${ROUNDS:-1} DUR=$dur OUT=$out NO_BUILD=1 \
+    CONNS=$c PATHS="get credit replay" ROUNDS=${ROUNDS:-1} DUR=$dur OUT=$out NO_BUILD=1 \
       LEDGER_BIN=$ledger "$here/compare.sh" > "$dir/sweep-$c.log" || { cat "$dir/sweep-$c.log"; fail "compare.sh -c$c"; }
     grep -v '^|\|^#\|^$' "$dir/sweep-$c.log" | sed "s/^/c$c: /"
   done
@@ -55,7 +55,7 @@ PY
 fill_pg() {
   psql -q "$PG_URL" -c "INSERT INTO $1.idempotency_records SELECT r.scope, 'fill-' || i, r.fingerprint,
     r.token, r.state, r.lease_until, r.expires_at, r.response FROM $1.idempotency_records r,
-    generate_series(1, $2) i WHERE r.key = 'replay-1'; VACUUM ANALYZE $1.idempotency_records" > /dev/null
+    generate_series(1, $2) i WHERE r.key = 'replay-1'" -c "VACUUM ANALYZE $1.idempotency_records" > /dev/null
 }
 
 fill() {

@@ -9,25 +9,8 @@ use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::TransactionBehavior;
 
 use super::{Limits, SqliteStore, blocking};
+use crate::store::sqlite_sql::{IS_WITHOUT_ROWID, SCHEMA_VERSION, migration};
 use crate::store::{Clock, StoreError, SystemClock, duration_ms};
-
-/// The schema version this crate writes, kept in `PRAGMA user_version`.
-const SCHEMA_VERSION: i64 = 1;
-
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS idempotency_records (
-    scope       TEXT    NOT NULL,
-    key         TEXT    NOT NULL,
-    fingerprint BLOB    NOT NULL,
-    token       INTEGER NOT NULL,
-    state       TEXT    NOT NULL CHECK (state IN ('in_flight', 'completed')),
-    lease_until INTEGER NOT NULL, -- unix ms; meaningful while in flight
-    expires_at  INTEGER NOT NULL, -- unix ms; the record's TTL deadline
-    response    BLOB,             -- StoredResponse::encode, once completed
-    PRIMARY KEY (scope, key)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS idempotency_records_expires_at ON idempotency_records (expires_at);
-";
 
 /// SQLite's `synchronous` setting: how often a commit waits for the disk.
 ///
@@ -291,8 +274,10 @@ fn migrate(conn: &mut rusqlite::Connection) -> Result<(), StoreError> {
             "the database holds idempotency schema version {version}; this build knows {SCHEMA_VERSION}"
         )));
     }
-    tx.execute_batch(SCHEMA).map_err(StoreError::unavailable)?;
-    tx.pragma_update(None, "user_version", SCHEMA_VERSION)
+    let without_rowid: bool = tx
+        .query_row(IS_WITHOUT_ROWID, [], |r| r.get(0))
+        .map_err(StoreError::unavailable)?;
+    tx.execute_batch(&migration(without_rowid))
         .map_err(StoreError::unavailable)?;
     tx.commit().map_err(StoreError::unavailable)
 }

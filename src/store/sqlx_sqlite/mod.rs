@@ -15,6 +15,7 @@ use std::time::Duration;
 use sqlx::{Row, Sqlite, SqlitePool};
 
 use crate::response::StoredResponse;
+use crate::store::sqlite_sql::{IS_WITHOUT_ROWID, SCHEMA_VERSION, migration};
 use crate::store::{
     Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError, SystemClock,
 };
@@ -24,27 +25,6 @@ mod inspect;
 mod transaction;
 
 pub use transaction::{SqlxSqliteConnection, SqlxSqliteError, SqlxSqliteTransaction};
-
-/// The schema version this crate writes, kept in `PRAGMA user_version`: the
-/// same table as [`SqliteStore`](crate::SqliteStore)'s (feature `sqlite`),
-/// so either store can open a file the other made.
-const SCHEMA_VERSION: i64 = 1;
-
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS idempotency_records (
-    scope       TEXT    NOT NULL,
-    key         TEXT    NOT NULL,
-    fingerprint BLOB    NOT NULL,
-    token       INTEGER NOT NULL,
-    state       TEXT    NOT NULL CHECK (state IN ('in_flight', 'completed')),
-    lease_until INTEGER NOT NULL, -- unix ms; meaningful while in flight
-    expires_at  INTEGER NOT NULL, -- unix ms; the record's TTL deadline
-    response    BLOB,             -- StoredResponse::encode, once completed
-    PRIMARY KEY (scope, key)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS idempotency_records_expires_at ON idempotency_records (expires_at);
-PRAGMA user_version = 1;
-";
 
 /// Records in the SQLite database of the app's own [`sqlx::SqlitePool`],
 /// in both modes: [`Separate`](crate::mode::Separate), and
@@ -256,7 +236,12 @@ impl SqlxSqliteStore {
                 "the database holds idempotency schema version {version}; this build knows {SCHEMA_VERSION}"
             )));
         }
-        sqlx::raw_sql(SCHEMA)
+        let without_rowid: bool = sqlx::query(IS_WITHOUT_ROWID)
+            .fetch_one(&mut *tx)
+            .await
+            .and_then(|r| r.try_get(0))
+            .map_err(|e| self.error(e))?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(migration(without_rowid)))
             .execute(&mut *tx)
             .await
             .map_err(|e| self.error(e))?;
