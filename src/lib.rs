@@ -52,7 +52,8 @@
 //!   Beside it: `error.rs` ([`StoreError`]), `inspect.rs`
 //!   ([`store::Inspect`], for operators), `extractor.rs` (the axum extractor
 //!   of every store's transaction), `pg_sql.rs` (SQL both PostgreSQL stores
-//!   share), `decide.rs` (the state machine of one record, shared by the
+//!   share), `sqlite_sql.rs` (the schema both SQLite stores share, and its
+//!   migration), `decide.rs` (the state machine of one record, shared by the
 //!   stores written in Rust), `clock.rs` ([`store::Clock`]), and one file or
 //!   folder per store: `memory.rs` ([`MemoryStore`]), `sqlite/`
 //!   ([`SqliteStore`]: `builder.rs`, `claim.rs`, `writer.rs` (the writer

@@ -10,7 +10,7 @@
 #
 # PG_URL=postgres://... adds PostgreSQL to sweep and fill (each server in a
 # fresh schema of that database). ROUNDS (sweep: 1; fill, sizes: 3) and DUR
-# (seconds per wrk window, 5) as in compare.sh; FILL (1000000) for fill;
+# (seconds per wrk window, 5) as in compare.sh; FILL (1000000) and SMALL (1000) for fill;
 # REQUESTS (1000000) and WINDOW (seconds per sample, 10) for rss. Builds the release binaries
 # first unless NO_BUILD=1. Any non-2xx answer, or a balance that does not
 # match the answers counted, ends the run with status 1. Needs wrk, curl,
@@ -59,9 +59,9 @@ fill_pg() {
 }
 
 fill() {
-  local n=${FILL:-1000000} rounds=${ROUNDS:-3} servers=() name b
+  local n=${FILL:-1000000} small=${SMALL:-1000} rounds=${ROUNDS:-3} servers=() name b
   for mode in transactional separate; do
-    for size in 1000 "$n"; do
+    for size in "$small" "$n"; do
       name=sqlite-$mode-$size
       start "$name" "$ledger" --db "$dir/$name.sqlite3" --mode "$mode"
       fill_sqlite "$dir/$name.sqlite3" "$size"
@@ -98,7 +98,7 @@ fill() {
       done
     done
   done
-  python3 - "$results" "$n" <<'PY'
+  python3 - "$results" "$n" "$small" <<'PY'
 import statistics, sys
 from collections import defaultdict
 v = defaultdict(list)
@@ -107,11 +107,11 @@ for line in open(sys.argv[1]):
     backend, mode, size = name.split("-")
     v[(backend, mode, size, path)].append(float(x))
 med = {k: statistics.median(x) for k, x in v.items()}
-n = sys.argv[2]
-print(f"\n| backend, mode | path | 1,000 records, req/s | {int(n):,} records, req/s | ratio |")
+n, small = sys.argv[2], sys.argv[3]
+print(f"\n| backend, mode | path | {int(small):,} records, req/s | {int(n):,} records, req/s | ratio |")
 print("|---|---|---|---|---|")
 for (backend, mode, size, path), x in sorted(med.items()):
-    if size != "1000":
+    if size != small:
         continue
     y = med[(backend, mode, n, path)]
     what = {"credit": "credit, new key", "replay": "replay of one key",
