@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Draws BENCHMARKS.md's lead chart from compare.sh's raw results.
 
-    OUT=results.txt bench/ledger/compare.sh && python3 bench/ledger/chart.py results.txt chart.svg
+    python3 bench/ledger/chart.py RAW CHART.svg       # or: CHART=CHART.svg bench/ledger/compare.sh
 
 One horizontal bar per backend, path and mode: the ledger's requests/s (the
 median over the rounds) as a ratio to the naive ledger's, on a logarithmic

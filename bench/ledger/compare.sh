@@ -24,7 +24,9 @@
 # replay window must not move it. A failed check or any non-2xx answer ends
 # the script with status 1. Prints every window, the medians, and the
 # ledger/naive ratios as Markdown. LEDGER_BIN=PATH measures another build
-# of the ledger (e.g. an older one); NO_BUILD=1 skips the builds.
+# of the ledger (e.g. an older one); NO_BUILD=1 skips the builds; OUT=FILE
+# appends the raw windows to FILE; CHART=FILE.svg draws BENCHMARKS.md's
+# chart (bench/ledger/chart.py); PATHS and CONNS choose what is driven.
 # Needs wrk, curl, python3 (and psql for PostgreSQL).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -72,5 +74,6 @@ for round in $(seq 1 "$rounds"); do
 done
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
 [ -n "${OUT:-}" ] && cat "$results" >> "$OUT"
+[ -z "${CHART:-}" ] || python3 "$here/chart.py" "$results" "$CHART"
 
 python3 "$here/table.py" "$results"
