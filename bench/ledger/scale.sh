@@ -161,7 +161,7 @@ PY
 
 rss() {
   local total=${REQUESTS:-1000000} window=${WINDOW:-10} name n c r
-  declare -A sent
+  declare -A sent windows
   start naive "$naive" --db "$dir/naive.sqlite3"
   start transactional "$ledger" --db "$dir/t.sqlite3" --mode transactional
   start separate "$ledger" --db "$dir/s.sqlite3" --mode separate
@@ -179,6 +179,7 @@ rss() {
       read -r c r < <(sed -n 's/^MIX sent_credits=\([0-9]*\) sent_replays=\([0-9]*\)$/\1 \2/p' "$dir/w")
       [ "$name" = naive ] || r=0
       sent[$name]=$(( ${sent[$name]:-0} + c + r ))
+      windows[$name]=$(( ${windows[$name]:-0} + 1 ))
       echo "| $name | $n | $(rss_mib "${pids[$name]}") |"
     done
   done
@@ -190,7 +191,7 @@ rss() {
     url=${urls[$name]}
     applied=$(( $(balance) / 5 - 1 ))
     echo "$name: $applied credits applied, ${sent[$name]} sent"
-    [ $(( sent[$name] - applied )) -ge 0 ] && [ $(( sent[$name] - applied )) -le $(( 32 * total / 1000 )) ] ||
+    [ $(( sent[$name] - applied )) -ge 0 ] && [ $(( sent[$name] - applied )) -le $(( 32 * windows[$name] )) ] ||
       fail "$name: $applied credits applied, ${sent[$name]} sent"
   done
 }
