@@ -117,6 +117,7 @@ mod clock;
 mod decide;
 mod error;
 mod inspect;
+pub(crate) mod kit;
 mod memory;
 #[cfg(feature = "mysql")]
 mod mysql;

@@ -1,6 +1,9 @@
 //! SQL text shared by the two PostgreSQL stores (`PostgresStore`, feature
-//! `postgres`; `SqlxPostgresStore`, feature `sqlx-postgres`): the read-first
-//! replay and the claim's lock statement, with the reasoning behind both.
+//! `postgres`; `SqlxPostgresStore`, feature `sqlx-postgres`): every
+//! statement ([`PgSql`]), the schema and the advisory lock keys, written
+//! once, so the two stores read and write the same records and exclude each
+//! other on the same keys. Below, the reasoning behind the read-first replay
+//! and the claim's lock statement.
 //!
 //! # Read first: replays take no lock
 //!
@@ -53,7 +56,122 @@
 //! claim included) runs at once instead of waiting for the lease.
 
 use super::{Claim, ClaimRequest, Refusal, StoreError};
+use crate::fingerprint::Hasher;
 use crate::response::StoredResponse;
+
+/// The statements of a PostgreSQL store, with the table name in them, each
+/// as the driver keeps a statement (`S`: `String` for tokio-postgres,
+/// `sqlx::SqlStr` for sqlx).
+pub(crate) struct PgSql<S> {
+    pub(crate) table: String,
+    /// The key's advisory lock, then the server's clock (unix ms) plus `$2`.
+    pub(crate) lock_now: S,
+    /// The read-first replay.
+    pub(crate) completed: S,
+    pub(crate) insert: S,
+    pub(crate) select: S,
+    pub(crate) take_over: S,
+    pub(crate) complete: S,
+    pub(crate) release: S,
+    pub(crate) purge: S,
+    pub(crate) stuck: S,
+    pub(crate) counts: S,
+}
+
+impl<S> PgSql<S> {
+    /// The statements for `table` (checked by
+    /// [`check_table_name`](crate::store::kit::table::check_table_name)),
+    /// each made into an `S` by `statement`.
+    pub(crate) fn new(table: &str, statement: impl Fn(String) -> S) -> PgSql<S> {
+        PgSql {
+            table: table.to_owned(),
+            lock_now: statement(lock_now()),
+            completed: statement(completed(table)),
+            insert: statement(format!(
+                "INSERT INTO {table} (scope, key, fingerprint, token, state, lease_until, expires_at)
+                 VALUES ($1, $2, $3, $4, 'in_flight', $5, $6)
+                 ON CONFLICT (scope, key) DO NOTHING"
+            )),
+            select: statement(format!(
+                "SELECT fingerprint, state, lease_until, expires_at, response
+                 FROM {table} WHERE scope = $1 AND key = $2 FOR UPDATE"
+            )),
+            take_over: statement(format!(
+                "UPDATE {table}
+                 SET fingerprint = $3, token = $4, state = 'in_flight',
+                     lease_until = $5, expires_at = $6, response = NULL
+                 WHERE scope = $1 AND key = $2"
+            )),
+            complete: statement(format!(
+                "UPDATE {table} SET state = 'completed', response = $4
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
+            )),
+            release: statement(format!(
+                "DELETE FROM {table}
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
+            )),
+            purge: statement(format!(
+                "DELETE FROM {table} WHERE expires_at <= {}",
+                now_ms(1)
+            )),
+            // The clock is read once per statement (a MATERIALIZED CTE is
+            // evaluated once), so every row is judged at the same instant.
+            stuck: statement(format!(
+                "WITH now AS MATERIALIZED (SELECT {} AS ms)
+                 SELECT scope, key, fingerprint, lease_until, expires_at, now.ms
+                 FROM {table}, now
+                 WHERE state = 'in_flight' AND lease_until <= now.ms AND expires_at > now.ms
+                 ORDER BY lease_until, scope, key
+                 LIMIT $2",
+                now_ms(1)
+            )),
+            counts: statement(format!(
+                "WITH now AS MATERIALIZED (SELECT {} AS ms)
+                 SELECT
+                    count(*) FILTER (WHERE expires_at > now.ms AND state = 'in_flight' AND lease_until > now.ms),
+                    count(*) FILTER (WHERE expires_at > now.ms AND state = 'in_flight' AND lease_until <= now.ms),
+                    count(*) FILTER (WHERE expires_at > now.ms AND state = 'completed'),
+                    count(*) FILTER (WHERE expires_at <= now.ms)
+                 FROM {table}, now",
+                now_ms(1)
+            )),
+        }
+    }
+}
+
+/// The table and its index, created if missing (several statements: run
+/// as a batch, not prepared).
+pub(crate) fn schema(table: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {table} (
+            scope       TEXT   NOT NULL,
+            key         TEXT   NOT NULL,
+            fingerprint BYTEA  NOT NULL,
+            token       BIGINT NOT NULL,
+            state       TEXT   NOT NULL CHECK (state IN ('in_flight', 'completed')),
+            lease_until BIGINT NOT NULL, -- unix ms, server clock
+            expires_at  BIGINT NOT NULL, -- unix ms, server clock
+            response    BYTEA,
+            PRIMARY KEY (scope, key)
+        );
+        CREATE INDEX IF NOT EXISTS {table}_expires_at ON {table} (expires_at);"
+    )
+}
+
+/// The advisory lock key of a record: 64 bits of SHA-256 over table, scope
+/// and key, framed so no two records share an input. `("migrate", "")`
+/// guards the schema's creation.
+pub(crate) fn advisory_key(table: &str, scope: &str, key: &str) -> i64 {
+    let mut hasher = Hasher::new("tower-idempotency/pg-lock/v1");
+    hasher
+        .part(table.as_bytes())
+        .part(scope.as_bytes())
+        .part(key.as_bytes());
+    let digest = hasher.finish().0;
+    i64::from_be_bytes([
+        digest[0], digest[1], digest[2], digest[3], digest[4], digest[5], digest[6], digest[7],
+    ])
+}
 
 /// The server's clock in unix milliseconds, shifted by parameter `$n` (ms).
 fn now_ms(n: u8) -> String {
@@ -63,7 +181,7 @@ fn now_ms(n: u8) -> String {
 /// Inside the claim's transaction: takes the key's advisory lock (`$1`),
 /// sets `synchronous_commit = off` for this transaction only, and returns
 /// the server's clock (unix ms) plus `$2` as column 0.
-pub(crate) fn lock_now() -> String {
+fn lock_now() -> String {
     format!(
         "SELECT {}, set_config('synchronous_commit', 'off', true)
          FROM pg_advisory_xact_lock($1)",
@@ -74,7 +192,7 @@ pub(crate) fn lock_now() -> String {
 /// The read-first replay: `fingerprint, response` of the record
 /// `($1 scope, $2 key)` if it is completed and its TTL has not ended on the
 /// server's clock plus `$3` (ms); no row otherwise. Takes no lock.
-pub(crate) fn completed(table: &str) -> String {
+fn completed(table: &str) -> String {
     format!(
         "SELECT fingerprint, response FROM {table}
          WHERE scope = $1 AND key = $2 AND state = 'completed'

@@ -3,7 +3,7 @@
 //!
 //! * `transaction.rs`: [`MySqlTransaction`] and the
 //!   [`TransactionalStore`](crate::store::TransactionalStore) impl
-//!   (transactional mode); `hold.rs`: its max hold time.
+//!   (transactional mode, on the store kit's two phases).
 //! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL; `sql.rs`: the
 //!   statements and the schema.
 
@@ -21,7 +21,6 @@ use super::{
 use crate::fingerprint::Hasher;
 use crate::response::StoredResponse;
 
-mod hold;
 mod inspect;
 mod sql;
 mod transaction;
@@ -173,19 +172,7 @@ impl MySqlStoreBuilder {
     /// table that is not InnoDB; [`StoreError::Unavailable`] for a server
     /// that cannot be reached.
     pub async fn open(self) -> Result<MySqlStore, StoreError> {
-        let valid = !self.table.is_empty()
-            && self.table.len() <= 48
-            && !self.table.starts_with(|c: char| c.is_ascii_digit())
-            && self
-                .table
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !valid {
-            return Err(StoreError::config(format!(
-                "invalid table name {:?}: ASCII letters, digits and underscores, not starting with a digit, at most 48 characters",
-                self.table
-            )));
-        }
+        crate::store::kit::table::check_table_name(&self.table)?;
         let options = MySqlConnectOptions::from_str(&self.url)
             .map_err(StoreError::config)?
             .timezone(Some("+00:00".to_owned()));

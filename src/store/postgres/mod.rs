@@ -3,7 +3,7 @@
 //!
 //! * `transaction.rs`: [`PostgresTransaction`] and the
 //!   [`TransactionalStore`](crate::store::TransactionalStore) impl
-//!   (transactional mode); `transaction/hold.rs`: its max hold time.
+//!   (transactional mode, on the store kit's two phases).
 //! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
 //! * `connect.rs`: the URL's libpq TLS parameters and start-up errors;
 //!   `tls.rs`: the rustls connector (feature `postgres-tls`).
@@ -14,12 +14,11 @@ use std::time::Duration;
 use deadpool_postgres::{GenericClient, Object, Pool};
 use tokio_postgres::Statement;
 
-use super::pg_sql::{answer_completed, completed, lock_now};
+use super::pg_sql::{PgSql, advisory_key, answer_completed, schema};
 use super::{
     Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, RecordId, Refusal,
     Store, StoreError, decide, duration_ms,
 };
-use crate::fingerprint::Hasher;
 use crate::response::StoredResponse;
 
 mod connect;
@@ -104,97 +103,7 @@ pub struct PostgresStoreBuilder {
 }
 
 /// The statements, with the table name in them.
-struct Sql {
-    table: String,
-    lock_now: String,
-    completed: String,
-    insert: String,
-    select: String,
-    take_over: String,
-    complete: String,
-    release: String,
-    purge: String,
-    stuck: String,
-    counts: String,
-}
-
-/// The server's clock in unix milliseconds, shifted by parameter `$n` (ms).
-fn now_ms(n: u8) -> String {
-    format!("(floor(extract(epoch from clock_timestamp()) * 1000)::bigint + ${n}::bigint)")
-}
-
-impl Sql {
-    fn new(table: &str) -> Sql {
-        Sql {
-            table: table.to_owned(),
-            lock_now: lock_now(),
-            completed: completed(table),
-            insert: format!(
-                "INSERT INTO {table} (scope, key, fingerprint, token, state, lease_until, expires_at)
-                 VALUES ($1, $2, $3, $4, 'in_flight', $5, $6)
-                 ON CONFLICT (scope, key) DO NOTHING"
-            ),
-            select: format!(
-                "SELECT fingerprint, state, lease_until, expires_at, response
-                 FROM {table} WHERE scope = $1 AND key = $2 FOR UPDATE"
-            ),
-            take_over: format!(
-                "UPDATE {table}
-                 SET fingerprint = $3, token = $4, state = 'in_flight',
-                     lease_until = $5, expires_at = $6, response = NULL
-                 WHERE scope = $1 AND key = $2"
-            ),
-            complete: format!(
-                "UPDATE {table} SET state = 'completed', response = $4
-                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
-            ),
-            release: format!(
-                "DELETE FROM {table}
-                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
-            ),
-            purge: format!("DELETE FROM {table} WHERE expires_at <= {}", now_ms(1)),
-            // The clock is read once per statement (a MATERIALIZED CTE is
-            // evaluated once), so every row is judged at the same instant.
-            stuck: format!(
-                "WITH now AS MATERIALIZED (SELECT {} AS ms)
-                 SELECT scope, key, fingerprint, lease_until, expires_at, now.ms
-                 FROM {table}, now
-                 WHERE state = 'in_flight' AND lease_until <= now.ms AND expires_at > now.ms
-                 ORDER BY lease_until, scope, key
-                 LIMIT $2",
-                now_ms(1)
-            ),
-            counts: format!(
-                "WITH now AS MATERIALIZED (SELECT {} AS ms)
-                 SELECT
-                    count(*) FILTER (WHERE expires_at > now.ms AND state = 'in_flight' AND lease_until > now.ms),
-                    count(*) FILTER (WHERE expires_at > now.ms AND state = 'in_flight' AND lease_until <= now.ms),
-                    count(*) FILTER (WHERE expires_at > now.ms AND state = 'completed'),
-                    count(*) FILTER (WHERE expires_at <= now.ms)
-                 FROM {table}, now",
-                now_ms(1)
-            ),
-        }
-    }
-
-    fn schema(&self) -> String {
-        let table = &self.table;
-        format!(
-            "CREATE TABLE IF NOT EXISTS {table} (
-                scope       TEXT   NOT NULL,
-                key         TEXT   NOT NULL,
-                fingerprint BYTEA  NOT NULL,
-                token       BIGINT NOT NULL,
-                state       TEXT   NOT NULL CHECK (state IN ('in_flight', 'completed')),
-                lease_until BIGINT NOT NULL, -- unix ms, server clock
-                expires_at  BIGINT NOT NULL, -- unix ms, server clock
-                response    BYTEA,
-                PRIMARY KEY (scope, key)
-            );
-            CREATE INDEX IF NOT EXISTS {table}_expires_at ON {table} (expires_at);"
-        )
-    }
-}
+type Sql = PgSql<String>;
 
 fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
     StoreError::unavailable(e)
@@ -268,19 +177,7 @@ impl PostgresStoreBuilder {
     /// connects only to the primary, and after a failover to the new one),
     /// `connect_timeout`, `keepalives_idle`, `tcp_user_timeout`, ...
     pub async fn open(self) -> Result<PostgresStore, StoreError> {
-        let valid = !self.table.is_empty()
-            && self.table.len() <= 48
-            && !self.table.starts_with(|c: char| c.is_ascii_digit())
-            && self
-                .table
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !valid {
-            return Err(StoreError::config(format!(
-                "invalid table name {:?}: ASCII letters, digits and underscores, not starting with a digit, at most 48 characters",
-                self.table
-            )));
-        }
+        crate::store::kit::table::check_table_name(&self.table)?;
         let target = connect::parse(&self.url)?;
         let manager = connect::manager(&target)?;
         let pool = Pool::builder(manager)
@@ -290,7 +187,7 @@ impl PostgresStoreBuilder {
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(unavailable)?;
-        let sql = Sql::new(&self.table);
+        let sql = Sql::new(&self.table, |statement| statement);
         let mut client = pool
             .get()
             .await
@@ -301,7 +198,9 @@ impl PostgresStoreBuilder {
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
             .await
             .map_err(unavailable)?;
-        tx.batch_execute(&sql.schema()).await.map_err(unavailable)?;
+        tx.batch_execute(&schema(&self.table))
+            .await
+            .map_err(unavailable)?;
         tx.commit().await.map_err(unavailable)?;
         Ok(PostgresStore {
             pool,
@@ -311,20 +210,6 @@ impl PostgresStoreBuilder {
             held_too_long: Arc::default(),
         })
     }
-}
-
-/// The advisory lock key of a record: 64 bits of SHA-256 over table, scope
-/// and key, framed so no two records share an input.
-fn advisory_key(table: &str, scope: &str, key: &str) -> i64 {
-    let mut hasher = Hasher::new("tower-idempotency/pg-lock/v1");
-    hasher
-        .part(table.as_bytes())
-        .part(scope.as_bytes())
-        .part(key.as_bytes());
-    let digest = hasher.finish().0;
-    i64::from_be_bytes([
-        digest[0], digest[1], digest[2], digest[3], digest[4], digest[5], digest[6], digest[7],
-    ])
 }
 
 impl PostgresStore {

@@ -5,8 +5,8 @@
 //!   (feature `postgres`), so both stores can share one table.
 //! * `transaction.rs`: [`SqlxPostgresTransaction`], its connection guard
 //!   [`SqlxPostgresConnection`], the handler's error [`SqlxPostgresError`]
-//!   and the [`TransactionalStore`](crate::store::TransactionalStore) impl;
-//!   `transaction/hold.rs`: its max hold time.
+//!   and the steps on which the store kit runs
+//!   [`TransactionalStore`](crate::store::TransactionalStore) in two phases.
 //! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
 //!
 //! # Example
@@ -38,7 +38,7 @@ mod inspect;
 mod sql;
 mod transaction;
 
-use sql::{Sql, advisory_key, query};
+use sql::{Sql, advisory_key, checked, query, schema};
 pub use transaction::{SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresTransaction};
 
 /// Records in a PostgreSQL table, reached through the application's own
@@ -185,20 +185,8 @@ impl SqlxPostgresStoreBuilder {
     /// (a server that cannot be reached) or the statements fail (e.g. a role
     /// without `CREATE` on the schema).
     pub async fn open(self) -> Result<SqlxPostgresStore, StoreError> {
-        let valid = !self.table.is_empty()
-            && self.table.len() <= 48
-            && !self.table.starts_with(|c: char| c.is_ascii_digit())
-            && self
-                .table
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !valid {
-            return Err(StoreError::config(format!(
-                "invalid table name {:?}: ASCII letters, digits and underscores, not starting with a digit, at most 48 characters",
-                self.table
-            )));
-        }
-        let sql = Sql::new(&self.table);
+        crate::store::kit::table::check_table_name(&self.table)?;
+        let sql = Sql::new(&self.table, checked);
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         // Two servers starting at once would race on CREATE TABLE.
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
@@ -212,7 +200,7 @@ impl SqlxPostgresStoreBuilder {
             .execute(&mut *tx)
             .await
             .map_err(unavailable)?;
-        sqlx::raw_sql(sql.schema())
+        sqlx::raw_sql(checked(schema(&self.table)))
             .execute(&mut *tx)
             .await
             .map_err(unavailable)?;

@@ -1,56 +1,16 @@
 //! Who ends a [`SqlxSqliteTransaction`](super::SqlxSqliteTransaction), the
-//! layer (commit or rollback) or the max-hold timer, decided once by
-//! [`Fate`]; and the count of open transactions that `SQLITE_BUSY` errors
-//! name.
+//! layer (commit or rollback) or the max-hold timer, decided once by the
+//! store kit's [`Fate`]; and the count of open transactions that
+//! `SQLITE_BUSY` errors name.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use crate::store::StoreError;
+pub(super) use crate::store::kit::fate::Fate;
 
 use super::super::Counters;
-
-const OPEN: u8 = 0;
-/// The layer is committing or rolling back.
-const ENDING: u8 = 1;
-/// The max hold time passed first: whoever holds the transaction rolls back.
-const EXPIRED: u8 = 2;
-
-pub(super) struct Fate {
-    state: AtomicU8,
-    /// The max hold time, or the lease if shorter.
-    pub(super) hold: Duration,
-}
-
-impl Fate {
-    pub(super) fn new(hold: Duration) -> Fate {
-        Fate {
-            state: AtomicU8::new(OPEN),
-            hold,
-        }
-    }
-
-    /// The layer ends the transaction; `false` when the max hold time
-    /// passed first.
-    pub(super) fn end(&self) -> bool {
-        match self.state.compare_exchange(OPEN, ENDING, SeqCst, SeqCst) {
-            Ok(_) => true,
-            Err(state) => state == ENDING,
-        }
-    }
-
-    /// The timer ends it; `false` when the layer got there first.
-    pub(super) fn expire(&self) -> bool {
-        self.state
-            .compare_exchange(OPEN, EXPIRED, SeqCst, SeqCst)
-            .is_ok()
-    }
-
-    pub(super) fn expired(&self) -> bool {
-        self.state.load(SeqCst) == EXPIRED
-    }
-}
 
 pub(super) fn held_too_long(hold: Duration) -> StoreError {
     StoreError::unavailable(format!(

@@ -1,0 +1,417 @@
+//! Transactional mode in two phases, for the stores whose database a fleet
+//! of app servers shares (PostgreSQL through tokio-postgres or sqlx,
+//! MySQL/MariaDB).
+//!
+//! 1. The claim commits on its own, at once, so every other server sees the
+//!    key in flight with its fingerprint and lease.
+//! 2. The handler's writes and the record's completion share one
+//!    transaction, which commits only while the record still carries this
+//!    request's fencing token.
+//!
+//! The lifecycle is written here once: the phase-one claim task, the guard
+//! that gives a claim back when the transaction cannot be opened, the
+//! max-hold timer, commit and rollback. A driver supplies [`TwoPhase`]: how
+//! to open the transaction with its server-side backstop, stop a statement
+//! running on it, write the completion inside it, commit and roll back.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard, watch};
+
+use super::fate::Fate;
+use super::release::{ReleaseOnDrop, release_logged};
+use crate::response::StoredResponse;
+use crate::store::{
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, TransactionClaim,
+};
+
+/// What a store supplies to run transactional mode in two phases.
+pub(crate) trait TwoPhase: Store {
+    /// The driver's open transaction. Dropped before it ended cleanly (a
+    /// cancelled commit, a failed statement), it must leave nothing that a
+    /// later request could commit: close its connection, or have the pool
+    /// roll it back before the connection is used again.
+    type Tx: Send + 'static;
+    /// What stops a statement running on a [`TwoPhase::Tx`] from another
+    /// connection (a cancel token, a backend id).
+    type Cancel: Send + 'static;
+
+    /// Whether an open [`TwoPhase::Tx`] may be dropped outside a Tokio
+    /// runtime (sqlx's pool spawns a task when a connection is dropped, and
+    /// panics without a runtime).
+    const DROP_WITHOUT_RUNTIME: bool;
+
+    /// What a commit answers when the record no longer carries the token.
+    const FENCED: &'static str = "the lease ended before the commit and another request took the key over; this request's writes were rolled back";
+
+    /// The longest a transaction is held (the layer's lease caps it too).
+    fn max_hold(&self) -> Duration;
+
+    /// Transactions rolled back past their max hold time.
+    fn held_too_long(&self) -> &AtomicU64;
+
+    /// Opens phase two's transaction, with a server-side backstop a little
+    /// past `hold` (an idle session is ended by the server).
+    fn begin(
+        &self,
+        hold: Duration,
+    ) -> impl Future<Output = Result<(Self::Tx, Self::Cancel), StoreError>> + Send;
+
+    /// Stops the statement running on the transaction, from elsewhere.
+    fn cancel(&self, cancel: &Self::Cancel) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Completes the record inside `tx`: `true` when it still carried
+    /// `token` and now holds `response`.
+    fn complete_in(
+        &self,
+        tx: &mut Self::Tx,
+        id: &RecordId,
+        token: FencingToken,
+        response: &StoredResponse,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// `COMMIT`. An error's outcome is unknown: the key waits for its lease.
+    fn commit_tx(tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// `ROLLBACK`; a failure leaves it to the `Tx`'s drop.
+    fn roll_back_tx(tx: Self::Tx) -> impl Future<Output = ()> + Send;
+}
+
+/// An open phase-two transaction: the inside of each store's public
+/// transaction handle. Clones share it.
+pub(crate) struct Held<D: TwoPhase> {
+    open: Arc<Mutex<Option<Open<D>>>>,
+    /// Who ends it: the layer, or the max-hold timer.
+    fate: Arc<Fate>,
+    /// Its sender is dropped once the transaction has ended and its key is
+    /// given back (if it is to be).
+    ended: watch::Receiver<()>,
+}
+
+impl<D: TwoPhase> Clone for Held<D> {
+    fn clone(&self) -> Self {
+        Held {
+            open: self.open.clone(),
+            fate: self.fate.clone(),
+            ended: self.ended.clone(),
+        }
+    }
+}
+
+/// The transaction while it is open, and what ending it needs.
+struct Open<D: TwoPhase> {
+    tx: Option<D::Tx>,
+    id: RecordId,
+    token: FencingToken,
+    /// The max-hold timer, stopped when the transaction ends first.
+    timer: Option<tokio::task::AbortHandle>,
+    /// Dropped when the transaction has ended: `closed` resolves.
+    ended: Option<watch::Sender<()>>,
+}
+
+impl<D: TwoPhase> Drop for Open<D> {
+    fn drop(&mut self) {
+        if let Some(timer) = self.timer.take() {
+            timer.abort();
+        }
+    }
+}
+
+fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
+    StoreError::unavailable(e)
+}
+
+fn transaction_over() -> StoreError {
+    unavailable("the idempotency transaction has already been committed or rolled back")
+}
+
+fn held_too_long(hold: Duration) -> StoreError {
+    unavailable(format!(
+        "the idempotency transaction was rolled back: it was held past its max hold time ({} ms)",
+        hold.as_millis()
+    ))
+}
+
+impl<D: TwoPhase> Held<D> {
+    /// The open transaction, mapped to what the handler writes through.
+    /// Calls from clones take turns.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] once the transaction has ended.
+    pub(crate) async fn lock<'a, T: ?Sized + 'a>(
+        &'a self,
+        map: impl FnOnce(&mut D::Tx) -> &mut T,
+    ) -> Result<MappedMutexGuard<'a, T>, StoreError> {
+        let guard = self.open.lock().await;
+        if self.fate.expired() {
+            return Err(self.over());
+        }
+        MutexGuard::try_map(guard, |open| open.as_mut()?.tx.as_mut().map(map))
+            .map_err(|_| self.over())
+    }
+
+    /// Resolves once the transaction has ended: committed, rolled back, or
+    /// rolled back past its max hold time (then the key is free again).
+    pub(crate) async fn closed(&self) {
+        let mut ended = self.ended.clone();
+        while ended.changed().await.is_ok() {}
+    }
+
+    /// The error of a call after the transaction ended.
+    fn over(&self) -> StoreError {
+        if self.fate.expired() {
+            held_too_long(self.fate.hold)
+        } else {
+            transaction_over()
+        }
+    }
+
+    async fn take(&self) -> Option<Open<D>> {
+        self.open.lock().await.take()
+    }
+}
+
+/// [`TransactionalStore::claim_in_transaction`](crate::store::TransactionalStore::claim_in_transaction):
+/// phase one, then phase two's transaction and its max-hold timer.
+pub(crate) async fn claim<D: TwoPhase>(
+    store: &D,
+    req: ClaimRequest,
+) -> Result<TransactionClaim<Held<D>>, StoreError> {
+    let (id, token, lease) = (req.record_id(), req.token, req.lease);
+    // Phase one runs in a task of its own: if this request is cancelled
+    // while the claim is under way, the task gives a committed claim back
+    // instead of leaving the key in flight for the whole lease.
+    let (answer, claimed) = tokio::sync::oneshot::channel();
+    let phase_one = store.clone();
+    let abandoned = id.clone();
+    tokio::spawn(async move {
+        let unanswered = answer.send(phase_one.claim(req).await);
+        if let Err(Ok(Claim::Acquired { .. })) = unanswered {
+            release_logged(&phase_one, abandoned, token, "an abandoned key").await;
+        }
+    });
+    let claimed = claimed
+        .await
+        .map_err(|_| unavailable("the claim task ended without an answer"))?;
+    let taken_over = match claimed? {
+        Claim::Acquired { taken_over } => taken_over,
+        Claim::Refused(refused) => return Ok(TransactionClaim::Refused(refused)),
+    };
+    // Until the transaction is handed over, a cancelled or failed open
+    // gives the key back.
+    let guard = ReleaseOnDrop::new(store.clone(), id.clone(), token);
+    let hold = store.max_hold().min(lease);
+    let (tx, cancel) = store.begin(hold).await?;
+    let (ended, watch) = watch::channel(());
+    let held = Held {
+        open: Arc::new(Mutex::new(Some(Open {
+            tx: Some(tx),
+            id,
+            token,
+            timer: None,
+            ended: Some(ended),
+        }))),
+        fate: Arc::new(Fate::new(hold)),
+        ended: watch,
+    };
+    let timer = tokio::spawn(end_past(store.clone(), held.clone(), cancel));
+    // Unless the timer has already ended it (a zero hold).
+    if let Some(open) = held.open.lock().await.as_mut() {
+        open.timer = Some(timer.abort_handle());
+    }
+    guard.disarm();
+    Ok(TransactionClaim::Acquired {
+        transaction: held,
+        taken_over,
+    })
+}
+
+/// [`TransactionalStore::commit`](crate::store::TransactionalStore::commit):
+/// the completion, fenced by the token, then `COMMIT`. Anything short of
+/// that rolls back and gives the key back.
+pub(crate) async fn commit<D: TwoPhase>(
+    store: &D,
+    held: &Held<D>,
+    response: StoredResponse,
+) -> Result<Completion, StoreError> {
+    let mut open = held.take().await.ok_or_else(|| held.over())?;
+    // `closed` resolves once the key is given back, if it is.
+    let ended = open.ended.take();
+    if !held.fate.end() {
+        // The max hold time passed first: roll back, as its timer would.
+        roll_back_and_release(store, open).await;
+        drop(ended);
+        return Err(held.over());
+    }
+    // Cancelled from here on, the `Tx` is dropped (see `TwoPhase::Tx`), and
+    // the key waits for its lease.
+    let tx = open.tx.as_mut().ok_or_else(transaction_over)?;
+    let failure = match store.complete_in(tx, &open.id, open.token, &response).await {
+        Ok(true) => None,
+        // The lease ended and another request took the key over (or the
+        // record expired): this request's writes must not count.
+        Ok(false) => Some(unavailable(D::FENCED)),
+        // E.g. the handler's own statement failed and the database aborted
+        // the transaction.
+        Err(e) => Some(e),
+    };
+    if let Some(e) = failure {
+        // Nothing was committed: give the key back (token-checked, so a
+        // request that took it over keeps it).
+        roll_back_and_release(store, open).await;
+        drop(ended);
+        return Err(e);
+    }
+    let tx = open.tx.take().ok_or_else(transaction_over)?;
+    D::commit_tx(tx).await?;
+    drop(ended);
+    Ok(Completion::Stored)
+}
+
+/// [`TransactionalStore::rollback`](crate::store::TransactionalStore::rollback).
+pub(crate) fn rollback<D: TwoPhase>(store: &D, held: &Held<D>) {
+    drop(spawn_rollback(store, held));
+}
+
+/// [`TransactionalStore::roll_back_and_wait`](crate::store::TransactionalStore::roll_back_and_wait).
+pub(crate) async fn roll_back_and_wait<D: TwoPhase>(store: &D, held: &Held<D>) {
+    if let Some(task) = spawn_rollback(store, held) {
+        // The task goes on if this future is dropped: the key is still
+        // given back.
+        let _ = task.await;
+    }
+}
+
+/// Rolls the transaction back and gives the key back, in a task of its
+/// own. Without a runtime the `Tx` is dropped where that is safe (see
+/// [`TwoPhase::DROP_WITHOUT_RUNTIME`]), else left to its last handle; the
+/// claim then waits for its lease.
+fn spawn_rollback<D: TwoPhase>(store: &D, held: &Held<D>) -> Option<tokio::task::JoinHandle<()>> {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        if D::DROP_WITHOUT_RUNTIME {
+            drop(held.open.try_lock().ok().and_then(|mut open| open.take()));
+        }
+        return None;
+    };
+    let (store, held) = (store.clone(), held.clone());
+    Some(runtime.spawn(async move {
+        if let Some(mut open) = held.take().await {
+            held.fate.end();
+            let ended = open.ended.take();
+            // Give the key back, so a retry runs at once.
+            roll_back_and_release(&store, open).await;
+            drop(ended);
+        }
+    }))
+}
+
+/// Rolls back, then gives the key back (token-checked, so a request that
+/// took it over keeps it).
+async fn roll_back_and_release<D: TwoPhase>(store: &D, mut open: Open<D>) {
+    if let Some(tx) = open.tx.take() {
+        D::roll_back_tx(tx).await;
+    }
+    release_logged(store, open.id.clone(), open.token, "a rolled-back key").await;
+}
+
+/// The max-hold timer: once the hold has passed (unless the layer is ending
+/// the transaction already), counts it, stops a statement still running on
+/// the transaction, rolls it back and gives the key back, then lets
+/// `closed` resolve. Aborted when the transaction ends first.
+async fn end_past<D: TwoPhase>(store: D, held: Held<D>, cancel: D::Cancel) {
+    let hold = held.fate.hold;
+    tokio::time::sleep(hold).await;
+    if !held.fate.expire() {
+        return;
+    }
+    store.held_too_long().fetch_add(1, Relaxed);
+    tracing::warn!(
+        max_hold_ms = hold.as_millis() as u64,
+        "an idempotency transaction was held past its max hold time; rolling it back"
+    );
+    let mut guard = match held.open.try_lock() {
+        Ok(guard) => guard,
+        Err(_) => {
+            // The handler is using the connection: stop its statement.
+            if let Err(e) = store.cancel(&cancel).await {
+                tracing::warn!(error = %e, "stopping a statement past the max hold time failed");
+            }
+            held.open.lock().await
+        }
+    };
+    // Taken already: the layer's commit or rollback sees the expiry and
+    // rolls back itself.
+    let Some(mut open) = guard.take() else {
+        return;
+    };
+    drop(guard);
+    // This task ends the transaction itself: dropping `open` must not abort
+    // it halfway.
+    open.timer = None;
+    let ended = open.ended.take();
+    roll_back_and_release(&store, open).await;
+    drop(ended);
+}
+
+/// Implements [`TransactionalStore`](crate::store::TransactionalStore) for
+/// `$store` through this module, with `$handle` (a struct whose `held`
+/// field is a [`Held`]) as its transaction, plus the handle's `Debug`.
+macro_rules! two_phase_store {
+    ($store:ty, $handle:ident) => {
+        impl $crate::store::TransactionalStore for $store {
+            type Transaction = $handle;
+
+            async fn claim_in_transaction(
+                &self,
+                req: $crate::store::ClaimRequest,
+            ) -> Result<$crate::store::TransactionClaim<$handle>, $crate::store::StoreError> {
+                use $crate::store::TransactionClaim::{Acquired, Refused};
+                Ok(
+                    match $crate::store::kit::two_phase::claim(self, req).await? {
+                        Acquired {
+                            transaction,
+                            taken_over,
+                        } => Acquired {
+                            transaction: $handle { held: transaction },
+                            taken_over,
+                        },
+                        Refused(refused) => Refused(refused),
+                    },
+                )
+            }
+
+            async fn commit(
+                &self,
+                transaction: &$handle,
+                response: $crate::response::StoredResponse,
+            ) -> Result<$crate::store::Completion, $crate::store::StoreError> {
+                $crate::store::kit::two_phase::commit(self, &transaction.held, response).await
+            }
+
+            fn rollback(&self, transaction: &$handle) {
+                $crate::store::kit::two_phase::rollback(self, &transaction.held)
+            }
+
+            async fn roll_back_and_wait(&self, transaction: &$handle) {
+                $crate::store::kit::two_phase::roll_back_and_wait(self, &transaction.held).await
+            }
+
+            async fn ended(&self, transaction: &$handle) {
+                transaction.held.closed().await
+            }
+        }
+
+        impl std::fmt::Debug for $handle {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($handle)).finish_non_exhaustive()
+            }
+        }
+
+        $crate::store::transaction_extractor!($handle);
+    };
+}
+pub(crate) use two_phase_store;
