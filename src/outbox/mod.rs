@@ -95,6 +95,14 @@
 
 #[cfg(feature = "admin")]
 pub mod admin;
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite",
+    feature = "mysql"
+))]
+mod exec;
 mod message;
 #[cfg(feature = "mysql")]
 pub mod mysql;
@@ -105,8 +113,18 @@ pub mod postgres;
 mod queue;
 mod relay;
 mod sink;
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite",
+    feature = "mysql"
+))]
+mod sql;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite", feature = "mysql"))]
+pub mod sqlx;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -123,7 +141,13 @@ use queue::Queue;
 
 /// The outbox's table.
 #[cfg_attr(
-    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    not(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-sqlite",
+        feature = "mysql"
+    )),
     allow(dead_code)
 )]
 pub(crate) const TABLE: &str = "tower_idempotency_outbox";
@@ -165,8 +189,8 @@ impl Outbox {
     /// table created.
     #[cfg(feature = "sqlite")]
     pub async fn sqlite(path: impl AsRef<std::path::Path>) -> Result<Outbox, StoreError> {
-        let queue = sqlite::SqliteQueue::open(path.as_ref()).await?;
-        Ok(Outbox::from_queue(Arc::new(queue)))
+        let exec = sqlite::SqliteExec::open(path.as_ref()).await?;
+        Outbox::over(exec, sql::OutboxSql::sqlite()).await
     }
 
     /// The outbox in the PostgreSQL database of `store`, over its pool.
@@ -178,8 +202,36 @@ impl Outbox {
     /// table cannot be created.
     #[cfg(feature = "postgres")]
     pub async fn postgres(store: &crate::PostgresStore) -> Result<Outbox, StoreError> {
-        let queue = postgres::PostgresQueue::open(store.pool().clone()).await?;
-        Ok(Outbox::from_queue(Arc::new(queue)))
+        let exec = postgres::PostgresExec(store.pool().clone());
+        Outbox::over(exec, sql::OutboxSql::postgres()).await
+    }
+
+    /// The outbox in the PostgreSQL database of `store` (the app's own
+    /// `sqlx::PgPool`), over its pool. Creates its table if missing; the
+    /// table is the one [`Outbox::postgres`] uses.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] when no connection can be had or the
+    /// table cannot be created.
+    #[cfg(feature = "sqlx-postgres")]
+    pub async fn sqlx_postgres(store: &crate::SqlxPostgresStore) -> Result<Outbox, StoreError> {
+        let exec = sqlx::SqlxExec(store.pool().clone());
+        Outbox::over(exec, sql::OutboxSql::postgres()).await
+    }
+
+    /// The outbox in the SQLite database of `store` (the app's own
+    /// `sqlx::SqlitePool`), over its pool. Creates its table if missing; the
+    /// table is the one [`Outbox::sqlite`] uses.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] when no connection can be had or the
+    /// table cannot be created.
+    #[cfg(feature = "sqlx-sqlite")]
+    pub async fn sqlx_sqlite(store: &crate::SqlxSqliteStore) -> Result<Outbox, StoreError> {
+        let exec = sqlx::SqlxExec(store.pool().clone());
+        Outbox::over(exec, sql::OutboxSql::sqlite()).await
     }
 
     /// The outbox in the MySQL (8.0.1+) or MariaDB (10.6+) database of
@@ -191,19 +243,28 @@ impl Outbox {
     /// table cannot be created.
     #[cfg(feature = "mysql")]
     pub async fn mysql(store: &crate::MySqlStore) -> Result<Outbox, StoreError> {
-        let queue = mysql::MySqlQueue::open(store.pool().clone()).await?;
-        Ok(Outbox::from_queue(Arc::new(queue)))
+        let exec = sqlx::SqlxExec(store.pool().clone());
+        Outbox::over(exec, sql::OutboxSql::mysql()).await
     }
 
-    #[cfg_attr(
-        not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
-        allow(dead_code)
-    )]
-    fn from_queue(queue: Arc<dyn Queue>) -> Outbox {
-        Outbox {
-            queue,
+    /// The outbox over a driver's `exec`, in its dialect, with the table
+    /// created if missing.
+    #[cfg(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-sqlite",
+        feature = "mysql"
+    ))]
+    async fn over<E: exec::Exec>(
+        exec: E,
+        sql: &'static sql::OutboxSql,
+    ) -> Result<Outbox, StoreError> {
+        let queue = exec::SqlQueue::open(exec, sql).await?;
+        Ok(Outbox {
+            queue: Arc::new(queue),
             wake: Arc::new(Notify::new()),
-        }
+        })
     }
 
     /// A relay delivering this outbox's messages through `sink`, with the

@@ -8,12 +8,14 @@
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use rusqlite::{OptionalExtension, params};
+use rusqlite::types::{ToSqlOutput, ValueRef};
 
-use super::queue::{BoxFut, Claimed, Counts, Entry, Fate, Queue, View};
-use super::{Message, TABLE};
+use super::Message;
+use super::exec::{Cell, Col, Exec, Row, Value};
+use super::queue::BoxFut;
+use super::sql::OutboxSql;
 use crate::store::StoreError;
 
 /// The outbox's table and index, created if missing: run by
@@ -24,25 +26,7 @@ use crate::store::StoreError;
 ///
 /// SQLite's error, e.g. the database is locked past its busy timeout.
 pub fn migrate(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
-    conn.execute_batch(&format!(
-        "CREATE TABLE IF NOT EXISTS {TABLE} (
-            id INTEGER PRIMARY KEY AUTOINCREMENT,
-            msg_key TEXT NOT NULL UNIQUE,
-            destination TEXT NOT NULL,
-            content_type TEXT NOT NULL,
-            payload BLOB NOT NULL,
-            state TEXT NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'done', 'dead')),
-            attempts INTEGER NOT NULL DEFAULT 0,
-            created_ms INTEGER NOT NULL,
-            due_ms INTEGER NOT NULL,
-            lease_until_ms INTEGER,
-            lease_owner TEXT,
-            finished_ms INTEGER,
-            last_error TEXT
-        );
-        CREATE INDEX IF NOT EXISTS {TABLE}_due ON {TABLE} (due_ms) WHERE state = 'pending';
-        CREATE INDEX IF NOT EXISTS {TABLE}_finished ON {TABLE} (finished_ms) WHERE state = 'done';"
-    ))
+    conn.execute_batch(&OutboxSql::sqlite().schema)
 }
 
 /// Adds `message` to the outbox in the transaction of `conn` (pass the
@@ -60,68 +44,47 @@ pub fn migrate(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
 /// SQLite's error; `no such table` if no [`Outbox::sqlite`](super::Outbox::sqlite)
 /// (or [`migrate`]) has run on the database.
 pub fn enqueue(conn: &rusqlite::Connection, message: &Message) -> rusqlite::Result<bool> {
-    let now = now_ms();
     let n = conn
-        .prepare_cached(&format!(
-            "INSERT INTO {TABLE} (msg_key, destination, content_type, payload, created_ms, due_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?5) ON CONFLICT (msg_key) DO NOTHING"
-        ))?
-        .execute(params![
-            message.key,
-            message.destination,
-            message.content_type,
-            message.payload,
-            now
-        ])?;
+        .prepare_cached(&OutboxSql::sqlite().enqueue)?
+        .execute((
+            &message.key,
+            &message.destination,
+            &message.content_type,
+            &message.payload,
+        ))?;
     Ok(n == 1)
 }
 
-/// Milliseconds since the Unix epoch, by this machine's clock (processes
-/// sharing a SQLite file share the machine).
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
+/// The relay's [`Exec`]: one connection of its own, used on Tokio's
+/// blocking pool.
+pub(super) struct SqliteExec(Arc<Mutex<rusqlite::Connection>>);
 
-fn ms(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
-}
-
-/// The relay's queue: one connection of its own, used on Tokio's blocking
-/// pool.
-pub(super) struct SqliteQueue {
-    conn: Arc<Mutex<rusqlite::Connection>>,
-}
-
-impl SqliteQueue {
-    pub(super) async fn open(path: &Path) -> Result<SqliteQueue, StoreError> {
+impl SqliteExec {
+    /// A connection to the file at `path` (WAL, 5 s busy timeout).
+    pub(super) async fn open(path: &Path) -> Result<SqliteExec, StoreError> {
         let path = path.to_owned();
         let conn = tokio::task::spawn_blocking(move || -> rusqlite::Result<_> {
             let conn = rusqlite::Connection::open(path)?;
             conn.busy_timeout(Duration::from_secs(5))?;
             conn.pragma_update(None, "journal_mode", "WAL")?;
-            migrate(&conn)?;
             Ok(conn)
         })
         .await
         .map_err(StoreError::unavailable)?
         .map_err(StoreError::unavailable)?;
-        Ok(SqliteQueue {
-            conn: Arc::new(Mutex::new(conn)),
-        })
+        Ok(SqliteExec(Arc::new(Mutex::new(conn))))
     }
 
     fn with<T, F>(&self, f: F) -> BoxFut<'_, Result<T, StoreError>>
     where
-        F: FnOnce(&mut rusqlite::Connection, i64) -> rusqlite::Result<T> + Send + 'static,
+        F: FnOnce(&mut rusqlite::Connection) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
     {
-        let conn = self.conn.clone();
+        let conn = self.0.clone();
         Box::pin(async move {
             tokio::task::spawn_blocking(move || {
                 let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
-                f(&mut conn, now_ms())
+                f(&mut conn)
             })
             .await
             .map_err(StoreError::unavailable)?
@@ -130,167 +93,65 @@ impl SqliteQueue {
     }
 }
 
-fn entry(r: &rusqlite::Row<'_>, now: i64) -> rusqlite::Result<Entry> {
-    let created: i64 = r.get(4)?;
-    let due: i64 = r.get(5)?;
-    let lease: Option<i64> = r.get(6)?;
-    Ok(Entry {
-        id: r.get(0)?,
-        key: r.get(1)?,
-        destination: r.get(2)?,
-        attempts: r.get::<_, i64>(3)?.try_into().unwrap_or(u32::MAX),
-        age_ms: (now - created).max(0) as u64,
-        due_in_ms: (due - now).max(0) as u64,
-        lease_remaining_ms: lease.map(|l| (l - now).max(0) as u64).filter(|l| *l > 0),
-        last_error: r.get(7)?,
-    })
+impl rusqlite::ToSql for Value {
+    fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
+        Ok(ToSqlOutput::Borrowed(match self {
+            Value::Int(v) => ValueRef::Integer(*v),
+            Value::Text(v) => ValueRef::Text(v.as_bytes()),
+        }))
+    }
 }
 
-impl Queue for SqliteQueue {
-    fn claim(
-        &self,
-        owner: &str,
-        limit: usize,
-        lease: Duration,
-    ) -> BoxFut<'_, Result<Vec<Claimed>, StoreError>> {
-        let owner = owner.to_owned();
-        let lease = ms(lease);
-        self.with(move |conn, now| {
-            // A read first: an idle relay polls without taking the write lock.
-            let due: bool = conn
-                .prepare_cached(&format!(
-                    "SELECT EXISTS (SELECT 1 FROM {TABLE} WHERE state = 'pending' AND due_ms <= ?1
-                     AND (lease_until_ms IS NULL OR lease_until_ms <= ?1))"
-                ))?
-                .query_row(params![now], |r| r.get(0))?;
-            if !due {
-                return Ok(Vec::new());
-            }
-            let mut stmt = conn.prepare_cached(&format!(
-                "UPDATE {TABLE} SET lease_owner = ?1, lease_until_ms = ?2 + ?3, attempts = attempts + 1
-                 WHERE id IN (SELECT id FROM {TABLE} WHERE state = 'pending' AND due_ms <= ?2
-                   AND (lease_until_ms IS NULL OR lease_until_ms <= ?2) ORDER BY due_ms, id LIMIT ?4)
-                 RETURNING id, attempts, msg_key, destination, content_type, payload"
-            ))?;
-            let rows = stmt.query_map(params![owner, now, lease, limit as i64], |r| {
-                Ok(Claimed {
-                    id: r.get(0)?,
-                    attempt: r.get::<_, i64>(1)?.try_into().unwrap_or(u32::MAX),
-                    message: Message {
-                        key: r.get(2)?,
-                        destination: r.get(3)?,
-                        content_type: r.get(4)?,
-                        payload: r.get(5)?,
-                    },
-                })
-            })?;
-            rows.collect()
+fn read(row: &rusqlite::Row<'_>, shape: &[Col]) -> rusqlite::Result<Row> {
+    shape
+        .iter()
+        .enumerate()
+        .map(|(i, col)| {
+            Ok(match col {
+                Col::Int => Cell::Int(row.get(i)?),
+                Col::OptInt => row.get::<_, Option<i64>>(i)?.map_or(Cell::Null, Cell::Int),
+                Col::Text => Cell::Text(row.get(i)?),
+                Col::OptText => row
+                    .get::<_, Option<String>>(i)?
+                    .map_or(Cell::Null, Cell::Text),
+                Col::Bytes => Cell::Bytes(row.get(i)?),
+            })
         })
+        .collect()
+}
+
+impl Exec for SqliteExec {
+    fn batch<'a>(&'a self, sql: &'a str) -> BoxFut<'a, Result<(), StoreError>> {
+        let sql = sql.to_owned();
+        self.with(move |conn| conn.execute_batch(&sql))
     }
 
-    fn finish(&self, id: i64, attempt: u32, fate: Fate) -> BoxFut<'_, Result<bool, StoreError>> {
-        self.with(move |conn, now| {
-            let n = match fate {
-                // Delivered: whoever holds the lease now, the message is done.
-                Fate::Done => conn.execute(
-                    &format!(
-                        "UPDATE {TABLE} SET state = 'done', finished_ms = ?2, lease_until_ms = NULL,
-                         lease_owner = NULL, last_error = NULL WHERE id = ?1 AND state = 'pending'"
-                    ),
-                    params![id, now],
-                )?,
-                // Only the attempt that holds the claim schedules the next.
-                Fate::Retry { after, error } => conn.execute(
-                    &format!(
-                        "UPDATE {TABLE} SET due_ms = ?3, lease_until_ms = NULL, lease_owner = NULL,
-                         last_error = ?4 WHERE id = ?1 AND attempts = ?2 AND state = 'pending'"
-                    ),
-                    params![id, attempt, now + ms(after), error],
-                )?,
-                Fate::Dead { error } => conn.execute(
-                    &format!(
-                        "UPDATE {TABLE} SET state = 'dead', finished_ms = ?3, lease_until_ms = NULL,
-                         lease_owner = NULL, last_error = ?4 WHERE id = ?1 AND attempts = ?2 AND state = 'pending'"
-                    ),
-                    params![id, attempt, now, error],
-                )?,
-            };
-            Ok(n == 1)
-        })
-    }
-
-    fn purge(&self, older_than: Duration, limit: usize) -> BoxFut<'_, Result<u64, StoreError>> {
-        let age = ms(older_than);
-        self.with(move |conn, now| {
-            let n = conn.execute(
-                &format!(
-                    "DELETE FROM {TABLE} WHERE id IN (SELECT id FROM {TABLE}
-                     WHERE state = 'done' AND finished_ms <= ?1 LIMIT ?2)"
-                ),
-                params![now - age, limit as i64],
-            )?;
+    fn execute<'a>(
+        &'a self,
+        sql: &'a str,
+        params: Vec<Value>,
+    ) -> BoxFut<'a, Result<u64, StoreError>> {
+        let sql = sql.to_owned();
+        self.with(move |conn| {
+            let n = conn
+                .prepare_cached(&sql)?
+                .execute(rusqlite::params_from_iter(params))?;
             Ok(n as u64)
         })
     }
 
-    fn list(&self, view: View, limit: usize) -> BoxFut<'_, Result<Vec<Entry>, StoreError>> {
-        self.with(move |conn, now| {
-            let filter = match view {
-                View::Pending => "state = 'pending' AND (lease_until_ms IS NULL OR lease_until_ms <= ?1)",
-                View::InFlight => "state = 'pending' AND lease_until_ms > ?1",
-                View::Dead => "state = 'dead' AND ?1 = ?1",
-            };
-            let mut stmt = conn.prepare(&format!(
-                "SELECT id, msg_key, destination, attempts, created_ms, due_ms, lease_until_ms, last_error
-                 FROM {TABLE} WHERE {filter} ORDER BY id LIMIT ?2"
-            ))?;
-            let rows = stmt.query_map(params![now, limit as i64], |r| entry(r, now))?;
+    fn fetch<'a>(
+        &'a self,
+        sql: &'a str,
+        params: Vec<Value>,
+        shape: &'static [Col],
+    ) -> BoxFut<'a, Result<Vec<Row>, StoreError>> {
+        let sql = sql.to_owned();
+        self.with(move |conn| {
+            let mut statement = conn.prepare_cached(&sql)?;
+            let rows =
+                statement.query_map(rusqlite::params_from_iter(params), |row| read(row, shape))?;
             rows.collect()
-        })
-    }
-
-    fn requeue(&self, id: i64) -> BoxFut<'_, Result<bool, StoreError>> {
-        self.with(move |conn, now| {
-            let n = conn.execute(
-                &format!(
-                    "UPDATE {TABLE} SET state = 'pending', attempts = 0, due_ms = ?2, finished_ms = NULL
-                     WHERE id = ?1 AND state = 'dead'"
-                ),
-                params![id, now],
-            )?;
-            Ok(n == 1)
-        })
-    }
-
-    fn counts(&self) -> BoxFut<'_, Result<Counts, StoreError>> {
-        self.with(move |conn, now| {
-            let (pending, in_flight, dead, done): (i64, i64, i64, i64) = conn.query_row(
-                &format!(
-                    "SELECT
-                       COUNT(*) FILTER (WHERE state = 'pending' AND (lease_until_ms IS NULL OR lease_until_ms <= ?1)),
-                       COUNT(*) FILTER (WHERE state = 'pending' AND lease_until_ms > ?1),
-                       COUNT(*) FILTER (WHERE state = 'dead'),
-                       COUNT(*) FILTER (WHERE state = 'done')
-                     FROM {TABLE}"
-                ),
-                params![now],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
-            )?;
-            let oldest: Option<i64> = conn
-                .query_row(
-                    &format!("SELECT MIN(created_ms) FROM {TABLE} WHERE state = 'pending'"),
-                    [],
-                    |r| r.get(0),
-                )
-                .optional()?
-                .flatten();
-            Ok(Counts {
-                pending: pending as u64,
-                in_flight: in_flight as u64,
-                dead: dead as u64,
-                done: done as u64,
-                oldest_pending_age_ms: oldest.map(|c| (now - c).max(0) as u64),
-            })
         })
     }
 }

@@ -131,6 +131,8 @@ mod redis;
 mod sqlite;
 #[cfg(any(feature = "sqlite", feature = "sqlx-sqlite"))]
 mod sqlite_sql;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite", feature = "mysql"))]
+mod sqlx_error;
 #[cfg(feature = "sqlx-postgres")]
 mod sqlx_postgres;
 #[cfg(feature = "sqlx-sqlite")]
@@ -154,6 +156,8 @@ pub use sqlite::{
     GroupCommitStats, SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous,
     TransactionError,
 };
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite", feature = "mysql"))]
+pub use sqlx_error::SqlxError;
 #[cfg(feature = "sqlx-postgres")]
 pub use sqlx_postgres::{
     SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresStore, SqlxPostgresStoreBuilder,

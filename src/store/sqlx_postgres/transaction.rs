@@ -13,9 +13,7 @@ use crate::response::StoredResponse;
 use crate::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
 use crate::store::{Completion, FencingToken, RecordId, StoreError, duration_ms};
 
-mod error;
-
-pub use error::SqlxPostgresError;
+pub use crate::store::sqlx_error::SqlxPostgresError;
 
 /// An open `sqlx::Transaction<'static, Postgres>` of the store's pool in
 /// which the layer has claimed the request's key. The handler runs its own

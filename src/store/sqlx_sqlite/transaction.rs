@@ -14,10 +14,9 @@ use crate::store::{
     ClaimRequest, Completion, FencingToken, StoreError, TransactionClaim, TransactionalStore,
 };
 
-mod error;
 mod hold;
 
-pub use error::SqlxSqliteError;
+pub use crate::store::sqlx_error::SqlxSqliteError;
 use hold::{Fate, OpenCount};
 
 /// An open SQLite write transaction (`BEGIN IMMEDIATE`) on one of the

@@ -1,0 +1,113 @@
+//! [`SqlxError`]: what a transactional handler on a sqlx store returns
+//! (`SqlxPostgresStore`, `SqlxSqliteStore`, `MySqlStore`), so that each of
+//! its calls takes `?`.
+
+use crate::store::StoreError;
+
+/// The error of a handler that writes through a sqlx store's transaction
+/// ([`SqlxPostgresTransaction`](crate::store::SqlxPostgresTransaction),
+/// [`SqlxSqliteTransaction`](crate::store::SqlxSqliteTransaction),
+/// [`MySqlTransaction`](crate::store::MySqlTransaction)): the transaction
+/// could not be had (its `connection()` failed), a statement failed, or
+/// (feature `outbox`) an outbox message could not be built. `From` each, so
+/// a handler returning `Result<_, SqlxError>` uses `?` on every call.
+///
+/// With the `axum` feature it is a response, always a 5xx, which the default
+/// store policy does not store, so the transaction rolls back and the key
+/// is free for a retry:
+///
+/// * `Store`: the store's problem (503 `store-unavailable` with
+///   `Retry-After`).
+/// * `Sql`: on SQLite, `SQLITE_BUSY` answers as that same 503, logged with
+///   its likely cause (see
+///   [`SqlxSqliteStore::explain_busy`](crate::store::SqlxSqliteStore::explain_busy));
+///   any other statement error as a 500 problem whose detail does not echo
+///   the SQL error (it is logged at error level instead).
+/// * `Message`: a 500 problem, logged (the handler built a message the
+///   outbox refuses: a bug to fix, not a condition to retry).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SqlxError {
+    /// The transaction has ended or cannot be had: see [`StoreError`].
+    Store(StoreError),
+    /// A statement failed.
+    Sql(sqlx::Error),
+    /// An outbox message could not be built.
+    #[cfg(feature = "outbox")]
+    Message(crate::outbox::MessageError),
+}
+
+/// The error of a handler on [`SqlxPostgresStore`](crate::store::SqlxPostgresStore).
+#[cfg(feature = "sqlx-postgres")]
+pub type SqlxPostgresError = SqlxError;
+
+/// The error of a handler on [`SqlxSqliteStore`](crate::store::SqlxSqliteStore).
+#[cfg(feature = "sqlx-sqlite")]
+pub type SqlxSqliteError = SqlxError;
+
+impl From<StoreError> for SqlxError {
+    fn from(e: StoreError) -> Self {
+        SqlxError::Store(e)
+    }
+}
+
+impl From<sqlx::Error> for SqlxError {
+    fn from(e: sqlx::Error) -> Self {
+        SqlxError::Sql(e)
+    }
+}
+
+#[cfg(feature = "outbox")]
+impl From<crate::outbox::MessageError> for SqlxError {
+    fn from(e: crate::outbox::MessageError) -> Self {
+        SqlxError::Message(e)
+    }
+}
+
+impl std::fmt::Display for SqlxError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SqlxError::Store(e) => e.fmt(f),
+            SqlxError::Sql(e) => write!(f, "SQL in the idempotency transaction failed: {e}"),
+            #[cfg(feature = "outbox")]
+            SqlxError::Message(e) => write!(f, "an outbox message could not be built: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for SqlxError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SqlxError::Store(e) => Some(e),
+            SqlxError::Sql(e) => Some(e),
+            #[cfg(feature = "outbox")]
+            SqlxError::Message(e) => Some(e),
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+impl axum_core::response::IntoResponse for SqlxError {
+    fn into_response(self) -> axum_core::response::Response {
+        match self {
+            SqlxError::Store(e) => e.into_response(),
+            SqlxError::Sql(e) => {
+                #[cfg(feature = "sqlx-sqlite")]
+                if let Some(busy) = crate::store::SqlxSqliteStore::explain_busy(&e) {
+                    return busy.into_response();
+                }
+                tracing::error!(error = %e, "a handler's SQL failed; answering 500");
+                crate::extract::internal_error(
+                    "a database statement failed while this request was processed",
+                )
+            }
+            #[cfg(feature = "outbox")]
+            SqlxError::Message(e) => {
+                tracing::error!(error = %e, "a handler built an invalid outbox message; answering 500");
+                crate::extract::internal_error(
+                    "an outbox message could not be built while this request was processed",
+                )
+            }
+        }
+    }
+}
