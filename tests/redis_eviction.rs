@@ -561,9 +561,22 @@ async fn under_volatile_lru_a_completed_record_is_evicted_and_a_retry_runs_again
     assert!(warnings[1].contains("evicted_keys=1"), "{}", warnings[1]);
 }
 
+/// Waits (within [`DEADLINE`]) until the server has `clients` connections.
+async fn wait_for_clients(raw: &mut redis::aio::MultiplexedConnection, clients: u64) {
+    let start = Instant::now();
+    while info_number(raw, "clients", "connected_clients").await != clients {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the store's connection outlived its last handle (a leaked timer?)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The timer re-checks by itself (interval 1 s: polled until it has, within
 /// a deadline), and stops with the store's last handle: the store's
-/// connection then closes, which it could not while a task held it.
+/// connection then closes, which it could not while a task held it. With an
+/// interval of an hour, the task is stopped at once, not at its next tick.
 #[tokio::test]
 async fn the_timer_rechecks_and_stops_with_the_last_handle() {
     let server = PrivateRedis::start(&[]);
@@ -589,14 +602,19 @@ async fn the_timer_rechecks_and_stops_with_the_last_handle() {
     }
     drop(store);
     drop(clone);
-    let start = Instant::now();
-    while info_number(&mut raw, "clients", "connected_clients").await != alone {
-        assert!(
-            start.elapsed() < DEADLINE,
-            "the store's connection outlived its last handle (a leaked timer?)"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_clients(&mut raw, alone).await;
+
+    set_policy(&mut raw, "noeviction").await;
+    let store = RedisStore::builder(server.url())
+        .eviction_check_interval(Duration::from_secs(3600))
+        .open()
+        .await
+        .unwrap();
+    let clone = store.clone();
+    assert!(info_number(&mut raw, "clients", "connected_clients").await > alone);
+    drop(clone);
+    drop(store);
+    wait_for_clients(&mut raw, alone).await;
 }
 
 /// On a cluster every master is read: one master with an evicting policy
