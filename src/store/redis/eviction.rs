@@ -229,28 +229,26 @@ async fn read_node(
 ) -> Result<NodeEviction, StoreError> {
     let mut config = ::redis::cmd("CONFIG");
     config.arg("GET").arg("maxmemory-policy");
-    let (policy, policy_error) = match refusable(on_node(conn, node, config).await)? {
-        Ok(reply) => match config_value(&reply) {
-            Some(policy) => (Some(policy), None),
-            None => (
-                None,
-                Some("CONFIG GET maxmemory-policy: no such parameter".to_owned()),
-            ),
+    let from_config = match refusable(on_node(conn, node, config).await)? {
+        Ok(reply) => config_value(&reply)
+            .ok_or_else(|| "CONFIG GET maxmemory-policy: no such parameter".to_owned()),
+        Err(refused) => Err(format!(
+            "CONFIG is unavailable: CONFIG GET maxmemory-policy: {refused}"
+        )),
+    };
+    // Where CONFIG fails, INFO memory may still tell it.
+    let (policy, policy_error) = match from_config {
+        Ok(policy) => (Some(policy), None),
+        Err(why) => match refusable(on_node(conn, node, info("memory")).await)? {
+            Ok(reply) => match info_field(&reply, "maxmemory_policy") {
+                Some(policy) => (Some(policy.to_owned()), None),
+                None => (
+                    None,
+                    Some(format!("{why}; INFO memory has no maxmemory_policy")),
+                ),
+            },
+            Err(refused) => (None, Some(format!("{why}; INFO memory: {refused}"))),
         },
-        Err(config_refused) => {
-            let why =
-                format!("CONFIG is unavailable: CONFIG GET maxmemory-policy: {config_refused}");
-            match refusable(on_node(conn, node, info("memory")).await)? {
-                Ok(reply) => match info_field(&reply, "maxmemory_policy") {
-                    Some(policy) => (Some(policy.to_owned()), None),
-                    None => (
-                        None,
-                        Some(format!("{why}; INFO memory has no maxmemory_policy")),
-                    ),
-                },
-                Err(info_refused) => (None, Some(format!("{why}; INFO memory: {info_refused}"))),
-            }
-        }
     };
     let evicted_keys = match refusable(on_node(conn, node, info("stats")).await)? {
         Ok(reply) => info_field(&reply, "evicted_keys").and_then(|n| n.parse().ok()),
