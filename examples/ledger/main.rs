@@ -656,7 +656,11 @@ async fn redis_writes(urls: &str, args: &Args) -> Result<Writes, Box<dyn std::er
         ),
         None => builder,
     };
-    let store = builder.open().await?;
+    // An evicting maxmemory-policy is refused here (the message names it).
+    let store = builder
+        .open()
+        .await
+        .map_err(|e| format!("--key-store: {e}"))?;
     let admin = admin_router(&store, args);
     Ok((writes().route_layer(idempotency(store, args.lease)), admin))
 }

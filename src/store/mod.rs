@@ -139,7 +139,7 @@ mod sqlx_postgres;
 mod sqlx_sqlite;
 
 #[cfg(feature = "redis")]
-pub use self::redis::{RedisStore, RedisStoreBuilder};
+pub use self::redis::{EvictionCheck, NodeEviction, RedisStore, RedisStoreBuilder};
 pub use crate::fencing::FencingToken;
 pub(crate) use clock::duration_ms;
 pub use clock::{Clock, SystemClock};

@@ -8,6 +8,7 @@ use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClientBuilder;
 
 use super::conn::Conn;
+use super::eviction::{self, Eviction};
 use super::{
     CLAIM_SCRIPT, COMPLETE_SCRIPT, INSPECT_SCRIPT, PURGE_SCRIPT, RELEASE_SCRIPT, RedisStore,
 };
@@ -42,6 +43,8 @@ pub struct RedisStoreBuilder {
     target: Target,
     prefix: String,
     offset: Option<Arc<dyn Clock>>,
+    accept_eviction_risk: bool,
+    eviction_interval: Duration,
     #[cfg(feature = "redis-tls")]
     ca: Option<Vec<u8>>,
 }
@@ -53,6 +56,8 @@ impl std::fmt::Debug for RedisStoreBuilder {
             .field("cluster", &matches!(self.target, Target::Cluster(_)))
             .field("prefix", &self.prefix)
             .field("time_offset", &self.offset.is_some())
+            .field("accept_eviction_risk", &self.accept_eviction_risk)
+            .field("eviction_check_interval", &self.eviction_interval)
             .finish_non_exhaustive()
     }
 }
@@ -71,6 +76,8 @@ impl RedisStoreBuilder {
             target,
             prefix: "idempotency:".into(),
             offset: None,
+            accept_eviction_risk: false,
+            eviction_interval: eviction::DEFAULT_INTERVAL,
             #[cfg(feature = "redis-tls")]
             ca: None,
         }
@@ -99,6 +106,42 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Whether [`RedisStoreBuilder::open`] starts even when a node's
+    /// `maxmemory-policy` is not `noeviction`, or cannot be read (default
+    /// `false`: it refuses with [`StoreError::Config`]). With `true`, the
+    /// USER TAKES THE RISK that Redis evicts a record, and that a retry of
+    /// its request then runs the handler a second time, silently; the store
+    /// logs a WARN at start-up for each such node, and the timer of
+    /// [`RedisStoreBuilder::eviction_check_interval`] keeps checking.
+    ///
+    /// Why the rule: every record has an expiry (its TTL), so under any
+    /// policy but `noeviction`, `volatile-*` included, Redis may delete a
+    /// record before its TTL when it reaches `maxmemory`, for example when a
+    /// cache shares the server. ElastiCache's default is `volatile-lru`.
+    ///
+    /// Meant for a server that refuses `CONFIG GET` and `INFO` (a managed
+    /// service that renames or disables `CONFIG`, an ACL user without
+    /// `+config|get` or `+info`) whose policy the user has checked to be
+    /// `noeviction` by other means, such as the provider's console.
+    pub fn accept_eviction_risk(mut self, accept: bool) -> Self {
+        self.accept_eviction_risk = accept;
+        self
+    }
+
+    /// How often, in seconds, the store reads `maxmemory-policy` and `INFO
+    /// stats` `evicted_keys` on every node again (default 60 s; below 1 s
+    /// counts as 1 s; [`Duration::ZERO`] turns the timer off), since a
+    /// policy can be changed at run time. Each check is
+    /// [`RedisStore::check_eviction_policy`]: a WARN log for a node whose
+    /// policy evicts, the metrics of [`crate::telemetry`] (feature
+    /// `metrics`), and [`RedisStore::last_eviction_check`]. The timer is one
+    /// tokio task per opened store, stopped when the store's last clone is
+    /// dropped; a check that takes over 10 s is abandoned until the next.
+    pub fn eviction_check_interval(mut self, interval: Duration) -> Self {
+        self.eviction_interval = interval;
+        self
+    }
+
     /// The certificate authority (PEM: one or more `BEGIN CERTIFICATE`
     /// blocks) that a `rediss://` server's certificate must chain to,
     /// instead of the system's roots. The server's certificate must also
@@ -117,6 +160,11 @@ impl RedisStoreBuilder {
     /// Connects, and loads the scripts (so a server without Lua scripting
     /// fails here, not on the first request). On a cluster, connects to a
     /// seed, reads the slot map, and loads the scripts on every master.
+    /// Then reads `maxmemory-policy` on the server, or on every master
+    /// (`CONFIG GET maxmemory-policy`, or `INFO memory` where `CONFIG` is
+    /// refused), and refuses to start unless each is `noeviction` (see
+    /// [`RedisStoreBuilder::accept_eviction_risk`]); then starts the timer of
+    /// [`RedisStoreBuilder::eviction_check_interval`].
     ///
     /// # Errors
     ///
@@ -127,6 +175,14 @@ impl RedisStoreBuilder {
     /// when no server (or seed) can be reached, its TLS certificate is not
     /// trusted (the message names the cause, e.g. `UnknownIssuer` or
     /// `certificate not valid for name`), or it refuses the scripts.
+    ///
+    /// [`StoreError::Config`] also when a node's `maxmemory-policy` is not
+    /// `noeviction` (the message names the node, the policy and the fix:
+    /// `CONFIG SET maxmemory-policy noeviction`, redis.conf, or on
+    /// ElastiCache the parameter group), or when neither `CONFIG GET` nor
+    /// `INFO` tells it (the message says `CONFIG is unavailable` and quotes
+    /// the servers' replies), unless
+    /// [`RedisStoreBuilder::accept_eviction_risk`] is `true`.
     pub async fn open(self) -> Result<RedisStore, StoreError> {
         if self.prefix.is_empty() {
             return Err(StoreError::config(
@@ -140,6 +196,7 @@ impl RedisStoreBuilder {
         }
         #[cfg(feature = "redis-tls")]
         self.check_tls()?;
+        let mut single = String::new();
         let mut conn = match self.target {
             Target::Single(url) => {
                 #[cfg(feature = "redis-tls")]
@@ -156,6 +213,7 @@ impl RedisStoreBuilder {
                 #[cfg(not(feature = "redis-tls"))]
                 let client = ::redis::Client::open(url.as_str());
                 let client = client.map_err(StoreError::config)?;
+                single = client.get_connection_info().addr().to_string();
                 Conn::Single(
                     ConnectionManager::new_with_config(client, connection_config())
                         .await
@@ -208,10 +266,21 @@ impl RedisStoreBuilder {
                 .await
                 .map_err(StoreError::unavailable)?;
         }
+        let eviction = Eviction::new(single);
+        let check = eviction.read(&conn).await?;
+        if !check.is_safe() && !self.accept_eviction_risk {
+            return Err(eviction::refusal(&check));
+        }
+        // With the risk accepted, a WARN for each node that is not safe.
+        eviction.record(&check);
+        if !self.eviction_interval.is_zero() {
+            Eviction::start_timer(&eviction, conn.clone(), self.eviction_interval);
+        }
         Ok(RedisStore {
             conn,
             prefix: self.prefix.into(),
             offset: self.offset,
+            eviction,
         })
     }
 

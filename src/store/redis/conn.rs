@@ -60,17 +60,14 @@ pub(super) struct Walk {
     conn: Conn,
     pattern: String,
     /// The masters still to walk (`None`: the one server), the current last.
-    nodes: Vec<Option<(String, u16)>>,
+    nodes: Vec<Option<Node>>,
     cursor: u64,
 }
 
 impl Walk {
     pub(super) async fn new(conn: &Conn, pattern: String) -> Result<Walk, StoreError> {
         let mut conn = conn.clone();
-        let nodes = match &mut conn {
-            Conn::Single(_) => vec![None],
-            Conn::Cluster(c) => masters(c).await?.into_iter().map(Some).collect(),
-        };
+        let nodes = nodes(&mut conn).await?;
         Ok(Walk {
             conn,
             pattern,
@@ -91,15 +88,9 @@ impl Walk {
             .arg(&self.pattern)
             .arg("COUNT")
             .arg(SCAN_COUNT);
-        let reply = match (&mut self.conn, node) {
-            (Conn::Cluster(c), Some((host, port))) => {
-                let route =
-                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
-                c.route_command(scan, route).await
-            }
-            (conn, _) => scan.query_async(conn).await,
-        }
-        .map_err(StoreError::unavailable)?;
+        let reply = on_node(&mut self.conn, node.as_ref(), scan)
+            .await
+            .map_err(StoreError::unavailable)?;
         let (next, keys): (u64, Vec<Vec<u8>>) =
             ::redis::from_redis_value(reply).map_err(StoreError::unavailable)?;
         if next == 0 {
@@ -171,9 +162,40 @@ fn joined(
     }
 }
 
+/// A cluster node's address: host and port, as `CLUSTER SLOTS` names it.
+pub(super) type Node = (String, u16);
+
+/// The nodes to visit one by one: `[None]` for the one server, each master
+/// (`Some(address)`) of a cluster.
+pub(super) async fn nodes(conn: &mut Conn) -> Result<Vec<Option<Node>>, StoreError> {
+    Ok(match conn {
+        Conn::Single(_) => vec![None],
+        Conn::Cluster(c) => masters(c).await?.into_iter().map(Some).collect(),
+    })
+}
+
+/// Sends `cmd` to one node of [`nodes`]: on a cluster, the master at
+/// `node`; otherwise the one server.
+pub(super) async fn on_node(
+    conn: &mut Conn,
+    node: Option<&Node>,
+    cmd: Cmd,
+) -> Result<Value, ::redis::RedisError> {
+    match (conn, node) {
+        (Conn::Cluster(c), Some((host, port))) => {
+            let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                host: host.clone(),
+                port: *port,
+            });
+            c.route_command(cmd, route).await
+        }
+        (conn, _) => cmd.query_async(conn).await,
+    }
+}
+
 /// The masters' addresses, as `CLUSTER SLOTS` (asked of any node) names
 /// them: each slot range's first node.
-async fn masters(conn: &mut ClusterConnection) -> Result<Vec<(String, u16)>, StoreError> {
+async fn masters(conn: &mut ClusterConnection) -> Result<Vec<Node>, StoreError> {
     let reply = conn
         .route_command(
             ::redis::cmd("CLUSTER").arg("SLOTS").clone(),

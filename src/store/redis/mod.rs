@@ -16,11 +16,14 @@ use crate::response::StoredResponse;
 
 mod builder;
 mod conn;
+mod eviction;
 mod inspect;
 mod reply;
 
 pub use builder::RedisStoreBuilder;
 use conn::{Conn, Walk};
+use eviction::Eviction;
+pub use eviction::{EvictionCheck, NodeEviction};
 use reply::{int, parse_claim, parse_flag, text, unexpected};
 
 /// The largest lease, TTL or clock offset (ms) a script is given: about
@@ -146,6 +149,36 @@ fn script(body: &str) -> Script {
 /// use a Redis with `appendfsync always` and no failover, or the SQLite
 /// store.
 ///
+/// # Eviction: `maxmemory-policy noeviction` only
+///
+/// Every record has an expiry (its TTL), so under any `maxmemory-policy`
+/// but `noeviction` (`volatile-lru` and the other `volatile-*` policies
+/// included) a Redis that reaches `maxmemory` may delete a record before its
+/// TTL, say when a cache shares the server, and a retry of that request
+/// then runs its handler again, with nothing logged. ElastiCache's default
+/// is `volatile-lru`. So [`RedisStoreBuilder::open`] reads the policy on
+/// the server, or on every master of a cluster (`CONFIG GET
+/// maxmemory-policy`; where `CONFIG` is refused, `maxmemory_policy` from
+/// `INFO memory`), and fails with [`StoreError::Config`] unless each is
+/// `noeviction`: the message names the node, its policy and the fix
+/// (`CONFIG SET maxmemory-policy noeviction` and the same line in
+/// redis.conf; on ElastiCache, the parameter group). A server that refuses
+/// both commands (a managed service without `CONFIG`, an ACL user without
+/// `+config|get` and `+info`) is refused too, with a message that says
+/// `CONFIG is unavailable`; [`RedisStoreBuilder::accept_eviction_risk`]
+/// starts anyway, with a WARN at start-up.
+///
+/// A policy can change at run time, and a failover can promote a replica
+/// configured otherwise, so a timer
+/// ([`RedisStoreBuilder::eviction_check_interval`], every 60 s by default)
+/// reads every master's policy and `INFO stats` `evicted_keys` again: a
+/// WARN when a node's policy turns evicting or it has evicted keys since,
+/// the gauges `tower_idempotency_redis_eviction_unsafe` and
+/// `tower_idempotency_redis_evicted_keys` (feature `metrics`, see
+/// [`crate::telemetry`]), and [`RedisStore::last_eviction_check`]. It never
+/// stops the store: requests go on being served. Replicas are not read;
+/// a promoted one is, at the next check.
+///
 /// # Redis Cluster
 ///
 /// [`RedisStore::cluster`] (or [`RedisStore::cluster_builder`]) takes seed
@@ -204,6 +237,8 @@ pub struct RedisStore {
     conn: Conn,
     prefix: Arc<str>,
     offset: Option<Arc<dyn Clock>>,
+    /// The last eviction check and the timer, shared by every clone.
+    eviction: Arc<Eviction>,
 }
 
 impl std::fmt::Debug for RedisStore {
