@@ -2,6 +2,9 @@
 //! only what really differs (its SQL, its lock step, how it stops a
 //! statement); the lifecycle around it lives here.
 //!
+//! * `claim.rs`: the claim of a SQL store (insert first, judge the record
+//!   an insert met, take it over or refuse); the store supplies its
+//!   statements.
 //! * `fate.rs`: who ends a transaction, the layer or the max-hold timer.
 //! * `release.rs`: giving a claimed key back, and the guard that does so
 //!   when a request is cancelled between the claim and the hand-over.
@@ -10,6 +13,13 @@
 //!   for PostgreSQL and MySQL/MariaDB.
 //! * `table.rs`: the rule for a configurable table name.
 
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "mysql",
+    feature = "sqlx-sqlite"
+))]
+pub(crate) mod claim;
 #[cfg(any(
     feature = "postgres",
     feature = "sqlx-postgres",

@@ -11,13 +11,10 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, Executor, Row};
 
-use super::{
-    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, RecordId, Refusal,
-    Store, StoreError, decide, duration_ms,
-};
+use super::{Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError};
 use crate::fingerprint::Hasher;
 use crate::response::StoredResponse;
 
@@ -25,6 +22,7 @@ mod inspect;
 mod sql;
 mod transaction;
 
+use super::kit::claim::{ClaimSteps, Found, Met, claim_in};
 use sql::{Sql, q};
 
 pub use transaction::{MySqlTransaction, MySqlTransactionConnection};
@@ -268,80 +266,103 @@ impl MySqlStore {
         self.offset.as_ref().map_or(0, |c| c.now_ms())
     }
 
-    /// One try of the claim, in one transaction.
-    async fn try_claim(&self, req: &ClaimRequest, id: &[u8]) -> Result<Claim, sqlx::Error> {
-        let sql = &self.sql;
+    /// One try of the claim, in one transaction. Its lock step is the
+    /// insert itself: `INSERT ... ON DUPLICATE KEY UPDATE` inserts the
+    /// record or takes the row lock of the one there.
+    async fn try_claim(&self, req: &ClaimRequest, id: &[u8]) -> Result<Found, sqlx::Error> {
         let offset = self.offset_ms();
         // Dropped unfinished (an error below), the transaction rolls back.
         let mut tx = self.pool.begin().await?;
-        let now: i64 = sqlx::query_scalar(AssertSqlSafe(sql.now.clone()))
+        let now: i64 = sqlx::query_scalar(AssertSqlSafe(self.sql.now.clone()))
             .bind(offset)
             .fetch_one(&mut *tx)
             .await?;
-        let lease_until = now.saturating_add(duration_ms(req.lease));
-        let expires_at = now.saturating_add(duration_ms(req.ttl));
-        let fingerprint = &req.fingerprint.0[..];
-        let inserted = q(&sql.insert)
-            .bind(id)
+        let mut steps = Steps {
+            conn: &mut tx,
+            sql: &self.sql,
+            id,
+            offset,
+        };
+        let found = claim_in(&mut steps, req, now).await?;
+        if found.is_acquired() {
+            tx.commit().await?;
+        } else {
+            // Nothing to keep (the duplicate only bumped `claims`).
+            tx.rollback().await?;
+        }
+        Ok(found)
+    }
+}
+
+/// The claim's statements on one record (`id`, its primary key), in one
+/// transaction.
+struct Steps<'a> {
+    conn: &'a mut MySqlConnection,
+    sql: &'a Sql,
+    id: &'a [u8],
+    /// The clock's offset (ms), for the server's clock read under the lock.
+    offset: i64,
+}
+
+impl ClaimSteps for Steps<'_> {
+    type Error = sqlx::Error;
+
+    async fn insert(
+        &mut self,
+        req: &ClaimRequest,
+        lease_until: i64,
+        expires_at: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let inserted = q(&self.sql.insert)
+            .bind(self.id)
             .bind(&req.scope)
             .bind(&req.key)
-            .bind(fingerprint)
+            .bind(&req.fingerprint.0[..])
             .bind(req.token.0)
             .bind(lease_until)
             .bind(expires_at)
-            .execute(&mut *tx)
+            .execute(&mut *self.conn)
             .await?;
-        if inserted.rows_affected() == 1 {
-            tx.commit().await?;
-            return Ok(Claim::Acquired { taken_over: false });
-        }
-        // The record was there; this transaction holds its row lock now.
-        let row = q(&sql.select)
-            .bind(offset)
-            .bind(id)
-            .fetch_one(&mut *tx)
+        Ok(inserted.rows_affected() == 1)
+    }
+
+    /// The record was there; this transaction holds its row lock now, and
+    /// reads the server's clock again under it.
+    async fn select(&mut self, _: &ClaimRequest) -> Result<Option<Met>, sqlx::Error> {
+        let row = q(&self.sql.select)
+            .bind(self.offset)
+            .bind(self.id)
+            .fetch_one(&mut *self.conn)
             .await?;
-        let old_fingerprint: Vec<u8> = row.try_get(0)?;
-        let state: String = row.try_get(1)?;
-        let now: i64 = row.try_get(5)?;
-        let existing = Existing {
-            fingerprint: &old_fingerprint,
-            completed: state == "completed",
+        Ok(Some(Met {
+            fingerprint: row.try_get(0)?,
+            completed: row.try_get::<String, _>(1)? == "completed",
             lease_until: row.try_get(2)?,
             expires_at: row.try_get(3)?,
-        };
-        let taken_over = match decide(&existing, &req.fingerprint, now, req.lease) {
-            Decision::Replace { taken_over } => taken_over,
-            refused => {
-                // Nothing to keep (the duplicate only bumped `claims`).
-                tx.rollback().await?;
-                return Ok(match refused {
-                    Decision::Mismatch => Refusal::Mismatch.into(),
-                    Decision::InFlight(lease_remaining) => {
-                        Refusal::InFlight { lease_remaining }.into()
-                    }
-                    _ => {
-                        let blob: Option<Vec<u8>> = row.try_get(4)?;
-                        match StoredResponse::decode(&blob.unwrap_or_default()) {
-                            Ok(stored) => Refusal::Completed(stored).into(),
-                            Err(e) => return Err(sqlx::Error::Decode(e.to_string().into())),
-                        }
-                    }
-                });
-            }
-        };
-        let lease_until = now.saturating_add(duration_ms(req.lease));
-        let expires_at = now.saturating_add(duration_ms(req.ttl));
-        q(&sql.take_over)
-            .bind(fingerprint)
+            response: row.try_get(4)?,
+            now: Some(row.try_get(5)?),
+        }))
+    }
+
+    async fn take_over(
+        &mut self,
+        req: &ClaimRequest,
+        lease_until: i64,
+        expires_at: i64,
+    ) -> Result<(), sqlx::Error> {
+        q(&self.sql.take_over)
+            .bind(&req.fingerprint.0[..])
             .bind(req.token.0)
             .bind(lease_until)
             .bind(expires_at)
-            .bind(id)
-            .execute(&mut *tx)
+            .bind(self.id)
+            .execute(&mut *self.conn)
             .await?;
-        tx.commit().await?;
-        Ok(Claim::Acquired { taken_over })
+        Ok(())
+    }
+
+    fn vanished() -> sqlx::Error {
+        sqlx::Error::RowNotFound
     }
 }
 
@@ -352,7 +373,7 @@ impl Store for MySqlStore {
         loop {
             tries += 1;
             match self.try_claim(&req, &id).await {
-                Ok(claim) => return Ok(claim),
+                Ok(found) => return found.into_claim(),
                 // InnoDB rolled the whole transaction back: nothing of it
                 // stays, so it is tried again from the start.
                 Err(e) if is_deadlock(&e) && tries < 3 => continue,

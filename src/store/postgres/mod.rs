@@ -14,11 +14,9 @@ use std::time::Duration;
 use deadpool_postgres::{GenericClient, Object, Pool};
 use tokio_postgres::Statement;
 
+use super::kit::claim::{ClaimSteps, Met, claim_in};
 use super::pg_sql::{PgSql, advisory_key, answer_completed, schema};
-use super::{
-    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, RecordId, Refusal,
-    Store, StoreError, decide, duration_ms,
-};
+use super::{Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError};
 use crate::response::StoredResponse;
 
 mod connect;
@@ -254,76 +252,30 @@ impl PostgresStore {
     async fn client(&self) -> Result<Object, StoreError> {
         self.pool.get().await.map_err(unavailable)
     }
+}
 
-    /// The claim inside an open transaction that holds the key's advisory
-    /// lock; `now` is the server's clock read after the lock was taken.
-    async fn claim_in<C: GenericClient>(
-        &self,
-        client: &C,
+/// The claim's statements, in a transaction holding the key's advisory
+/// lock.
+struct Steps<'a, C> {
+    client: &'a C,
+    sql: &'a Sql,
+}
+
+impl<C: GenericClient + Sync> ClaimSteps for Steps<'_, C> {
+    type Error = StoreError;
+
+    async fn insert(
+        &mut self,
         req: &ClaimRequest,
-        now: i64,
-    ) -> Result<Claim, StoreError> {
-        let lease_until = now.saturating_add(duration_ms(req.lease));
-        let expires_at = now.saturating_add(duration_ms(req.ttl));
+        lease_until: i64,
+        expires_at: i64,
+    ) -> Result<bool, StoreError> {
+        let statement = cached(self.client, &self.sql.insert).await?;
         let fingerprint = &req.fingerprint.0[..];
-        let sql = &self.sql;
-        // A release or a purge may delete the conflicting row between the
-        // insert and the select (they do not take the key's lock): then the
-        // insert is tried again, and wins.
-        let mut found = None;
-        for _ in 0..3 {
-            let inserted = client
-                .execute(
-                    &cached(client, &sql.insert).await?,
-                    &[
-                        &req.scope,
-                        &req.key,
-                        &fingerprint,
-                        &req.token.0,
-                        &lease_until,
-                        &expires_at,
-                    ],
-                )
-                .await
-                .map_err(unavailable)?;
-            if inserted == 1 {
-                return Ok(Claim::Acquired { taken_over: false });
-            }
-            found = client
-                .query_opt(&cached(client, &sql.select).await?, &[&req.scope, &req.key])
-                .await
-                .map_err(unavailable)?;
-            if found.is_some() {
-                break;
-            }
-        }
-        let row = found.ok_or_else(|| unavailable("the conflicting record kept vanishing"))?;
-        let old_fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
-        let state: String = row.try_get(1).map_err(unavailable)?;
-        let old_lease: i64 = row.try_get(2).map_err(unavailable)?;
-        let old_expiry: i64 = row.try_get(3).map_err(unavailable)?;
-        let existing = Existing {
-            fingerprint: &old_fingerprint,
-            completed: state == "completed",
-            lease_until: old_lease,
-            expires_at: old_expiry,
-        };
-        let taken_over = match decide(&existing, &req.fingerprint, now, req.lease) {
-            Decision::Replace { taken_over } => taken_over,
-            Decision::Mismatch => return Ok(Refusal::Mismatch.into()),
-            Decision::Replay => {
-                let blob: Option<Vec<u8>> = row.try_get(4).map_err(unavailable)?;
-                return StoredResponse::decode(&blob.unwrap_or_default())
-                    .map(|stored| Refusal::Completed(stored).into())
-                    .map_err(|e| StoreError::Corrupt(e.to_string()));
-            }
-            Decision::InFlight(lease_remaining) => {
-                return Ok(Refusal::InFlight { lease_remaining }.into());
-            }
-        };
-        client
+        let inserted = self
+            .client
             .execute(
-                &cached(client, &sql.take_over).await?,
+                &statement,
                 &[
                     &req.scope,
                     &req.key,
@@ -335,7 +287,57 @@ impl PostgresStore {
             )
             .await
             .map_err(unavailable)?;
-        Ok(Claim::Acquired { taken_over })
+        Ok(inserted == 1)
+    }
+
+    async fn select(&mut self, req: &ClaimRequest) -> Result<Option<Met>, StoreError> {
+        let statement = cached(self.client, &self.sql.select).await?;
+        let row = self
+            .client
+            .query_opt(&statement, &[&req.scope, &req.key])
+            .await
+            .map_err(unavailable)?;
+        row.map(|row| {
+            Ok(Met {
+                fingerprint: row.try_get(0)?,
+                completed: row.try_get::<_, String>(1)? == "completed",
+                lease_until: row.try_get(2)?,
+                expires_at: row.try_get(3)?,
+                response: row.try_get(4)?,
+                now: None,
+            })
+        })
+        .transpose()
+        .map_err(|e: tokio_postgres::Error| unavailable(e))
+    }
+
+    async fn take_over(
+        &mut self,
+        req: &ClaimRequest,
+        lease_until: i64,
+        expires_at: i64,
+    ) -> Result<(), StoreError> {
+        let statement = cached(self.client, &self.sql.take_over).await?;
+        let fingerprint = &req.fingerprint.0[..];
+        self.client
+            .execute(
+                &statement,
+                &[
+                    &req.scope,
+                    &req.key,
+                    &fingerprint,
+                    &req.token.0,
+                    &lease_until,
+                    &expires_at,
+                ],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    fn vanished() -> StoreError {
+        unavailable("the conflicting record kept vanishing")
     }
 }
 
@@ -367,9 +369,13 @@ impl Store for PostgresStore {
             .await
             .map_err(unavailable)?;
         let now: i64 = row.try_get(0).map_err(unavailable)?;
-        let claim = self.claim_in(&tx, &req, now).await?;
+        let mut steps = Steps {
+            client: &tx,
+            sql: &self.sql,
+        };
+        let found = claim_in(&mut steps, &req, now).await?;
         tx.commit().await.map_err(unavailable)?;
-        Ok(claim)
+        found.into_claim()
     }
 
     async fn complete(

@@ -28,16 +28,14 @@ use std::time::Duration;
 
 use sqlx::{PgConnection, PgPool, Row};
 
-use super::{
-    Claim, ClaimRequest, Clock, Completion, Decision, Existing, FencingToken, RecordId, Refusal,
-    Store, StoreError, decide, duration_ms,
-};
+use super::{Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError};
 use crate::response::StoredResponse;
 
 mod inspect;
 mod sql;
 mod transaction;
 
+use crate::store::kit::claim::{ClaimSteps, Met, claim_in};
 use sql::{Sql, advisory_key, checked, query, schema};
 pub use transaction::{SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresTransaction};
 
@@ -260,81 +258,6 @@ impl SqlxPostgresStore {
         self.offset.as_ref().map_or(0, |c| c.now_ms())
     }
 
-    /// The claim inside an open transaction that holds the key's advisory
-    /// lock; `now` is the server's clock read after the lock was taken.
-    async fn claim_in(
-        &self,
-        conn: &mut PgConnection,
-        req: &ClaimRequest,
-        now: i64,
-    ) -> Result<Claim, StoreError> {
-        let lease_until = now.saturating_add(duration_ms(req.lease));
-        let expires_at = now.saturating_add(duration_ms(req.ttl));
-        let fingerprint = &req.fingerprint.0[..];
-        let sql = &self.sql;
-        // A release or a purge may delete the conflicting row between the
-        // insert and the select (they do not take the key's lock): then the
-        // insert is tried again, and wins.
-        let mut found = None;
-        for _ in 0..3 {
-            let inserted = query(&sql.insert)
-                .bind(&req.scope)
-                .bind(&req.key)
-                .bind(fingerprint)
-                .bind(req.token.0)
-                .bind(lease_until)
-                .bind(expires_at)
-                .execute(&mut *conn)
-                .await
-                .map_err(unavailable)?;
-            if inserted.rows_affected() == 1 {
-                return Ok(Claim::Acquired { taken_over: false });
-            }
-            found = query(&sql.select)
-                .bind(&req.scope)
-                .bind(&req.key)
-                .fetch_optional(&mut *conn)
-                .await
-                .map_err(unavailable)?;
-            if found.is_some() {
-                break;
-            }
-        }
-        let row = found.ok_or_else(|| unavailable("the conflicting record kept vanishing"))?;
-        let old_fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
-        let state: String = row.try_get(1).map_err(unavailable)?;
-        let existing = Existing {
-            fingerprint: &old_fingerprint,
-            completed: state == "completed",
-            lease_until: row.try_get(2).map_err(unavailable)?,
-            expires_at: row.try_get(3).map_err(unavailable)?,
-        };
-        let taken_over = match decide(&existing, &req.fingerprint, now, req.lease) {
-            Decision::Replace { taken_over } => taken_over,
-            Decision::Mismatch => return Ok(Refusal::Mismatch.into()),
-            Decision::Replay => {
-                let blob: Option<Vec<u8>> = row.try_get(4).map_err(unavailable)?;
-                return StoredResponse::decode(&blob.unwrap_or_default())
-                    .map(|stored| Refusal::Completed(stored).into())
-                    .map_err(|e| StoreError::Corrupt(e.to_string()));
-            }
-            Decision::InFlight(lease_remaining) => {
-                return Ok(Refusal::InFlight { lease_remaining }.into());
-            }
-        };
-        query(&sql.take_over)
-            .bind(&req.scope)
-            .bind(&req.key)
-            .bind(fingerprint)
-            .bind(req.token.0)
-            .bind(lease_until)
-            .bind(expires_at)
-            .execute(&mut *conn)
-            .await
-            .map_err(unavailable)?;
-        Ok(Claim::Acquired { taken_over })
-    }
-
     /// Completes the record on `conn` if it still carries `token`.
     async fn complete_on(
         &self,
@@ -356,6 +279,80 @@ impl SqlxPostgresStore {
         } else {
             Completion::Fenced
         })
+    }
+}
+
+/// The claim's statements, in a transaction holding the key's advisory
+/// lock.
+struct Steps<'a> {
+    conn: &'a mut PgConnection,
+    sql: &'a Sql,
+}
+
+impl ClaimSteps for Steps<'_> {
+    type Error = StoreError;
+
+    async fn insert(
+        &mut self,
+        req: &ClaimRequest,
+        lease_until: i64,
+        expires_at: i64,
+    ) -> Result<bool, StoreError> {
+        let inserted = query(&self.sql.insert)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .bind(&req.fingerprint.0[..])
+            .bind(req.token.0)
+            .bind(lease_until)
+            .bind(expires_at)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(unavailable)?;
+        Ok(inserted.rows_affected() == 1)
+    }
+
+    async fn select(&mut self, req: &ClaimRequest) -> Result<Option<Met>, StoreError> {
+        let row = query(&self.sql.select)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .fetch_optional(&mut *self.conn)
+            .await
+            .map_err(unavailable)?;
+        row.map(|row| {
+            Ok(Met {
+                fingerprint: row.try_get(0)?,
+                completed: row.try_get::<String, _>(1)? == "completed",
+                lease_until: row.try_get(2)?,
+                expires_at: row.try_get(3)?,
+                response: row.try_get(4)?,
+                now: None,
+            })
+        })
+        .transpose()
+        .map_err(|e: sqlx::Error| unavailable(e))
+    }
+
+    async fn take_over(
+        &mut self,
+        req: &ClaimRequest,
+        lease_until: i64,
+        expires_at: i64,
+    ) -> Result<(), StoreError> {
+        query(&self.sql.take_over)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .bind(&req.fingerprint.0[..])
+            .bind(req.token.0)
+            .bind(lease_until)
+            .bind(expires_at)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+
+    fn vanished() -> StoreError {
+        unavailable("the conflicting record kept vanishing")
     }
 }
 
@@ -385,9 +382,13 @@ impl Store for SqlxPostgresStore {
             .fetch_one(&mut *tx)
             .await
             .map_err(unavailable)?;
-        let claim = self.claim_in(&mut tx, &req, now).await?;
+        let mut steps = Steps {
+            conn: &mut tx,
+            sql: &self.sql,
+        };
+        let found = claim_in(&mut steps, &req, now).await?;
         tx.commit().await.map_err(unavailable)?;
-        Ok(claim)
+        found.into_claim()
     }
 
     async fn complete(

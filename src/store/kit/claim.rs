@@ -1,0 +1,157 @@
+//! The claim of a SQL store, written once: inside the store's transaction
+//! and after its lock step, insert first (the primary key decides who is
+//! first), read the record only when the insert met one, judge it by
+//! [`decide`], and take it over or refuse. A store supplies [`ClaimSteps`]:
+//! its three statements. `SqliteStore` (rusqlite, on its writer thread)
+//! and `MemoryStore` decide with [`decide`] too, in code of their own.
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::response::StoredResponse;
+use crate::store::{
+    Claim, ClaimRequest, Decision, Existing, Refusal, StoreError, decide, duration_ms,
+};
+
+/// The record an insert met, as read under the store's lock.
+pub(crate) struct Met {
+    pub(crate) fingerprint: Vec<u8>,
+    pub(crate) completed: bool,
+    /// Unix ms.
+    pub(crate) lease_until: i64,
+    /// Unix ms.
+    pub(crate) expires_at: i64,
+    /// The stored response, encoded (`None` while in flight).
+    pub(crate) response: Option<Vec<u8>>,
+    /// The store's clock read again with the record, where the lock is the
+    /// record's own row lock (MySQL): the claim is judged at this instant.
+    pub(crate) now: Option<i64>,
+}
+
+/// What a claim did: acquired the record, or refused, with a stored
+/// response not yet decoded (so that it can be decoded outside a lock).
+#[derive(Debug)]
+pub(crate) enum Found {
+    Acquired { taken_over: bool },
+    Mismatch,
+    InFlight(Duration),
+    Completed(Vec<u8>),
+}
+
+impl Found {
+    pub(crate) fn is_acquired(&self) -> bool {
+        matches!(self, Found::Acquired { .. })
+    }
+
+    /// `Ok(taken_over)` when the claim acquired the record, else the
+    /// refusal with its response decoded.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Corrupt`] for a stored response that does not decode.
+    pub(crate) fn decode(self) -> Result<Result<bool, Refusal>, StoreError> {
+        Ok(Err(match self {
+            Found::Acquired { taken_over } => return Ok(Ok(taken_over)),
+            Found::Mismatch => Refusal::Mismatch,
+            Found::InFlight(lease_remaining) => Refusal::InFlight { lease_remaining },
+            Found::Completed(blob) => Refusal::Completed(decode_stored(&blob)?),
+        }))
+    }
+
+    /// As [`Found::decode`], as a [`Claim`].
+    pub(crate) fn into_claim(self) -> Result<Claim, StoreError> {
+        Ok(match self.decode()? {
+            Ok(taken_over) => Claim::Acquired { taken_over },
+            Err(refusal) => Claim::Refused(refusal),
+        })
+    }
+}
+
+/// A completed record's response, decoded.
+///
+/// # Errors
+///
+/// [`StoreError::Corrupt`] when it does not decode.
+pub(crate) fn decode_stored(blob: &[u8]) -> Result<StoredResponse, StoreError> {
+    StoredResponse::decode(blob).map_err(|e| StoreError::Corrupt(e.to_string()))
+}
+
+/// A SQL store's statements for one claim, run inside its transaction after
+/// its lock step.
+pub(crate) trait ClaimSteps: Send {
+    type Error: Send;
+
+    /// Inserts the in-flight record for `req` unless one exists: `true`
+    /// when it inserted.
+    fn insert(
+        &mut self,
+        req: &ClaimRequest,
+        lease_until: i64,
+        expires_at: i64,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send;
+
+    /// The record of `req` under the lock; `None` if it is gone.
+    fn select(
+        &mut self,
+        req: &ClaimRequest,
+    ) -> impl Future<Output = Result<Option<Met>, Self::Error>> + Send;
+
+    /// Overwrites the record with `req`'s claim.
+    fn take_over(
+        &mut self,
+        req: &ClaimRequest,
+        lease_until: i64,
+        expires_at: i64,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// The error when the record an insert met kept vanishing.
+    fn vanished() -> Self::Error;
+}
+
+/// The claim (the table in the module docs of [`crate::store`]) through
+/// `steps`, whose transaction holds the store's lock on the key; `now` is
+/// the store's clock read after that lock was taken (unix ms).
+pub(crate) async fn claim_in<S: ClaimSteps>(
+    steps: &mut S,
+    req: &ClaimRequest,
+    now: i64,
+) -> Result<Found, S::Error> {
+    let deadlines = |now: i64| {
+        (
+            now.saturating_add(duration_ms(req.lease)),
+            now.saturating_add(duration_ms(req.ttl)),
+        )
+    };
+    let (lease_until, expires_at) = deadlines(now);
+    // Where a release or a purge does not take the claim's lock
+    // (PostgreSQL's advisory lock), it may delete the record between the
+    // insert and the select: then the insert is tried again, and wins.
+    let mut met = None;
+    for _ in 0..3 {
+        if steps.insert(req, lease_until, expires_at).await? {
+            return Ok(Found::Acquired { taken_over: false });
+        }
+        met = steps.select(req).await?;
+        if met.is_some() {
+            break;
+        }
+    }
+    let met = met.ok_or_else(S::vanished)?;
+    let now = met.now.unwrap_or(now);
+    let existing = Existing {
+        fingerprint: &met.fingerprint,
+        completed: met.completed,
+        lease_until: met.lease_until,
+        expires_at: met.expires_at,
+    };
+    Ok(match decide(&existing, &req.fingerprint, now, req.lease) {
+        Decision::Replace { taken_over } => {
+            let (lease_until, expires_at) = deadlines(now);
+            steps.take_over(req, lease_until, expires_at).await?;
+            Found::Acquired { taken_over }
+        }
+        Decision::Mismatch => Found::Mismatch,
+        Decision::Replay => Found::Completed(met.response.unwrap_or_default()),
+        Decision::InFlight(lease_remaining) => Found::InFlight(lease_remaining),
+    })
+}
