@@ -59,7 +59,12 @@ fn readme_is_short_and_has_the_two_commands() {
             command.trim()
         );
     }
-    assert!(read(".ci/run").contains("\ncargo test --features client,admin\n"));
+    // `.ci/run` runs the same command; it is not in the published package,
+    // whose tests run from the unpacked `.crate` without it.
+    let ci = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/run");
+    if ci.exists() {
+        assert!(read(".ci/run").contains("\ncargo test --features client,admin\n"));
+    }
 }
 
 /// Every `docs/guide/*.md` is included by `src/guide.rs`, so its examples are
