@@ -282,7 +282,7 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
 impl<St: TransactionalStore, Sc, F, P> IdempotencyLayer<St, Sc, F, P, Separate> {
     /// Commits the handler's writes, the record and the response in one
     /// transaction (see [`crate::mode`]). The handler gets the store's
-    /// transaction type (for SQLite, [`crate::store::SqliteTransaction`])
+    /// transaction type (for SQLite, `store::SqliteTransaction`)
     /// from its request's extensions, or as an axum extractor.
     ///
     /// A concurrent duplicate never runs the handler: it waits for the

@@ -7,6 +7,7 @@
 //! `Idempotent-Replayed: true`. A key reused with a different request gets
 //! 422; a repeat while the first is still in flight gets 409 with
 //! `Retry-After` (IETF draft `draft-ietf-httpapi-idempotency-key-header`).
+//! It wraps axum routes, hyper and any `tower::Service<http::Request<B>>`.
 //!
 //! # Example
 //!
@@ -45,75 +46,44 @@
 //! # }
 //! ```
 //!
-//! # Where things are
+//! A real service keeps its records in a durable store (`SqliteStore` by
+//! default, compiled in) and takes the scope from its authentication; the
+//! README's quick start (`examples/quickstart.rs`) is such a service.
 //!
-//! * [`store`] (`store/mod.rs`): the [`Store`] and
-//!   [`store::TransactionalStore`] traits and the contract of one record.
-//!   Beside it: `error.rs` ([`StoreError`]), `inspect.rs`
-//!   ([`store::Inspect`], for operators), `extractor.rs` (the axum extractor
-//!   of every store's transaction), `pg_sql.rs` (SQL both PostgreSQL stores
-//!   share), `sqlite_sql.rs` (the schema both SQLite stores share, and its
-//!   migration), `decide.rs` (the state machine of one record, shared by the
-//!   stores written in Rust), `clock.rs` ([`store::Clock`]), and one file or
-//!   folder per store: `memory.rs` ([`MemoryStore`]), `sqlite/`
-//!   ([`SqliteStore`]: `builder.rs`, `claim.rs`, `writer.rs` (the writer
-//!   thread: group commit, max hold time) with `queue.rs` (what it is sent)
-//!   and `batch.rs` (the requests open in one batch), `cache.rs`,
-//!   `transaction.rs`, `inspect.rs`), `postgres/`
-//!   (`PostgresStore`: `transaction.rs` with `transaction/hold.rs` for its
-//!   max hold time, `inspect.rs`), `redis/` (`RedisStore`: its Lua
-//!   scripts as `.lua` files, `inspect.rs`) and `sqlx_sqlite/`
-//!   (`SqlxSqliteStore` over the app's `sqlx::SqlitePool`: `claim.rs`,
-//!   `transaction.rs` with `transaction/hold.rs` and `transaction/error.rs`,
-//!   `inspect.rs`). `postgres/` also holds `connect.rs` (libpq's URL
-//!   parameters) and `tls.rs` (feature `postgres-tls`); `sqlx_postgres/`
-//!   is `SqlxPostgresStore` over the app's `sqlx::PgPool` (`sql.rs`,
-//!   `transaction.rs`, `inspect.rs`); `mysql/` is `MySqlStore`
-//!   (`transaction.rs`, `hold.rs`, `inspect.rs`); `redis/` splits into
-//!   `builder.rs`, `conn.rs` (one server or a cluster) and `reply.rs`.
-//! * `fencing.rs`: [`store::FencingToken`] and its generator.
-//! * `config.rs`: what a layer is configured with, and the body limits
-//!   ([`DEFAULT_MAX_REQUEST_BODY`], [`DEFAULT_MAX_RESPONSE_BODY`]); the
-//!   record's [`DEFAULT_LEASE`] and [`DEFAULT_TTL`] are the store's.
-//! * [`IdempotencyLayer`] (in `layer.rs`): the configuration's builder.
-//! * [`Idempotency`] (in `service.rs`): the path a request walks; its
-//!   response's record in `record.rs` (streamed through `tee.rs`).
-//! * [`mode`]: separate or transactional, i.e. when the record is written.
-//! * [`key`], [`fingerprint`], [`scope`], [`policy`], [`response`],
-//!   [`problem`]: one rule each.
-//! * [`telemetry`]: the tracing span and the metrics (feature `metrics`).
-//! * `extract.rs` (feature `axum`): the [`key::ClaimedKey`] extractor, and
-//!   the logged 500 answer of an extractor (it, the stores' transactions)
-//!   on a route configured without what it needs. [`StoreError`] answers as
-//!   a problem from [`problem`].
-//! * `admin` (feature `admin`): an axum router for operators over a store's
-//!   [`store::Inspect`]: stuck records, counts, purge.
-//! * `outbox/` (feature `outbox`): a transactional outbox: messages
-//!   enqueued in the handler's transaction (`sqlite.rs`, `postgres.rs`) with
-//!   stable keys (`message.rs`), delivered by a leased relay (`relay.rs`)
-//!   through sinks (`sink.rs`); `admin.rs` with the `admin` feature.
-//! * `test_util/` (feature `test-util`): the store contract as a test suite
-//!   (`store_suite!`, the checks in `suite.rs`) and `ManualClock`, for tests
-//!   of this crate's stores and of stores written elsewhere.
+//! # Where to go next
 //!
-//! # Guarantees and their limits
+//! * **Choose a mode** ([`guide::modes`]): [`mode::Separate`] (the default,
+//!   every store) completes the record after the handler's own commit;
+//!   [`mode::Transactional`] commits the handler's writes, the record and the
+//!   response together, exactly once across crashes.
+//! * **Choose a store** ([`guide::stores`]): [`MemoryStore`], `SqliteStore`
+//!   (default feature `sqlite`), `PostgresStore`, `SqlxPostgresStore`,
+//!   `SqlxSqliteStore`, `MySqlStore` and `RedisStore`, each behind its
+//!   feature.
+//! * **Configure the layer** ([`guide::configuration`]): the scope (whose key
+//!   it is), the layer's place inside authentication, lease, TTL, body
+//!   limits, fingerprint, which responses are stored.
+//! * **Run it** ([`guide::operations`]): tracing, metrics, the admin router,
+//!   what is stored and for how long.
+//! * **What is promised** ([`guide::limits`]): what one claim decides, the
+//!   guarantees and every bound. Callers: [`guide::clients`].
+//! * Every guide, including the pages of each server store and the outbox:
+//!   [`guide`].
+//!
+//! # Guarantees, in short
 //!
 //! * The store's unique constraint decides who is first: one claim per
-//!   `(scope, key)` wins, across threads and, for SQLite, across processes
-//!   sharing the file.
+//!   `(scope, key)` wins, across threads and across processes sharing the
+//!   store.
 //! * A completed record is replayed until its TTL ends; a repeat never runs
 //!   the handler while a live record exists.
 //! * A store that cannot answer gets 503, never a replay and never a silent
 //!   pass-through.
-//! * [`mode::Transactional`]: the handler's writes, the record and the
-//!   response commit together. A crash, an error, a panic or a cancelled
-//!   request before that commit leaves neither effect nor key, so the retry
-//!   runs exactly once.
-//! * [`mode::Separate`] (the default): the record is completed in its own
-//!   write after the handler's. A request whose client goes away still runs
-//!   to completion and is recorded. But a process that dies between the
-//!   handler's commit and that write leaves the key in flight; when the lease
-//!   ends, a retry runs the handler again.
+//! * [`mode::Transactional`]: a crash, an error, a panic or a cancelled
+//!   request before the commit leaves neither effect nor key, so the retry
+//!   runs exactly once. [`mode::Separate`]: a process that dies between the
+//!   handler's commit and the record's leaves the key in flight; when the
+//!   lease ends, a retry runs the handler again.
 //! * A handler still running when its lease ends may be overtaken by a
 //!   retry; the fencing token stops the first holder from overwriting the
 //!   second's record, but both executions happened. Set the lease above the
@@ -136,6 +106,7 @@ mod config;
 mod extract;
 mod fencing;
 pub mod fingerprint;
+pub mod guide;
 pub mod key;
 mod layer;
 pub mod mode;

@@ -1,8 +1,11 @@
-//! The README's quick start is `examples/quickstart.rs`, and its sqlx
-//! section `examples/sqlx_postgres.rs`, byte for byte, so that the code a
-//! reader copies is the code `cargo run --example ...` builds (the
-//! README's blocks are compiled as doc tests too, through `ReadmeDoctests`
-//! in `src/lib.rs`).
+//! The README's quick start is `examples/quickstart.rs`, and the sqlx
+//! guide's PostgreSQL section `examples/sqlx_postgres.rs`, byte for byte, so
+//! that the code a reader copies is the code `cargo run --example ...` builds
+//! (the README's blocks are compiled as doc tests too, through
+//! `ReadmeDoctests` in `src/lib.rs`, and the guides' through `src/guide.rs`).
+//! The README stays short and keeps the two commands `.ci/run` relies on;
+//! every guide is included into rustdoc; the contributors' file map names
+//! every source file.
 
 use std::path::Path;
 
@@ -26,14 +29,107 @@ fn quick_start_is_the_quickstart_example() {
     assert_eq!(block, read("examples/quickstart.rs"));
 }
 
-/// The same for the sqlx section and `examples/sqlx_postgres.rs` (an
-/// `ignore` block: it needs the `sqlx-postgres` feature, which the doc tests
-/// of the README do not have; the example itself is built with it).
+/// The same for the sqlx guide and `examples/sqlx_postgres.rs` (a `no_run`
+/// block of `guide::sqlx`, compiled as a doc test where that module exists:
+/// with the features `sqlx-postgres` and `sqlx-sqlite`).
 #[test]
-fn sqlx_section_is_the_sqlx_postgres_example() {
-    let readme = read("README.md");
-    let block = block_after(&readme, "\n## With sqlx\n", "```rust,ignore\n");
+fn sqlx_guide_is_the_sqlx_postgres_example() {
+    let guide = read("docs/guide/sqlx.md");
+    let block = block_after(&guide, "\n## PostgreSQL\n", "```rust,no_run\n");
     assert_eq!(block, read("examples/sqlx_postgres.rs"));
+}
+
+/// At most 250 lines (the long form lives in `docs/guide/`), with the two
+/// commands a newcomer needs; `.ci/run` runs the second.
+#[test]
+fn readme_is_short_and_has_the_two_commands() {
+    let readme = read("README.md");
+    let lines = readme.lines().count();
+    assert!(
+        lines <= 250,
+        "README.md has {lines} lines; move detail to docs/guide/"
+    );
+    for command in [
+        "\ncargo run --example ledger ",
+        "\ncargo test --features client,admin ",
+    ] {
+        assert!(
+            readme.contains(command),
+            "README.md lost `{}`",
+            command.trim()
+        );
+    }
+    // `.ci/run` runs the same command; it is not in the published package,
+    // whose tests run from the unpacked `.crate` without it.
+    let ci = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/run");
+    if ci.exists() {
+        assert!(read(".ci/run").contains("\ncargo test --features client,admin\n"));
+    }
+}
+
+/// Every `docs/guide/*.md` is included by `src/guide.rs`, so its examples are
+/// compiled and rustdoc shows it; every guide the README links to exists.
+#[test]
+fn every_guide_is_in_rustdoc() {
+    let wiring = read("src/guide.rs");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/guide");
+    let mut guides = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        if name.ends_with(".md") {
+            guides += 1;
+            let include = format!("include_str!(\"../docs/guide/{name}\")");
+            assert!(
+                wiring.contains(&include),
+                "src/guide.rs does not include docs/guide/{name}"
+            );
+        }
+    }
+    assert!(guides >= 10, "{guides} guides");
+    let readme = read("README.md");
+    for link in readme.split("](docs/guide/").skip(1) {
+        let target = &link[..link.find(')').unwrap()];
+        if !target.is_empty() {
+            assert!(
+                dir.join(target).is_file(),
+                "README links to docs/guide/{target}, which is missing"
+            );
+        }
+    }
+}
+
+/// `docs/architecture.md` names every file under `src/`.
+#[test]
+fn architecture_lists_every_source_file() {
+    let map = read("docs/architecture.md");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut stack = vec![root.join("src")];
+    let mut files = 0;
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            files += 1;
+            let relative = path
+                .strip_prefix(root)
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .replace('\\', "/");
+            let named = if relative.starts_with("src/store/redis/") && relative.ends_with(".lua") {
+                // The Lua scripts share one line: `src/store/redis/*.lua` and each name.
+                let name = relative.rsplit('/').next().unwrap();
+                map.contains("`src/store/redis/*.lua`") && map.contains(&format!("`{name}`"))
+            } else {
+                map.contains(&format!("`{relative}`"))
+            };
+            assert!(named, "docs/architecture.md does not name {relative}");
+        }
+    }
+    assert!(files > 50, "{files} files under src/");
 }
 
 #[test]

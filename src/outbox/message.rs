@@ -17,7 +17,7 @@ pub const MAX_PAYLOAD: usize = 1024 * 1024;
 /// stable idempotency key, its destination (for [`super::HttpSink`], the
 /// URL it is POSTed to), its content type and its payload bytes.
 ///
-/// Enqueue it with [`super::sqlite::enqueue`] or [`super::postgres::enqueue`]
+/// Enqueue it with `sqlite::enqueue`, `postgres::enqueue` or `mysql::enqueue`
 /// inside the request's transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {

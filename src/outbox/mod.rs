@@ -42,8 +42,8 @@
 //! twice. So the handler writes the message as a row of its own
 //! transaction ([`sqlite::enqueue`] inside
 //! [`SqliteTransaction::run`](crate::store::SqliteTransaction::run), or
-//! [`postgres::enqueue`] through the
-//! [`PostgresTransaction`](crate::store::PostgresTransaction), or
+//! `postgres::enqueue` through the
+//! `PostgresTransaction` with the feature `postgres`, or
 //! `mysql::enqueue` through the `MySqlTransaction` with the feature
 //! `mysql`): the row
 //! commits with the handler's writes and the idempotency record, or neither
@@ -81,7 +81,7 @@
 //!
 //! The outbox keeps its messages in its own table,
 //! `tower_idempotency_outbox`, in the store's database, which
-//! [`Outbox::sqlite`], [`Outbox::postgres`] and `Outbox::mysql` create if
+//! [`Outbox::sqlite`], `Outbox::postgres` and `Outbox::mysql` create if
 //! missing.
 //!
 //! # Metrics (with the `metrics` feature)

@@ -14,7 +14,7 @@ use crate::fingerprint::Fingerprint;
 /// them over HTTP).
 ///
 /// Every answer is judged by the store's clock, as [`Store::claim`] judges
-/// leases and TTLs: the [`Clock`] of [`MemoryStore`] and [`SqliteStore`], the
+/// leases and TTLs: the [`Clock`] of [`MemoryStore`] and `SqliteStore`, the
 /// database server's clock for `PostgresStore`, the Redis server's `TIME` for
 /// `RedisStore`. A record is in exactly one of the four kinds of
 /// [`RecordCounts`] at a given instant; [`RecordCounts::expired`] is what
