@@ -98,7 +98,7 @@ fn every_guide_is_in_rustdoc() {
     }
 }
 
-/// `docs/architecture.md` names every file under `src/`.
+/// `docs/architecture.md` names every file under `src/`, and no other.
 #[test]
 fn architecture_lists_every_source_file() {
     let map = read("docs/architecture.md");
@@ -130,6 +130,16 @@ fn architecture_lists_every_source_file() {
         }
     }
     assert!(files > 50, "{files} files under src/");
+    // And names none that is gone.
+    for named in map
+        .split('`')
+        .filter(|s| s.starts_with("src/") && !s.contains('*'))
+    {
+        assert!(
+            root.join(named).exists(),
+            "docs/architecture.md names {named}, which is gone"
+        );
+    }
 }
 
 #[test]
