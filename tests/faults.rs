@@ -610,8 +610,7 @@ mod pg {
     use tower_idempotency::store::{FencingToken, PostgresTransaction};
 
     fn url() -> String {
-        std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+        crate::common::services::postgres_url()
     }
 
     /// A store on a table of its own, with an items table beside it.
@@ -937,8 +936,7 @@ mod redis_faults {
     use tower_idempotency::store::{FencingToken, Store};
 
     fn url() -> String {
-        std::env::var("TOWER_IDEMPOTENCY_REDIS_URL")
-            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+        crate::common::services::redis_url()
     }
 
     fn prefix(what: &str) -> String {

@@ -9,6 +9,8 @@ mod driver;
 mod fleet_support;
 
 #[cfg(feature = "postgres")]
+mod common;
+
 use std::path::PathBuf;
 
 #[cfg(feature = "postgres")]
@@ -17,8 +19,7 @@ use fleet_support::racing_servers_apply_once;
 
 #[cfg(feature = "postgres")]
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 /// The state of the record of idempotency key `key`, read straight from the

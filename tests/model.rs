@@ -67,6 +67,8 @@
 //! `tests/model.proptest-regressions`; commit that file: proptest runs the
 //! seeds in it before any new case, on every later run.
 
+mod common;
+
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
@@ -878,8 +880,7 @@ mod pg {
     use tower_idempotency::PostgresStore;
 
     fn url() -> String {
-        std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+        crate::common::services::postgres_url()
     }
 
     /// Runs `case` on a store over a table of its own, then drops the table
@@ -916,8 +917,7 @@ mod my {
     use tower_idempotency::{MySqlStore, sqlx};
 
     fn url() -> String {
-        std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+        crate::common::services::mysql_url()
     }
 
     /// Runs `case` on a store over a table of its own, then drops the table
@@ -959,8 +959,7 @@ mod sqlx_pg {
     use tower_idempotency::SqlxPostgresStore;
 
     fn url() -> String {
-        std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+        crate::common::services::postgres_url()
     }
 
     /// Runs `case` on a store over a table of its own, then drops the table
@@ -997,8 +996,7 @@ mod sqlx_pg {
 
 #[cfg(feature = "redis")]
 async fn redis(clock: &ManualClock) -> tower_idempotency::store::RedisStore {
-    let url = std::env::var("TOWER_IDEMPOTENCY_REDIS_URL")
-        .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let url = crate::common::services::redis_url();
     tower_idempotency::store::RedisStore::builder(&url)
         .prefix(format!(
             "tower-idempotency-model:{:016x}:",

@@ -28,8 +28,7 @@ use tower_idempotency::test_util::{ClockOffset, ManualClock, store_suite};
 use tower_idempotency::{IdempotencyLayer, MySqlStore, StoreError};
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+    crate::common::services::mysql_url()
 }
 
 fn unique(prefix: &str) -> String {

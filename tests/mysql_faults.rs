@@ -27,8 +27,7 @@ use tower_idempotency::store::{FencingToken, MySqlTransaction};
 use tower_idempotency::{IdempotencyLayer, MySqlStore};
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+    crate::common::services::mysql_url()
 }
 
 /// A store on tables of its own (records and `_credits`), dropped at the end.

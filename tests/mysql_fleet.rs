@@ -11,14 +11,15 @@
 mod driver;
 mod fleet_support;
 
+mod common;
+
 use std::path::PathBuf;
 
 use fleet_support::{a_dead_servers_claim_is_taken_over, racing_servers_apply_once};
 use tower_idempotency::sqlx;
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+    crate::common::services::mysql_url()
 }
 
 /// The state of the ledger's record of idempotency key `key` (any scope),

@@ -10,6 +10,8 @@
 mod driver;
 mod outbox_support;
 
+mod common;
+
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
@@ -98,8 +100,7 @@ async fn every_credit_is_applied_downstream_once_across_kills() {
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_credit_is_applied_downstream_once_across_kills_on_postgres() {
-    let url = std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let url = crate::common::services::postgres_url();
     storm(OsStr::new(&url)).await;
 }
 

@@ -9,6 +9,8 @@
 
 mod outbox_support;
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -22,8 +24,7 @@ use tower_idempotency::outbox::nats::NatsSink;
 use tower_idempotency::outbox::{self, Delivery, Message, Outbox, Outcome, Sink, from_fn};
 
 async fn jetstream() -> Context {
-    let url = std::env::var("TOWER_IDEMPOTENCY_NATS_URL")
-        .unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let url = crate::common::services::nats_url();
     let client = tokio::time::timeout(Duration::from_secs(10), async_nats::connect(&url))
         .await
         .unwrap_or_else(|_| panic!("NATS at {url} did not answer in 10 s"))

@@ -26,8 +26,7 @@ use tower_idempotency::store::PostgresTransaction;
 use tower_idempotency::{IdempotencyLayer, PostgresStore};
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 /// A prefix no other run shares: the outbox table is shared by every test

@@ -339,8 +339,7 @@ mod mysql {
     pub(crate) use tower_idempotency::store::MySqlTransaction as Transaction;
 
     fn url() -> String {
-        std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+        crate::common::services::mysql_url()
     }
 
     pub(crate) struct Backend {
@@ -392,8 +391,7 @@ mod sqlx_postgres {
     pub(crate) use tower_idempotency::store::SqlxPostgresTransaction as Transaction;
 
     fn url() -> String {
-        std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+        crate::common::services::postgres_url()
     }
 
     pub(crate) struct Backend {

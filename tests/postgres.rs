@@ -25,8 +25,7 @@ use tower_idempotency::store::{
 use tower_idempotency::{IdempotencyLayer, PostgresStore};
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 /// A store on a table of its own, and the items table its handlers write.

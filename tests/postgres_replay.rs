@@ -5,6 +5,8 @@
 
 #![cfg(all(feature = "postgres", feature = "sqlx-postgres"))]
 
+mod common;
+
 use std::time::Duration;
 
 use tower_idempotency::fingerprint::{Fingerprint, Hasher};
@@ -13,8 +15,7 @@ use tower_idempotency::test_util::{ClockOffset, ManualClock, START_MS, response}
 use tower_idempotency::{PostgresStore, SqlxPostgresStore};
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 fn claim(key: &str, fp: u8) -> ClaimRequest {

@@ -3,6 +3,8 @@
 //! `TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database. A server
 //! that cannot be reached fails every test here; nothing is skipped.
 
+mod common;
+
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -15,8 +17,7 @@ use tower_idempotency::{StoreError, store::Store};
 /// Where the tests connect: `TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local
 /// server's `test` database (as every PostgreSQL test of this crate).
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 async fn pool() -> PgPool {

@@ -31,8 +31,7 @@ use tower_idempotency::problem::types;
 use tower_idempotency::store::{FencingToken, SqlxPostgresStore, SqlxPostgresTransaction};
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 /// The scope of every request: the `x-user` header.

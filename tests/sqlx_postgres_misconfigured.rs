@@ -4,6 +4,8 @@
 //! once per process.) Here for `SqlxPostgresTransaction`, on PostgreSQL
 //! (`TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database).
 
+mod common;
+
 use std::fmt::Write;
 use std::sync::Mutex;
 
@@ -46,8 +48,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
 #[tokio::test]
 async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_once() {
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Errors)).unwrap();
-    let url = std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let url = crate::common::services::postgres_url();
     let pool = sqlx::PgPool::connect(&url)
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {url} is required: {e}"));

@@ -27,8 +27,7 @@ use tower_idempotency::store::{
 };
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 /// A store on a table of its own, and the account and credit tables its

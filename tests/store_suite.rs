@@ -2,6 +2,8 @@
 //! `tower_idempotency::test_util` (feature `test-util`), run against each
 //! store of this crate by `store_suite!`, and the tests of one store each.
 
+mod common;
+
 use std::time::Duration;
 
 use tower_idempotency::store::{Claim, FencingToken, RecordId, Store};
@@ -40,8 +42,7 @@ store_suite!(sqlite_store, sqlite, inspect);
 /// the local server's `test` database.
 #[cfg(feature = "postgres")]
 fn postgres_url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 /// Drops a test's table when the test ends, pass or fail.
@@ -168,8 +169,7 @@ mod redis_support {
     use tower_idempotency::store::RedisStore;
 
     pub(crate) fn url() -> String {
-        std::env::var("TOWER_IDEMPOTENCY_REDIS_URL")
-            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+        crate::common::services::redis_url()
     }
 
     pub(crate) async fn hget(

@@ -2,7 +2,7 @@
 //! parallel clients, SIGKILLs at random moments, restarts, retries until every
 //! key completes, then counts each key's credits in the database.
 //!
-//! Shared by `examples/storm` (which prints the figures) and `tests/crash.rs`
+//! Shared by `examples/storm` (which prints the figures) and `tests/ledger_crash_sqlite.rs`
 //! (which asserts them). Standard library only, plus rusqlite to read the
 //! credits afterwards.
 

@@ -1,0 +1,36 @@
+//! The servers the full test run needs, read in one place: each from its
+//! `TOWER_IDEMPOTENCY_*_URL`, else the local default that `.ci/run` starts
+//! (see `docs/testing.md`). A test that cannot reach its server fails; none
+//! is skipped.
+
+/// PostgreSQL: `TOWER_IDEMPOTENCY_POSTGRES_URL`, else the `test` database
+/// on 127.0.0.1:5432.
+pub fn postgres_url() -> String {
+    from_env(
+        "TOWER_IDEMPOTENCY_POSTGRES_URL",
+        "postgres://postgres@127.0.0.1:5432/test",
+    )
+}
+
+/// MySQL or MariaDB: `TOWER_IDEMPOTENCY_MYSQL_URL`, else the `test`
+/// database on 127.0.0.1:3306.
+pub fn mysql_url() -> String {
+    from_env(
+        "TOWER_IDEMPOTENCY_MYSQL_URL",
+        "mysql://root@127.0.0.1:3306/test",
+    )
+}
+
+/// Redis: `TOWER_IDEMPOTENCY_REDIS_URL`, else 127.0.0.1:6379.
+pub fn redis_url() -> String {
+    from_env("TOWER_IDEMPOTENCY_REDIS_URL", "redis://127.0.0.1:6379")
+}
+
+/// NATS with JetStream: `TOWER_IDEMPOTENCY_NATS_URL`, else 127.0.0.1:4222.
+pub fn nats_url() -> String {
+    from_env("TOWER_IDEMPOTENCY_NATS_URL", "nats://127.0.0.1:4222")
+}
+
+fn from_env(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
