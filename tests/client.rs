@@ -3,7 +3,7 @@
 //! the answer reaches the client. The client's retries carry the same key,
 //! so the ledger credits once and the third attempt gets the replay.
 
-#[path = "../examples/storm/driver.rs"]
+#[path = "common/ledger_driver.rs"]
 mod driver;
 
 use std::sync::Arc;

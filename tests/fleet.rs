@@ -4,7 +4,7 @@
 //! PostgreSQL with `--features postgres` and a server
 //! (`TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database).
 
-#[path = "../examples/storm/driver.rs"]
+#[path = "common/ledger_driver.rs"]
 mod driver;
 mod fleet_support;
 

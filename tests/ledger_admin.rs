@@ -6,7 +6,7 @@
 
 #![cfg(feature = "admin")]
 
-#[path = "../examples/storm/driver.rs"]
+#[path = "common/ledger_driver.rs"]
 mod driver;
 
 use std::io::{BufRead, BufReader};

@@ -2,7 +2,7 @@
 //! random moments while handlers sit between their credit and their answer.
 //! Every key is retried until it completes; each must be credited exactly once.
 
-#[path = "../examples/storm/driver.rs"]
+#[path = "common/ledger_driver.rs"]
 mod driver;
 
 #[test]

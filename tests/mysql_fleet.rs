@@ -7,7 +7,7 @@
 
 #![cfg(feature = "mysql")]
 
-#[path = "../examples/storm/driver.rs"]
+#[path = "common/ledger_driver.rs"]
 mod driver;
 mod fleet_support;
 

@@ -6,7 +6,7 @@
 
 #![cfg(all(feature = "sqlite", feature = "outbox"))]
 
-#[path = "../examples/storm/driver.rs"]
+#[path = "common/ledger_driver.rs"]
 mod driver;
 mod outbox_support;
 

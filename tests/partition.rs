@@ -20,7 +20,7 @@
 
 #![cfg(feature = "postgres")]
 
-#[path = "../examples/storm/driver.rs"]
+#[path = "common/ledger_driver.rs"]
 mod driver;
 #[path = "common/pgcluster.rs"]
 mod pgcluster;

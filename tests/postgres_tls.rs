@@ -9,7 +9,7 @@
 #![cfg(feature = "postgres-tls")]
 
 mod common;
-#[path = "../examples/storm/driver.rs"]
+#[path = "common/ledger_driver.rs"]
 mod driver;
 #[path = "common/pgcluster.rs"]
 mod pgcluster;

@@ -21,8 +21,8 @@ for mode in transactional separate; do
         || fail "check_ledger.py with --db-driver=sqlx --mode=$mode"
 done
 
-step "coexistence: sqlx's SQLite driver and rusqlite in one app (ci/sqlx-sqlite-app)"
-app=ci/sqlx-sqlite-app/Cargo.toml
+step "coexistence: sqlx's SQLite driver and rusqlite in one app (.ci/sqlx-sqlite-app)"
+app=.ci/sqlx-sqlite-app/Cargo.toml
 # The repository's target dir: the dependencies it shares with the crate's
 # own builds are not compiled again.
 cargo check --manifest-path "$app" --target-dir target

@@ -13,7 +13,7 @@
 //! every key retried until it completes. Then it counts each key's credits in
 //! the database: applied more than once, or never.
 
-#[path = "driver.rs"]
+#[path = "../../tests/common/ledger_driver.rs"]
 mod driver;
 
 use std::path::PathBuf;

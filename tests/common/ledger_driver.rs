@@ -2,8 +2,9 @@
 //! parallel clients, SIGKILLs at random moments, restarts, retries until every
 //! key completes, then counts each key's credits in the database.
 //!
-//! Shared by `examples/storm` (which prints the figures) and `tests/ledger_crash_sqlite.rs`
-//! (which asserts them). Standard library only, plus rusqlite to read the
+//! Shared by `bench/storm` (`cargo run --release --example storm`, which
+//! prints the figures) and the tests that start ledgers (`tests/ledger_crash_sqlite.rs`
+//! asserts the same figures). Standard library only, plus rusqlite to read the
 //! credits afterwards.
 
 #![allow(dead_code)]
