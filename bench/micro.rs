@@ -185,7 +185,7 @@ fn stores(c: &mut Criterion) {
     };
     let mut group = c.benchmark_group("store round trip");
     // Every iteration records a new key, beyond the default capacity.
-    let memory = MemoryStore::with_capacity(usize::MAX);
+    let memory = MemoryStore::with_max_records(usize::MAX);
     group.bench_function("memory", |b| {
         b.iter(|| rt.block_on(round_trip(&memory, &response)))
     });

@@ -40,7 +40,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     )
     .execute(&pool)
     .await?;
-    let store = SqlxPostgresStore::new(pool).await?; // creates its table, idempotency_records
+    let store = SqlxPostgresStore::from_pool(pool).await?; // creates its table, idempotency_records
     // Keys belong to the caller your gateway names in `x-user-id` (see the quick start).
     let layer = IdempotencyLayer::new(store, scope::header("x-user-id"))
         .require_key(true)

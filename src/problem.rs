@@ -68,7 +68,7 @@
 //! ## store-full
 //!
 //! Status 503. The store holds as many live records as its capacity allows
-//! (`MemoryStore::with_capacity`; 100 000 by default), so no new key can be
+//! (`MemoryStore::with_max_records`; 100 000 by default), so no new key can be
 //! recorded. The request did not run. Retry after `Retry-After` seconds with
 //! the same key; repeats of keys already recorded are answered as before.
 //!

@@ -11,6 +11,7 @@ mod fleet_support;
 #[cfg(feature = "postgres")]
 mod common;
 
+#[cfg(feature = "postgres")]
 use std::path::PathBuf;
 
 #[cfg(feature = "postgres")]

@@ -214,7 +214,7 @@ async fn the_layer_answers_a_full_store_with_503_and_retry_after() {
 fn the_default_capacity_is_100_000_records() {
     assert_eq!(MemoryStore::DEFAULT_CAPACITY, 100_000);
     assert_eq!(MemoryStore::new().capacity(), 100_000);
-    assert_eq!(MemoryStore::with_capacity(7).capacity(), 7);
+    assert_eq!(MemoryStore::with_max_records(7).capacity(), 7);
 }
 
 #[tokio::test]

@@ -896,7 +896,7 @@ mod pg {
         let table = format!("model_{:016x}", FencingToken::random().0);
         let store = PostgresStore::builder(&url())
             .table(table.clone())
-            .time_offset(Offset(clock.clone()))
+            .clock_offset(Offset(clock.clone()))
             .open()
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL at {} is required for these tests: {e}", url()));
@@ -933,7 +933,7 @@ mod my {
         let table = format!("model_{:016x}", FencingToken::random().0);
         let store = MySqlStore::builder(&url())
             .table(table.clone())
-            .time_offset(Offset(clock.clone()))
+            .clock_offset(Offset(clock.clone()))
             .open()
             .await
             .unwrap_or_else(|e| {
@@ -980,7 +980,7 @@ mod sqlx_pg {
             .unwrap_or_else(|e| panic!("PostgreSQL at {} is required for these tests: {e}", url()));
         let store = SqlxPostgresStore::builder(pool.clone())
             .table(table.clone())
-            .time_offset(Offset(clock.clone()))
+            .clock_offset(Offset(clock.clone()))
             .open()
             .await
             .unwrap();
@@ -1002,7 +1002,7 @@ async fn redis(clock: &ManualClock) -> tower_idempotency::store::RedisStore {
             "tower-idempotency-model:{:016x}:",
             FencingToken::random().0
         ))
-        .time_offset(Offset(clock.clone()))
+        .clock_offset(Offset(clock.clone()))
         .open()
         .await
         .unwrap_or_else(|e| panic!("Redis at {url} is required for these tests: {e}"))
@@ -1040,7 +1040,7 @@ async fn redis_cluster(
             "tower-idempotency-model:{:016x}:",
             FencingToken::random().0
         ))
-        .time_offset(Offset(clock.clone()))
+        .clock_offset(Offset(clock.clone()))
         .open()
         .await
         .unwrap();

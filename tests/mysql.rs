@@ -77,7 +77,7 @@ async fn mysql(clock: ManualClock) -> (MySqlStore, DropTables) {
     let table = unique("idem_test");
     let store = MySqlStore::builder(&url())
         .table(table.clone())
-        .time_offset(ClockOffset(clock))
+        .clock_offset(ClockOffset(clock))
         .open()
         .await
         .unwrap_or_else(|e| {

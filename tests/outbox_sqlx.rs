@@ -465,7 +465,7 @@ mod sqlx_sqlite {
             .connect_with(options)
             .await
             .unwrap();
-        let store = SqlxSqliteStore::new(pool).await.unwrap();
+        let store = SqlxSqliteStore::from_pool(pool).await.unwrap();
         let outbox = Outbox::sqlx_sqlite(&store).await.unwrap();
         Backend {
             store,

@@ -133,7 +133,7 @@ async fn postgres_replays_take_no_lock_and_expired_records_are_not_replayed() {
     let clock = ManualClock::new(START_MS);
     let store = PostgresStore::builder(&url())
         .table(table.clone())
-        .time_offset(ClockOffset(clock.clone()))
+        .clock_offset(ClockOffset(clock.clone()))
         .open()
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {} is required: {e}", url()));
@@ -155,7 +155,7 @@ async fn sqlx_postgres_replays_take_no_lock_and_expired_records_are_not_replayed
         .unwrap_or_else(|e| panic!("PostgreSQL at {} is required: {e}", url()));
     let store = SqlxPostgresStore::builder(pool.clone())
         .table(table.clone())
-        .time_offset(ClockOffset(clock.clone()))
+        .clock_offset(ClockOffset(clock.clone()))
         .open()
         .await
         .unwrap();

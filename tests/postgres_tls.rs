@@ -106,7 +106,7 @@ fn verify_full_passes_the_store_suite() {
         move |clock: ManualClock| async move {
             let store = PostgresStore::builder(&url)
                 .table(table())
-                .time_offset(ClockOffset(clock))
+                .clock_offset(ClockOffset(clock))
                 .open()
                 .await
                 .unwrap_or_else(|e| panic!("verify-full must connect: {e}"));

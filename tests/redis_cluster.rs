@@ -34,7 +34,7 @@ async fn cluster(clock: ManualClock) -> (RedisStore, Arc<RedisCluster>) {
     let test = std::thread::current().name().unwrap_or("suite").to_owned();
     let store = RedisStore::cluster_builder(nodes.urls())
         .prefix(unique_prefix(&test))
-        .time_offset(ClockOffset(clock))
+        .clock_offset(ClockOffset(clock))
         .open()
         .await
         .unwrap();

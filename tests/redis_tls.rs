@@ -195,7 +195,7 @@ async fn tls(clock: ManualClock) -> (RedisStore, Arc<TlsRedis>) {
     let store = RedisStore::builder(url("localhost"))
         .ca_certificate(server.ca.clone())
         .prefix(unique_prefix(&test))
-        .time_offset(ClockOffset(clock))
+        .clock_offset(ClockOffset(clock))
         .open()
         .await
         .unwrap();

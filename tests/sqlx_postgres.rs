@@ -61,7 +61,7 @@ async fn sqlx_postgres(clock: ManualClock) -> (SqlxPostgresStore, DropTable) {
     let table = table();
     let store = SqlxPostgresStore::builder(pool().await)
         .table(table.clone())
-        .time_offset(ClockOffset(clock))
+        .clock_offset(ClockOffset(clock))
         .open()
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {} is required for these tests: {e}", url()));
@@ -139,7 +139,7 @@ async fn bad_table_is_config_and_unreachable_is_unavailable() {
         .acquire_timeout(Duration::from_secs(2))
         .connect_lazy("postgres://postgres@127.0.0.1:1/test")
         .unwrap();
-    let err = SqlxPostgresStore::new(nowhere).await.unwrap_err();
+    let err = SqlxPostgresStore::from_pool(nowhere).await.unwrap_err();
     assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
 }
 
@@ -154,6 +154,6 @@ async fn open_is_idempotent_and_new_uses_the_default_table() {
         .await
         .unwrap();
     assert_eq!(again.table(), store.table());
-    let default = SqlxPostgresStore::new(store.pool().clone()).await.unwrap();
+    let default = SqlxPostgresStore::from_pool(store.pool().clone()).await.unwrap();
     assert_eq!(default.table(), "idempotency_records");
 }

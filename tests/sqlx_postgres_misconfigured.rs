@@ -52,7 +52,7 @@ async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_o
     let pool = sqlx::PgPool::connect(&url)
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {url} is required: {e}"));
-    let store = SqlxPostgresStore::new(pool).await.unwrap();
+    let store = SqlxPostgresStore::from_pool(pool).await.unwrap();
     let handler = |_tx: SqlxPostgresTransaction| async { "ran" };
     // Forgot `.transactional()`.
     let app = Router::new()

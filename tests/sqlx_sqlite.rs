@@ -70,10 +70,10 @@ async fn inspect_is_exact() {
 async fn two_pools_one_file_one_winner() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("shared.sqlite3");
-    let one = SqlxSqliteStore::new(pool(&path, Duration::from_secs(5)).await)
+    let one = SqlxSqliteStore::from_pool(pool(&path, Duration::from_secs(5)).await)
         .await
         .unwrap();
-    let two = SqlxSqliteStore::new(pool(&path, Duration::from_secs(5)).await)
+    let two = SqlxSqliteStore::from_pool(pool(&path, Duration::from_secs(5)).await)
         .await
         .unwrap();
     two_handles_one_winner(one.clone(), two).await;
@@ -94,7 +94,7 @@ async fn newer_schema_is_refused() {
         .execute(&pool)
         .await
         .unwrap();
-    let err = SqlxSqliteStore::new(pool).await.unwrap_err();
+    let err = SqlxSqliteStore::from_pool(pool).await.unwrap_err();
     assert!(err.to_string().contains("schema version 99"), "{err}");
 }
 
@@ -169,7 +169,7 @@ async fn a_version_1_table_becomes_a_rowid_table_with_every_record_kept() {
         assert_eq!(before.len(), 3);
         assert_eq!(schema(&pool).await, (1, true));
         match store {
-            "sqlx" => drop(SqlxSqliteStore::new(pool.clone()).await.unwrap()),
+            "sqlx" => drop(SqlxSqliteStore::from_pool(pool.clone()).await.unwrap()),
             _ => drop(tower_idempotency::SqliteStore::open(&path).await.unwrap()),
         }
         assert_eq!(schema(&pool).await, (2, false), "{store}");
@@ -308,7 +308,7 @@ async fn send(router: &Router, key: &str, extra: &[(&str, &str)]) -> (StatusCode
 async fn parallel_identical_requests_credit_once() {
     let dir = tempfile::tempdir().unwrap();
     let app = App::new(&dir.path().join("app.sqlite3"), Duration::from_secs(5)).await;
-    let store = SqlxSqliteStore::new(app.pool.clone()).await.unwrap();
+    let store = SqlxSqliteStore::from_pool(app.pool.clone()).await.unwrap();
     let router = transactional(&app, store.clone());
     let barrier = Arc::new(Barrier::new(16));
     let tasks: Vec<_> = (0..16)
@@ -357,7 +357,7 @@ async fn parallel_identical_requests_credit_once() {
 async fn a_handler_error_rolls_back_effect_and_record() {
     let dir = tempfile::tempdir().unwrap();
     let app = App::new(&dir.path().join("app.sqlite3"), Duration::from_secs(5)).await;
-    let store = SqlxSqliteStore::new(app.pool.clone()).await.unwrap();
+    let store = SqlxSqliteStore::from_pool(app.pool.clone()).await.unwrap();
     let router = transactional(&app, store.clone());
     for run in 1..=2 {
         let (status, replayed, _) = send(&router, "k", &[("x-fail", "after-effect")]).await;
@@ -392,7 +392,7 @@ async fn a_handler_error_rolls_back_effect_and_record() {
 async fn a_write_around_the_transaction_fails_busy_and_rolls_back() {
     let dir = tempfile::tempdir().unwrap();
     let app = App::new(&dir.path().join("app.sqlite3"), Duration::from_millis(200)).await;
-    let store = SqlxSqliteStore::new(app.pool.clone()).await.unwrap();
+    let store = SqlxSqliteStore::from_pool(app.pool.clone()).await.unwrap();
     let router = transactional(&app, store.clone());
     let (status, replayed, body) = send(&router, "k", &[("x-fail", "around")]).await;
     assert_eq!((status, replayed), (StatusCode::SERVICE_UNAVAILABLE, false));
@@ -458,7 +458,7 @@ async fn the_max_hold_time_rolls_back() {
 async fn the_extractor_without_transactional_mode_is_a_500() {
     let dir = tempfile::tempdir().unwrap();
     let app = App::new(&dir.path().join("app.sqlite3"), Duration::from_secs(5)).await;
-    let store = SqlxSqliteStore::new(app.pool.clone()).await.unwrap();
+    let store = SqlxSqliteStore::from_pool(app.pool.clone()).await.unwrap();
     let router = Router::new()
         .route("/credit", post(credit))
         .route_layer(IdempotencyLayer::new(store, user as fn(&Parts) -> String))
@@ -490,7 +490,7 @@ async fn separate_mode_runs_once_and_replays() {
     }
     let dir = tempfile::tempdir().unwrap();
     let app = App::new(&dir.path().join("app.sqlite3"), Duration::from_secs(5)).await;
-    let store = SqlxSqliteStore::new(app.pool.clone()).await.unwrap();
+    let store = SqlxSqliteStore::from_pool(app.pool.clone()).await.unwrap();
     let router = Router::new()
         .route("/credit", post(plain))
         .route_layer(IdempotencyLayer::new(store, user as fn(&Parts) -> String))

@@ -78,7 +78,7 @@ async fn postgres(clock: ManualClock) -> (tower_idempotency::PostgresStore, Drop
     let table = format!("idem_test_{:016x}", FencingToken::random().0);
     let store = tower_idempotency::PostgresStore::builder(&postgres_url())
         .table(table.clone())
-        .time_offset(ClockOffset(clock))
+        .clock_offset(ClockOffset(clock))
         .open()
         .await
         .unwrap_or_else(|e| {
@@ -206,7 +206,7 @@ mod redis_support {
         let test = std::thread::current().name().unwrap_or("suite").to_owned();
         let store = RedisStore::builder(url())
             .prefix(unique_prefix(&test))
-            .time_offset(ClockOffset(clock))
+            .clock_offset(ClockOffset(clock))
             .open()
             .await
             .unwrap();
@@ -401,7 +401,7 @@ async fn redis_purge_walks_every_scan_page() {
     let open = |prefix: String| {
         RedisStore::builder(redis_support::url())
             .prefix(prefix)
-            .time_offset(ClockOffset(clock.clone()))
+            .clock_offset(ClockOffset(clock.clone()))
             .open()
     };
     let prefix = redis_support::unique_prefix("purge_pages");
@@ -440,7 +440,7 @@ async fn redis_inspect_walks_every_scan_page() {
     let prefix = redis_support::unique_prefix("inspect_pages");
     let store = RedisStore::builder(redis_support::url())
         .prefix(prefix.clone())
-        .time_offset(ClockOffset(clock.clone()))
+        .clock_offset(ClockOffset(clock.clone()))
         .open()
         .await
         .unwrap();

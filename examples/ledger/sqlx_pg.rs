@@ -132,7 +132,7 @@ pub async fn app(url: &str, mode: Mode, args: &Args) -> Result<Built, Box<dyn st
         .acquire_timeout(Duration::from_secs(5))
         .connect(url)
         .await?;
-    let store = SqlxPostgresStore::new(pool.clone()).await?;
+    let store = SqlxPostgresStore::from_pool(pool.clone()).await?;
     let db = Db::SqlxPg(SqlxPgDb::open(pool).await?);
     let writes = match &args.key_store {
         Some(redis) => redis_writes(redis, args).await?,

@@ -148,7 +148,7 @@ pub async fn app(
     let writes = match &args.key_store {
         Some(redis) => redis_writes(redis, args).await?,
         None => {
-            let store = SqlxSqliteStore::new(db.pool.clone()).await?;
+            let store = SqlxSqliteStore::from_pool(db.pool.clone()).await?;
             let admin = admin_router(&store, args);
             (layered(mode, store, args.lease), admin)
         }

@@ -18,7 +18,7 @@ pub enum StoreError {
     /// A record could not be decoded.
     Corrupt(String),
     /// The store holds as many live records as its capacity allows
-    /// ([`MemoryStore::with_capacity`]): the claim was refused and nothing
+    /// ([`MemoryStore::with_max_records`]): the claim was refused and nothing
     /// was recorded. The layer answers 503 with `Retry-After`.
     Full {
         /// The capacity, in records.

@@ -18,7 +18,7 @@ use crate::response::StoredResponse;
 /// # Capacity
 ///
 /// The store holds at most [`MemoryStore::DEFAULT_CAPACITY`] records (100 000)
-/// unless told otherwise ([`MemoryStore::with_capacity`],
+/// unless told otherwise ([`MemoryStore::with_max_records`],
 /// [`MemoryStore::max_records`]), so that clients sending new keys cannot
 /// grow it without bound. When a claim for a new key finds it full, the
 /// store first deletes every record past its TTL (one pass over the map,
@@ -41,7 +41,7 @@ use crate::response::StoredResponse;
 /// ```
 /// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope::GlobalScope};
 ///
-/// let layer = IdempotencyLayer::new(MemoryStore::with_capacity(10_000), GlobalScope);
+/// let layer = IdempotencyLayer::new(MemoryStore::with_max_records(10_000), GlobalScope);
 /// ```
 #[derive(Clone)]
 pub struct MemoryStore {
@@ -134,7 +134,7 @@ impl MemoryStore {
 
     /// An empty store on the system clock, holding up to `capacity` records
     /// (0: every claim for a new key fails with [`StoreError::Full`]).
-    pub fn with_capacity(capacity: usize) -> Self {
+    pub fn with_max_records(capacity: usize) -> Self {
         Self::new().max_records(capacity)
     }
 

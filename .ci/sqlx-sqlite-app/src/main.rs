@@ -16,7 +16,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .max_connections(4)
         .connect_with(options)
         .await?;
-    let through_sqlx = SqlxSqliteStore::new(pool).await?;
+    let through_sqlx = SqlxSqliteStore::from_pool(pool).await?;
     let through_rusqlite = SqliteStore::open(dir.join("rusqlite.sqlite3")).await?;
     assert_eq!(through_sqlx.purge_expired().await?, 0);
     assert_eq!(through_rusqlite.purge_expired().await?, 0);

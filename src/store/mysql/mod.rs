@@ -156,7 +156,8 @@ impl MySqlStoreBuilder {
     /// For tests of leases and TTLs: a [`Clock`] whose reading, in
     /// milliseconds, is added to the server's clock. Leave it unset in
     /// production.
-    pub fn time_offset(mut self, offset: impl Clock) -> Self {
+    #[cfg(feature = "test-util")]
+    pub fn clock_offset(mut self, offset: impl Clock) -> Self {
         self.offset = Some(Arc::new(offset));
         self
     }

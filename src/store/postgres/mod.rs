@@ -94,7 +94,7 @@ impl std::fmt::Debug for PostgresStore {
 pub struct PostgresStoreBuilder {
     url: String,
     table: String,
-    pool_size: usize,
+    pool_size: u32,
     wait_timeout: Duration,
     offset: Option<Arc<dyn Clock>>,
     max_hold: Duration,
@@ -127,7 +127,7 @@ impl PostgresStoreBuilder {
     /// Connections kept (default 16). In transactional mode each request
     /// holds one for its handler's whole run, at most
     /// [`PostgresStoreBuilder::max_hold`].
-    pub fn pool_size(mut self, size: usize) -> Self {
+    pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size.max(1);
         self
     }
@@ -152,7 +152,8 @@ impl PostgresStoreBuilder {
     /// For tests of leases and TTLs: a [`Clock`] whose reading, in
     /// milliseconds, is added to the server's clock. Leave it unset in
     /// production.
-    pub fn time_offset(mut self, offset: impl Clock) -> Self {
+    #[cfg(feature = "test-util")]
+    pub fn clock_offset(mut self, offset: impl Clock) -> Self {
         self.offset = Some(Arc::new(offset));
         self
     }
@@ -179,7 +180,7 @@ impl PostgresStoreBuilder {
         let target = connect::parse(&self.url)?;
         let manager = connect::manager(&target)?;
         let pool = Pool::builder(manager)
-            .max_size(self.pool_size)
+            .max_size(self.pool_size as usize)
             .wait_timeout(Some(self.wait_timeout))
             .create_timeout(Some(self.wait_timeout))
             .runtime(deadpool_postgres::Runtime::Tokio1)

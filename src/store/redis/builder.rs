@@ -101,7 +101,8 @@ impl RedisStoreBuilder {
     /// `test_util::ManualClock`'s time minus its start). The server's own clock
     /// still runs underneath. Production leaves it unset: the server's time
     /// alone judges leases and TTLs.
-    pub fn time_offset(mut self, clock: impl Clock) -> Self {
+    #[cfg(feature = "test-util")]
+    pub fn clock_offset(mut self, clock: impl Clock) -> Self {
         self.offset = Some(Arc::new(clock));
         self
     }

@@ -72,6 +72,7 @@ impl SqliteStoreBuilder {
 
     /// The clock that judges leases and TTLs (default the system clock).
     /// Every process sharing a file should use the same clock.
+    #[cfg(feature = "test-util")]
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
         self

@@ -18,7 +18,7 @@
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = PgPool::connect("postgres://app@db.internal/app").await?;
 //! // Creates the `idempotency_records` table if it is missing.
-//! let store = SqlxPostgresStore::new(pool).await?;
+//! let store = SqlxPostgresStore::from_pool(pool).await?;
 //! let layer = IdempotencyLayer::new(store, GlobalScope).transactional();
 //! # Ok(()) }
 //! ```
@@ -166,7 +166,8 @@ impl SqlxPostgresStoreBuilder {
     /// For tests of leases and TTLs: a [`Clock`] whose reading, in
     /// milliseconds, is added to the server's clock. Leave it unset in
     /// production.
-    pub fn time_offset(mut self, offset: impl Clock) -> Self {
+    #[cfg(feature = "test-util")]
+    pub fn clock_offset(mut self, offset: impl Clock) -> Self {
         self.offset = Some(Arc::new(offset));
         self
     }
@@ -221,7 +222,7 @@ impl SqlxPostgresStore {
     /// # Errors
     ///
     /// As [`SqlxPostgresStoreBuilder::open`].
-    pub async fn new(pool: PgPool) -> Result<Self, StoreError> {
+    pub async fn from_pool(pool: PgPool) -> Result<Self, StoreError> {
         Self::builder(pool).open().await
     }
 

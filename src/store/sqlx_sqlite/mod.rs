@@ -100,7 +100,7 @@ pub use transaction::{SqlxSqliteConnection, SqlxSqliteError, SqlxSqliteTransacti
 ///     .busy_timeout(Duration::from_secs(5));
 /// let pool = SqlitePoolOptions::new().max_connections(8).connect_with(options).await?;
 /// // Creates or migrates the `idempotency_records` table.
-/// let store = SqlxSqliteStore::new(pool.clone()).await?;
+/// let store = SqlxSqliteStore::from_pool(pool.clone()).await?;
 /// assert_eq!(store.purge_expired().await?, 0);
 /// let layer = IdempotencyLayer::new(store, scope::header(http::HeaderName::from_static("x-user")));
 /// # Ok(()) }
@@ -140,6 +140,7 @@ pub struct SqlxSqliteStoreBuilder {
 impl SqlxSqliteStoreBuilder {
     /// The clock that judges leases and TTLs (default the system clock).
     /// Every process sharing a file should use the same clock.
+    #[cfg(feature = "test-util")]
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
         self
@@ -182,7 +183,7 @@ impl SqlxSqliteStore {
     /// # Errors
     ///
     /// As [`SqlxSqliteStoreBuilder::open`].
-    pub async fn new(pool: SqlitePool) -> Result<Self, StoreError> {
+    pub async fn from_pool(pool: SqlitePool) -> Result<Self, StoreError> {
         Self::builder(pool).open().await
     }
 
