@@ -23,10 +23,11 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, request::Parts};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderMap, request::Parts};
+use axum::response::Response;
 use axum::routing::post;
-use common::{Harness, Raw, send, serve};
+use common::charge::{answer, assert_ran, assert_replay_of, assert_unavailable, request};
+use common::{Harness, Raw, serve};
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
 use tower_idempotency::store::{SqliteStore, SqliteTransaction};
@@ -40,21 +41,6 @@ fn user(parts: &Parts) -> String {
         .and_then(|v| v.to_str().ok())
         .unwrap_or("anonymous")
         .to_owned()
-}
-
-/// The answer of a handler's `n`th run: 201, `x-charge: n`, and `charge n`,
-/// or `x-size` bytes of `x` when the request asks for a large body.
-fn answer(n: usize, headers: &HeaderMap) -> Response {
-    let size: usize = headers
-        .get("x-size")
-        .and_then(|v| v.to_str().ok()?.parse().ok())
-        .unwrap_or(0);
-    let body = if size > 0 {
-        vec![b'x'; size]
-    } else {
-        format!("charge {n}").into_bytes()
-    };
-    (StatusCode::CREATED, [("x-charge", n.to_string())], body).into_response()
 }
 
 /// Counts the run, waits at its gate if asked, answers.
@@ -74,41 +60,6 @@ async fn charge_in_transaction(
         .await
         .unwrap();
     charge(State(h), headers).await
-}
-
-/// POST /charge with `key` as alice; `extra` header fields on top.
-async fn request(addr: SocketAddr, key: &str, extra: &[(&str, &[u8])]) -> Raw {
-    let key = format!("\"{key}\"");
-    let mut headers: Vec<(&str, &[u8])> =
-        vec![("idempotency-key", key.as_bytes()), ("x-user", b"alice")];
-    headers.extend_from_slice(extra);
-    send(addr, "POST", "/charge", &headers, b"amount=5").await
-}
-
-/// The 503 `store-unavailable` problem with `Retry-After: 1`, not a replay.
-#[track_caller]
-fn assert_unavailable(r: &Raw) {
-    assert_eq!(r.assert_problem(503), types::STORE_UNAVAILABLE, "{r:?}");
-    assert_eq!(r.header_str("retry-after"), Some("1"), "{r:?}");
-    assert_eq!(r.header("idempotent-replayed"), None, "{r:?}");
-}
-
-/// A first response of the handler's `n`th run (not a replay).
-#[track_caller]
-fn assert_ran(r: &Raw, n: usize) {
-    assert_eq!(r.status, 201, "{r:?}");
-    assert_eq!(r.header("idempotent-replayed"), None, "{r:?}");
-    assert_eq!(r.header_str("x-charge"), Some(n.to_string().as_str()));
-    assert_eq!(r.body, format!("charge {n}").into_bytes());
-}
-
-/// `again` replays `first` byte for byte: status, fields in order, body.
-#[track_caller]
-fn assert_replay_of(again: &Raw, first: &Raw) {
-    assert!(again.replayed(), "{again:?}");
-    assert_eq!(again.status, first.status);
-    assert_eq!(again.stable_headers(), first.stable_headers());
-    assert_eq!(again.body, first.body);
 }
 
 /// The 409 `in-flight` problem, with `Retry-After` in seconds.

@@ -154,6 +154,8 @@ async fn open_is_idempotent_and_new_uses_the_default_table() {
         .await
         .unwrap();
     assert_eq!(again.table(), store.table());
-    let default = SqlxPostgresStore::from_pool(store.pool().clone()).await.unwrap();
+    let default = SqlxPostgresStore::from_pool(store.pool().clone())
+        .await
+        .unwrap();
     assert_eq!(default.table(), "idempotency_records");
 }

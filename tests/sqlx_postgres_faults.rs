@@ -23,7 +23,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use common::{Harness, Raw, send, serve};
+use common::charge::{assert_ran, assert_replay_of, assert_unavailable, request};
+use common::{Harness, serve};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 use tower_idempotency::IdempotencyLayer;
@@ -54,38 +55,6 @@ async fn charge(State(h): State<Harness>, headers: HeaderMap) -> Response {
         format!("charge {n}"),
     )
         .into_response()
-}
-
-/// POST /charge with `key` as alice; `extra` header fields on top.
-async fn request(addr: SocketAddr, key: &str, extra: &[(&str, &[u8])]) -> Raw {
-    let key = format!("\"{key}\"");
-    let mut headers: Vec<(&str, &[u8])> =
-        vec![("idempotency-key", key.as_bytes()), ("x-user", b"alice")];
-    headers.extend_from_slice(extra);
-    send(addr, "POST", "/charge", &headers, b"amount=5").await
-}
-
-#[track_caller]
-fn assert_unavailable(r: &Raw) {
-    assert_eq!(r.assert_problem(503), types::STORE_UNAVAILABLE, "{r:?}");
-    assert_eq!(r.header_str("retry-after"), Some("1"), "{r:?}");
-    assert_eq!(r.header("idempotent-replayed"), None, "{r:?}");
-}
-
-#[track_caller]
-fn assert_ran(r: &Raw, n: usize) {
-    assert_eq!(r.status, 201, "{r:?}");
-    assert_eq!(r.header("idempotent-replayed"), None, "{r:?}");
-    assert_eq!(r.header_str("x-charge"), Some(n.to_string().as_str()));
-    assert_eq!(r.body, format!("charge {n}").into_bytes());
-}
-
-#[track_caller]
-fn assert_replay_of(again: &Raw, first: &Raw) {
-    assert!(again.replayed(), "{again:?}");
-    assert_eq!(again.status, first.status);
-    assert_eq!(again.stable_headers(), first.stable_headers());
-    assert_eq!(again.body, first.body);
 }
 
 async fn pool(url: &str, size: u32) -> PgPool {

@@ -17,10 +17,11 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, request::Parts};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderMap, request::Parts};
+use axum::response::Response;
 use axum::routing::post;
-use common::{Harness, Raw, send, serve};
+use common::charge::{answer, assert_ran, assert_replay_of, assert_unavailable, request};
+use common::{Harness, serve};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
@@ -53,16 +54,7 @@ async fn charge(
             .await?;
     }
     h.wait_at_gate(&headers).await;
-    let size: usize = headers
-        .get("x-size")
-        .and_then(|v| v.to_str().ok()?.parse().ok())
-        .unwrap_or(0);
-    let body = if size > 0 {
-        vec![b'x'; size]
-    } else {
-        format!("charge {n}").into_bytes()
-    };
-    Ok((StatusCode::CREATED, [("x-charge", n.to_string())], body).into_response())
+    Ok(answer(n, &headers))
 }
 
 /// One SQLite file, its clock and the handler's run count.
@@ -145,36 +137,6 @@ impl Db {
     fn page_count(&self) -> i64 {
         self.count("PRAGMA page_count")
     }
-}
-
-async fn request(addr: SocketAddr, key: &str, extra: &[(&str, &[u8])]) -> Raw {
-    let key = format!("\"{key}\"");
-    let mut headers: Vec<(&str, &[u8])> =
-        vec![("idempotency-key", key.as_bytes()), ("x-user", b"alice")];
-    headers.extend_from_slice(extra);
-    send(addr, "POST", "/charge", &headers, b"amount=5").await
-}
-
-#[track_caller]
-fn assert_unavailable(r: &Raw) {
-    assert_eq!(r.assert_problem(503), types::STORE_UNAVAILABLE, "{r:?}");
-    assert_eq!(r.header_str("retry-after"), Some("1"), "{r:?}");
-    assert_eq!(r.header("idempotent-replayed"), None, "{r:?}");
-}
-
-#[track_caller]
-fn assert_ran(r: &Raw, n: usize) {
-    assert_eq!(r.status, 201, "{r:?}");
-    assert_eq!(r.header("idempotent-replayed"), None, "{r:?}");
-    assert_eq!(r.header_str("x-charge"), Some(n.to_string().as_str()));
-}
-
-#[track_caller]
-fn assert_replay_of(again: &Raw, first: &Raw) {
-    assert!(again.replayed(), "{again:?}");
-    assert_eq!(again.status, first.status);
-    assert_eq!(again.stable_headers(), first.stable_headers());
-    assert_eq!(again.body, first.body);
 }
 
 /// Another connection holds the write lock past the busy timeout: 503,

@@ -3,6 +3,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod charge;
 pub mod services;
 
 use std::collections::HashMap;
