@@ -31,6 +31,8 @@ static ORDERS: AtomicU64 = AtomicU64::new(0);
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // The causes of 500s and 503s are logged here, never sent to the client.
+    tracing_subscriber::fmt::init();
     let store = SqliteStore::open("quickstart.sqlite3").await?;
     // Keys belong to the authenticated caller; a request with a key and no
     // `Caller` would get 401, never a shared scope.

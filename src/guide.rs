@@ -13,9 +13,13 @@ pub mod configuration {}
 #[doc = include_str!("../docs/guide/stores.md")]
 pub mod stores {}
 
-#[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+#[cfg(feature = "sqlx-postgres")]
 #[doc = include_str!("../docs/guide/sqlx.md")]
 pub mod sqlx {}
+
+#[cfg(feature = "sqlx-sqlite")]
+#[doc = include_str!("../docs/guide/sqlx_sqlite.md")]
+pub mod sqlx_sqlite {}
 
 #[cfg(feature = "postgres")]
 #[doc = include_str!("../docs/guide/postgres.md")]

@@ -327,7 +327,7 @@ impl std::fmt::Display for Rejection {
 }
 
 /// The layer's own answer to a store failure, so a handler can use `?` on
-/// the store's calls ([`crate::store::SqliteTransaction::run`],
+/// the store's calls (`SqliteTransaction::run`,
 /// `PostgresTransaction::client`): 503 `store-unavailable` with
 /// `Retry-After` (seconds), 503 `store-full` with the store's hint, or 500
 /// `store-misconfigured` for [`StoreError::Config`] (see [`crate::problem`]).

@@ -31,7 +31,7 @@ fn quick_start_is_the_quickstart_example() {
 
 /// The same for the sqlx guide and `examples/sqlx_postgres.rs` (a `no_run`
 /// block of `guide::sqlx`, compiled as a doc test where that module exists:
-/// with the features `sqlx-postgres` and `sqlx-sqlite`).
+/// with the feature `sqlx-postgres`).
 #[test]
 fn sqlx_guide_is_the_sqlx_postgres_example() {
     let guide = read("docs/guide/sqlx.md");

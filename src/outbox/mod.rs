@@ -31,7 +31,9 @@
 //! outbox.relay(HttpSink::new(client)).spawn();      // one relay per process
 //! let app: Router = Router::new()
 //!     .route("/orders", post(order))
-//!     .route_layer(IdempotencyLayer::new(store, |_: &http::request::Parts| "alice".to_owned()).transactional());
+//!     .route_layer(IdempotencyLayer::new(store, |_: &http::request::Parts| "alice".to_owned())
+//!         .require_key(true) // the transaction extractor needs a key on every request
+//!         .transactional());
 //! # let _ = app; Ok(()) }
 //! ```
 //!
@@ -40,8 +42,8 @@
 //! A rollback cannot undo a call to another service: a handler that calls
 //! out inside its transaction and is then rolled back and retried calls out
 //! twice. So the handler writes the message as a row of its own
-//! transaction ([`sqlite::enqueue`] inside
-//! [`SqliteTransaction::run`](crate::store::SqliteTransaction::run), or
+//! transaction (`sqlite::enqueue` inside
+//! `SqliteTransaction::run`, or
 //! `postgres::enqueue` through the
 //! `PostgresTransaction` with the feature `postgres`, or
 //! `mysql::enqueue` through the `MySqlTransaction` with the feature
@@ -81,7 +83,7 @@
 //!
 //! The outbox keeps its messages in its own table,
 //! `tower_idempotency_outbox`, in the store's database, which
-//! [`Outbox::sqlite`], `Outbox::postgres` and `Outbox::mysql` create if
+//! `Outbox::sqlite`, `Outbox::postgres` and `Outbox::mysql` create if
 //! missing.
 //!
 //! # Metrics (with the `metrics` feature)
@@ -208,7 +210,7 @@ impl Outbox {
 
     /// The outbox in the PostgreSQL database of `store` (the app's own
     /// `sqlx::PgPool`), over its pool. Creates its table if missing; the
-    /// table is the one [`Outbox::postgres`] uses.
+    /// table is the one `Outbox::postgres` uses.
     ///
     /// # Errors
     ///
@@ -222,7 +224,7 @@ impl Outbox {
 
     /// The outbox in the SQLite database of `store` (the app's own
     /// `sqlx::SqlitePool`), over its pool. Creates its table if missing; the
-    /// table is the one [`Outbox::sqlite`] uses.
+    /// table is the one `Outbox::sqlite` uses.
     ///
     /// # Errors
     ///

@@ -1,12 +1,12 @@
 //! The outbox on PostgreSQL: [`enqueue`] through the request's
-//! [`PostgresTransaction`](crate::store::PostgresTransaction), and the
+//! `PostgresTransaction`, and the
 //! relay's queue over the store's pool.
 //!
 //! Relays in several processes claim with `FOR UPDATE SKIP LOCKED`: each
 //! due row goes to one of them, and none waits for another's claim. Times are
 //! the database server's clock (`clock_timestamp()`), so the app servers'
 //! clocks need not agree. The statements are PostgreSQL's one set, shared
-//! with the outbox over sqlx ([`Outbox::sqlx_postgres`](super::Outbox::sqlx_postgres)).
+//! with the outbox over sqlx (`Outbox::sqlx_postgres`).
 
 use deadpool_postgres::Pool;
 use tokio_postgres::GenericClient;

@@ -1,11 +1,11 @@
 //! The outbox over sqlx, on every database sqlx drives here: PostgreSQL
-//! ([`SqlxPostgresStore`](crate::store::SqlxPostgresStore), feature
-//! `sqlx-postgres`), SQLite ([`SqlxSqliteStore`](crate::store::SqlxSqliteStore),
-//! `sqlx-sqlite`) and MySQL/MariaDB ([`MySqlStore`](crate::store::MySqlStore),
+//! (`SqlxPostgresStore`, feature
+//! `sqlx-postgres`), SQLite (`SqlxSqliteStore`,
+//! `sqlx-sqlite`) and MySQL/MariaDB (`MySqlStore`,
 //! `mysql`): [`enqueue`] through the request's transaction, and the relay's
-//! queue over the store's pool ([`Outbox::sqlx_postgres`](super::Outbox::sqlx_postgres),
-//! [`Outbox::sqlx_sqlite`](super::Outbox::sqlx_sqlite),
-//! [`Outbox::mysql`](super::Outbox::mysql)).
+//! queue over the store's pool (`Outbox::sqlx_postgres`,
+//! `Outbox::sqlx_sqlite`,
+//! `Outbox::mysql`).
 //!
 //! ```no_run
 //! # #[cfg(feature = "sqlx-postgres")] mod example {
@@ -154,9 +154,9 @@ outbox_guard!("mysql", sqlx::Transaction<'_, sqlx::MySql>);
 
 /// Adds `message` to the outbox through `conn`, the connection of the
 /// request's transaction (`&mut *tx.connection().await?` of a
-/// [`SqlxPostgresTransaction`](crate::store::SqlxPostgresTransaction),
-/// [`SqlxSqliteTransaction`](crate::store::SqlxSqliteTransaction) or
-/// [`MySqlTransaction`](crate::store::MySqlTransaction)): it commits with
+/// `SqlxPostgresTransaction`,
+/// `SqlxSqliteTransaction` or
+/// `MySqlTransaction`): it commits with
 /// the handler's writes and the idempotency record, or rolls back with
 /// them.
 ///

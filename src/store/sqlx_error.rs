@@ -5,9 +5,9 @@
 use crate::store::StoreError;
 
 /// The error of a handler that writes through a sqlx store's transaction
-/// ([`SqlxPostgresTransaction`](crate::store::SqlxPostgresTransaction),
-/// [`SqlxSqliteTransaction`](crate::store::SqlxSqliteTransaction),
-/// [`MySqlTransaction`](crate::store::MySqlTransaction)): the transaction
+/// (`SqlxPostgresTransaction`,
+/// `SqlxSqliteTransaction`,
+/// `MySqlTransaction`): the transaction
 /// could not be had (its `connection()` failed), a statement failed, or
 /// (feature `outbox`) an outbox message could not be built. `From` each, so
 /// a handler returning `Result<_, SqlxError>` uses `?` on every call.
@@ -20,7 +20,7 @@ use crate::store::StoreError;
 ///   `Retry-After`).
 /// * `Sql`: on SQLite, `SQLITE_BUSY` answers as that same 503, logged with
 ///   its likely cause (see
-///   [`SqlxSqliteStore::explain_busy`](crate::store::SqlxSqliteStore::explain_busy));
+///   `SqlxSqliteStore::explain_busy`);
 ///   any other statement error as a 500 problem whose detail does not echo
 ///   the SQL error (it is logged at error level instead).
 /// * `Message`: a 500 problem, logged (the handler built a message the

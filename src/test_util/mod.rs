@@ -21,7 +21,7 @@
 //! a guard that drops a table; `()` if none). Every check uses its own
 //! store. Stores judged by a server's clock add [`ClockOffset`] to the
 //! server's time, as [`RedisStore`](crate::store::RedisStore) does with
-//! `time_offset`; the checks allow for the server's clock moving on by itself.
+//! `clock_offset`; the checks allow for the server's clock moving on by itself.
 //!
 //! In `tests/conformance.rs` of the store's crate (here with this crate's
 //! [`MemoryStore`](crate::MemoryStore) standing in for the third-party store):
@@ -108,7 +108,7 @@ impl Clock for ManualClock {
 
 /// How far a [`ManualClock`] has moved since [`START_MS`], in ms: the offset
 /// a store judged by a server's clock adds to the server's time (e.g.
-/// `RedisStore`'s and `PostgresStore`'s `time_offset`).
+/// `RedisStore`'s and `PostgresStore`'s `clock_offset`).
 #[derive(Debug, Clone)]
 pub struct ClockOffset(pub ManualClock);
 

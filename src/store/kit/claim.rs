@@ -39,6 +39,7 @@ pub(crate) enum Found {
 }
 
 impl Found {
+    #[cfg_attr(not(any(feature = "mysql", feature = "sqlx-sqlite")), allow(dead_code))]
     pub(crate) fn is_acquired(&self) -> bool {
         matches!(self, Found::Acquired { .. })
     }

@@ -55,7 +55,7 @@ impl std::fmt::Debug for RedisStoreBuilder {
         f.debug_struct("RedisStoreBuilder")
             .field("cluster", &matches!(self.target, Target::Cluster(_)))
             .field("prefix", &self.prefix)
-            .field("time_offset", &self.offset.is_some())
+            .field("clock_offset", &self.offset.is_some())
             .field("accept_eviction_risk", &self.accept_eviction_risk)
             .field("eviction_check_interval", &self.eviction_interval)
             .finish_non_exhaustive()

@@ -130,7 +130,7 @@ fn script(body: &str) -> Script {
 /// record whose `expires_at` has passed before Redis removed it, and a
 /// [`super::spawn_purge_task`] is not needed. Lookups check `expires_at`
 /// themselves and never rely on the native expiry. (A test's
-/// [`RedisStoreBuilder::time_offset`] is added to the server's time.) If the
+/// `RedisStoreBuilder::clock_offset` (feature `test-util`) is added to the server's time.) If the
 /// server's clock steps back, a record whose `lease_until` is then further
 /// ahead than the claiming request's lease counts as over, as on every
 /// store (see [`ClaimRequest::lease`]).
@@ -211,7 +211,7 @@ fn script(body: &str) -> Script {
 ///
 /// `rediss://` URLs need the `redis-tls` feature (rustls). The server's
 /// certificate must chain to the system's roots, or to the CA given to
-/// [`RedisStoreBuilder::ca_certificate`], and name the URL's host; an
+/// `RedisStoreBuilder::ca_certificate` (feature `redis-tls`), and name the URL's host; an
 /// untrusted certificate fails [`RedisStoreBuilder::open`] with
 /// [`StoreError::Unavailable`] naming rustls's reason (`UnknownIssuer`,
 /// `certificate not valid for name`, ...).
@@ -246,7 +246,7 @@ impl std::fmt::Debug for RedisStore {
         // Not the URL: it may carry a password.
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
-            .field("time_offset", &self.offset.is_some())
+            .field("clock_offset", &self.offset.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -77,7 +77,7 @@ pub use transaction::{SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresTra
 ///   `tls-rustls`) in the application's own `sqlx` dependency; Cargo unifies
 ///   the features, and this crate enables none.
 /// * The table (default `idempotency_records`) is created by
-///   [`SqlxPostgresStore::new`] / [`SqlxPostgresStoreBuilder::open`] under an
+///   [`SqlxPostgresStore::from_pool`] / [`SqlxPostgresStoreBuilder::open`] under an
 ///   advisory lock, so app servers starting together do not race.
 ///
 /// # Example

@@ -36,9 +36,9 @@ pub use transaction::{SqlxSqliteConnection, SqlxSqliteError, SqlxSqliteTransacti
 ///   primary key `(scope, key)` decides who is first, in one process or many
 ///   sharing the file. Only an insert that met a record reads it, under the
 ///   same write lock. Leases and TTLs are judged by the store's [`Clock`]
-///   (the system clock unless [`SqlxSqliteStoreBuilder::clock`] says
-///   otherwise), read after the write lock is held.
-/// * The schema and semantics are those of [`SqliteStore`](crate::SqliteStore)
+///   (the system clock unless `SqlxSqliteStoreBuilder::clock`, feature
+///   `test-util`, says otherwise), read after the write lock is held.
+/// * The schema and semantics are those of `SqliteStore`
 ///   (feature `sqlite`): the same table, so the two stores can share a file.
 /// * A completion, a release and a purge are one statement each on the pool.
 ///
@@ -327,7 +327,7 @@ impl Store for SqlxSqliteStore {
         let found = claim::claim_in(&mut tx, &req, now)
             .await
             .map_err(|e| self.error(e))?;
-        if let claim::Found::Acquired { .. } = found {
+        if found.is_acquired() {
             tx.commit().await.map_err(|e| self.error(e))?;
         } else {
             // Nothing was written.
