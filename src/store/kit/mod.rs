@@ -11,8 +11,12 @@
 //! * `two_phase.rs`: transactional mode in two phases (the claim commits
 //!   first, then the handler's writes and the completion commit together),
 //!   for PostgreSQL and MySQL/MariaDB.
-//! * `table.rs`: the rule for a configurable table name.
+//! * `table.rs`: the rule for a configurable table name; `builder.rs`: the
+//!   settings of the SQL stores' builders that go with it (`table`,
+//!   `max_hold`, `clock_offset`).
 
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "mysql"))]
+pub(crate) mod builder;
 #[cfg(any(
     feature = "postgres",
     feature = "sqlx-postgres",

@@ -121,14 +121,9 @@ fn record_key(scope: &str, key: &str) -> Vec<u8> {
     hasher.finish().0.to_vec()
 }
 
-impl MySqlStoreBuilder {
-    /// The table (default `idempotency_records`): ASCII letters, digits and
-    /// underscores, not starting with a digit, at most 48 characters.
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
+crate::store::kit::builder::sql_builder_settings!(MySqlStoreBuilder, MySqlTransaction);
 
+impl MySqlStoreBuilder {
     /// Connections kept (default 16). In transactional mode each request
     /// holds one for its handler's whole run, at most
     /// [`MySqlStoreBuilder::max_hold`].
@@ -141,24 +136,6 @@ impl MySqlStoreBuilder {
     /// it fails with [`StoreError::Unavailable`] (default 5 s).
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = timeout;
-        self
-    }
-
-    /// The longest a transactional request may hold its transaction (and
-    /// its pooled connection) open (default 30 s); the layer's lease caps it
-    /// further. Past it the transaction is rolled back, the key given back,
-    /// and the request answered 503: see [`MySqlTransaction`].
-    pub fn max_hold(mut self, hold: Duration) -> Self {
-        self.max_hold = hold;
-        self
-    }
-
-    /// For tests of leases and TTLs: a [`Clock`] whose reading, in
-    /// milliseconds, is added to the server's clock. Leave it unset in
-    /// production.
-    #[cfg(feature = "test-util")]
-    pub fn clock_offset(mut self, offset: impl Clock) -> Self {
-        self.offset = Some(Arc::new(offset));
         self
     }
 

@@ -143,35 +143,12 @@ pub(super) fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>
     StoreError::unavailable(e)
 }
 
+crate::store::kit::builder::sql_builder_settings!(
+    SqlxPostgresStoreBuilder,
+    SqlxPostgresTransaction
+);
+
 impl SqlxPostgresStoreBuilder {
-    /// The table (default `idempotency_records`): ASCII letters, digits and
-    /// underscores, not starting with a digit, at most 48 characters (the
-    /// rule of `PostgresStore`, so the index name derived from it fits
-    /// PostgreSQL's 63-byte identifiers).
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
-    /// The longest a transactional request may hold its transaction (and
-    /// its pooled connection) open (default 30 s); the layer's lease caps it
-    /// further. Past it the transaction is rolled back, the key given back,
-    /// and the request answered 503 with `Retry-After`: see
-    /// [`SqlxPostgresTransaction`], "Max hold time".
-    pub fn max_hold(mut self, hold: Duration) -> Self {
-        self.max_hold = hold;
-        self
-    }
-
-    /// For tests of leases and TTLs: a [`Clock`] whose reading, in
-    /// milliseconds, is added to the server's clock. Leave it unset in
-    /// production.
-    #[cfg(feature = "test-util")]
-    pub fn clock_offset(mut self, offset: impl Clock) -> Self {
-        self.offset = Some(Arc::new(offset));
-        self
-    }
-
     /// Checks the table name, then creates the table and its index if they
     /// are missing (`CREATE ... IF NOT EXISTS`, in one transaction holding an
     /// advisory lock, so servers starting together do not race).
