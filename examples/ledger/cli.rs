@@ -88,25 +88,28 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The feature a build needs for it.
-    fn feature(self) -> &'static str {
-        match self {
-            Backend::Sqlite => "sqlite",
-            Backend::SqlxSqlite => "sqlx-sqlite",
-            Backend::Postgres => "postgres",
-            Backend::SqlxPostgres => "sqlx-postgres",
-            Backend::MySql => "mysql",
-        }
-    }
-
-    fn built(self) -> bool {
-        match self {
-            Backend::Sqlite => true,
-            Backend::SqlxSqlite => cfg!(feature = "sqlx-sqlite"),
-            Backend::Postgres => cfg!(feature = "postgres"),
-            Backend::SqlxPostgres => cfg!(feature = "sqlx-postgres"),
-            Backend::MySql => cfg!(feature = "mysql"),
-        }
+    /// What this build lacks for it: the flags that name it and the feature.
+    fn missing(self) -> Option<(&'static str, &'static str)> {
+        let (built, what, feature) = match self {
+            Backend::Sqlite => return None,
+            Backend::SqlxSqlite => (
+                cfg!(feature = "sqlx-sqlite"),
+                "--db-driver sqlx with a SQLite path",
+                "sqlx-sqlite",
+            ),
+            Backend::Postgres => (
+                cfg!(feature = "postgres"),
+                "--db postgres://...",
+                "postgres",
+            ),
+            Backend::SqlxPostgres => (
+                cfg!(feature = "sqlx-postgres"),
+                "--db postgres://... --db-driver sqlx",
+                "sqlx-postgres",
+            ),
+            Backend::MySql => (cfg!(feature = "mysql"), "--db mysql://...", "mysql"),
+        };
+        (!built).then_some((what, feature))
     }
 }
 
@@ -152,14 +155,7 @@ impl Args {
     /// What no single flag can judge alone.
     fn check(&self) -> Result<(), String> {
         let backend = self.backend();
-        if !backend.built() {
-            let what = match backend {
-                Backend::SqlxSqlite => "--db-driver sqlx with a SQLite path",
-                Backend::SqlxPostgres => "--db postgres://... --db-driver sqlx",
-                Backend::MySql => "--db mysql://...",
-                _ => "--db postgres://...",
-            };
-            let feature = backend.feature();
+        if let Some((what, feature)) = backend.missing() {
             return Err(format!("{what} needs a build with `--features {feature}`"));
         }
         if self.key_store_ca.is_some() && !cfg!(feature = "redis-tls") {

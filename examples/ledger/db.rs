@@ -4,7 +4,8 @@
 //! connection.
 //!
 //! Drivers: `sqlite.rs` (rusqlite, the default), `pg.rs` (tokio-postgres),
-//! `sqlx.rs` (sqlx on PostgreSQL, SQLite and MySQL).
+//! and `sqlx.rs` (one implementation for sqlx) with its dialects
+//! `sqlx_pg.rs`, `sqlx_sqlite.rs` and `mysql.rs`.
 
 use std::future::Future;
 
@@ -125,8 +126,8 @@ CREATE TABLE IF NOT EXISTS credits (
 ";
 
     #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-    /// Run after `pg_advisory_xact_lock(POSTGRES_LOCK)`, in its transaction:
-    /// ledgers starting together would race on `CREATE TABLE`.
+    /// Run after `POSTGRES_LOCK`, in its transaction: ledgers starting
+    /// together would race on `CREATE TABLE`.
     pub const POSTGRES: &str = "
 CREATE TABLE IF NOT EXISTS accounts (
     id      BIGSERIAL PRIMARY KEY,
