@@ -312,9 +312,9 @@ async fn main() {
 /// Binds the listeners, opens the database `--db` names with its driver
 /// (its tables, and its store unless `--key-store`), then serves.
 async fn run(args: Args) -> Result<(), BoxError> {
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let listener = TcpListener::bind(args.listen).await?;
     let admin_listener = match args.admin_listen {
-        Some(addr) => Some(tokio::net::TcpListener::bind(addr).await?),
+        Some(addr) => Some(TcpListener::bind(addr).await?),
         None => None,
     };
     let on = (listener, admin_listener);
