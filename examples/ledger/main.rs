@@ -60,6 +60,11 @@ async fn credit<D: Ledger>(
     Ok(created(credit))
 }
 
+#[derive(Deserialize)]
+struct NewCredit {
+    amount: i64,
+}
+
 /// The idempotency layer: a key is required, keys are scoped per caller.
 fn idempotency<St: Store>(
     store: St,
@@ -87,6 +92,11 @@ async fn create_account<D: Ledger>(writer: Writer<D>, body: Bytes) -> Result<Res
     Ok(created(account))
 }
 
+#[derive(Deserialize)]
+struct NewAccount {
+    name: String,
+}
+
 /// `GET /accounts/{id}`.
 async fn account<D: Ledger>(
     State(state): State<App<D>>,
@@ -94,16 +104,6 @@ async fn account<D: Ledger>(
 ) -> Result<Response, ApiError> {
     let account = state.db.account(parse_id(&id)?).await?;
     Ok(axum::Json(account).into_response())
-}
-
-#[derive(Deserialize)]
-struct NewAccount {
-    name: String,
-}
-
-#[derive(Deserialize)]
-struct NewCredit {
-    amount: i64,
 }
 
 #[derive(Clone)]
