@@ -1,15 +1,118 @@
-//! The ledger's own tables: accounts and credits, in the same database as
-//! the idempotency records. SQLite here (every call on Tokio's blocking
-//! pool); PostgreSQL in `pg.rs`.
+//! What every driver shares: the ledger's writes and their SQL (written
+//! once, with `$1`, `$2`, ... placeholders in order), the `Ledger` trait a
+//! driver implements, and the few primitives (`Conn`) the SQL needs from a
+//! connection.
+//!
+//! Drivers: `sqlite.rs` (rusqlite, the default), `pg.rs` (tokio-postgres),
+//! and `sqlx.rs` (one implementation for sqlx) with its dialects
+//! `sqlx_pg.rs`, `sqlx_sqlite.rs` and `mysql.rs`.
 
-use std::path::Path;
-use std::time::Duration;
+use std::future::Future;
 
-use r2d2_sqlite::SqliteConnectionManager;
-use rusqlite::{OptionalExtension, TransactionBehavior, params};
 use serde::Serialize;
+use tower_idempotency::store::{Inspect, TransactionalStore};
 
-const SCHEMA: &str = "
+use crate::notify::{Message, Notify};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// One database holding the ledger's tables, with the idempotency store
+/// that can share its transactions.
+pub trait Ledger: Clone + Send + Sync + 'static {
+    /// The records in the same database (unless `--key-store`).
+    type Store: TransactionalStore + Inspect;
+
+    /// `GET /accounts/{id}`.
+    fn account(&self, id: i64) -> impl Future<Output = Result<Account, LedgerError>> + Send;
+
+    /// Runs `write` in a transaction of its own (`--mode separate`).
+    fn in_transaction(
+        &self,
+        write: Write,
+    ) -> impl Future<Output = Result<Json, LedgerError>> + Send;
+
+    /// Runs `write` in the request's idempotency transaction (`--mode
+    /// transactional`): the layer commits it with the record, or rolls it
+    /// back when the answer is one it does not store (a 5xx).
+    fn in_request(
+        tx: &Tx<Self>,
+        write: Write,
+    ) -> impl Future<Output = Result<Json, LedgerError>> + Send;
+}
+
+/// The transaction the idempotency layer opens for a request on `D`'s store.
+pub type Tx<D> = <<D as Ledger>::Store as TransactionalStore>::Transaction;
+
+/// One write of the ledger.
+pub enum Op {
+    CreateAccount { name: String },
+    Credit { account_id: i64, amount: i64 },
+}
+
+/// A write and what runs with it in the same transaction.
+pub struct Write {
+    pub op: Op,
+    /// `--notify-url`: the credit's notification, enqueued with it.
+    pub notify: Option<Notify>,
+    /// `X-Ledger-Fail: after-effect` (`faults.rs`): fail once it is written.
+    pub fail_after_effect: bool,
+}
+
+/// A parameter of the ledger's SQL.
+#[derive(Clone, Copy)]
+pub enum Param<'a> {
+    Int(i64),
+    Text(&'a str),
+}
+
+/// What the last statement changed (for dialects without `RETURNING`).
+pub struct Done {
+    pub rows: u64,
+    pub id: i64,
+}
+
+/// The primitives the ledger's SQL needs from a connection that is inside a
+/// transaction; each driver implements them once. Their futures are `Send`
+/// so that `apply` is `Send` for any driver; a synchronous driver (rusqlite)
+/// does its work when called and returns a ready future.
+pub trait Conn {
+    /// Whether `INSERT` and `UPDATE` take `RETURNING` (not in MySQL).
+    const RETURNING: bool = true;
+
+    /// Runs `sql`; the first column of its first row, if it returned one.
+    fn fetch(
+        &mut self,
+        sql: &'static str,
+        params: &[Param<'_>],
+    ) -> impl Future<Output = Result<Option<i64>, LedgerError>> + Send;
+
+    /// Runs `sql`, which returns no rows (asked only where `!RETURNING`).
+    fn execute(
+        &mut self,
+        _: &'static str,
+        _: &[Param<'_>],
+    ) -> impl Future<Output = Result<Done, LedgerError>> + Send {
+        async { Err("this dialect writes with RETURNING".into()) }
+    }
+
+    /// Runs `ACCOUNT`.
+    fn account(
+        &mut self,
+        id: i64,
+    ) -> impl Future<Output = Result<Option<Account>, LedgerError>> + Send;
+
+    /// Enqueues an outbox message in this transaction (`--notify-url`; the
+    /// command line allows it only where the driver overrides this).
+    fn enqueue(&mut self, _: &Message) -> impl Future<Output = Result<(), LedgerError>> + Send {
+        async {
+            Err("--notify-url works with the default drivers on SQLite and PostgreSQL only".into())
+        }
+    }
+}
+
+/// The ledger's tables, in each dialect.
+pub mod schema {
+    pub const SQLITE: &str = "
 CREATE TABLE IF NOT EXISTS accounts (
     id      INTEGER PRIMARY KEY AUTOINCREMENT,
     name    TEXT    NOT NULL,
@@ -22,42 +125,127 @@ CREATE TABLE IF NOT EXISTS credits (
 );
 ";
 
-#[derive(Clone)]
-pub struct SqliteDb {
-    pool: r2d2::Pool<SqliteConnectionManager>,
+    #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+    /// Run after `POSTGRES_LOCK`, in its transaction: ledgers starting
+    /// together would race on `CREATE TABLE`.
+    pub const POSTGRES: &str = "
+CREATE TABLE IF NOT EXISTS accounts (
+    id      BIGSERIAL PRIMARY KEY,
+    name    TEXT   NOT NULL,
+    balance BIGINT NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS credits (
+    id         BIGSERIAL PRIMARY KEY,
+    account_id BIGINT NOT NULL REFERENCES accounts (id),
+    amount     BIGINT NOT NULL CHECK (amount > 0)
+);
+";
+    #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+    pub const POSTGRES_LOCK: &str = "SELECT pg_advisory_xact_lock(7261)";
+
+    #[cfg(feature = "mysql")]
+    /// InnoDB: transactions and row locks. Each `CREATE TABLE IF NOT EXISTS`
+    /// is atomic, so ledgers starting together do not race.
+    pub const MYSQL: [&str; 2] = [
+        "CREATE TABLE IF NOT EXISTS accounts (
+            id      BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+            name    TEXT CHARACTER SET utf8mb4 NOT NULL,
+            balance BIGINT NOT NULL DEFAULT 0
+        ) ENGINE=InnoDB",
+        "CREATE TABLE IF NOT EXISTS credits (
+            id         BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+            account_id BIGINT NOT NULL,
+            amount     BIGINT NOT NULL CHECK (amount > 0),
+            FOREIGN KEY (account_id) REFERENCES accounts (id)
+        ) ENGINE=InnoDB",
+    ];
 }
 
-/// One write of the ledger, runnable on either database.
-pub enum Op {
-    CreateAccount {
-        name: String,
-    },
-    /// With `fail_after_effect`, the credit is written and then the op fails,
-    /// so its transaction rolls back.
-    Credit {
-        account_id: i64,
-        amount: i64,
-        fail_after_effect: bool,
-    },
+pub const ACCOUNT: &str = "SELECT id, name, balance FROM accounts WHERE id = $1";
+
+/// `$sql` as it is, and with `RETURNING $column` for the dialects that have it.
+macro_rules! returning {
+    ($sql:literal, $column:literal) => {
+        ($sql, concat!($sql, " RETURNING ", $column))
+    };
 }
 
-impl Op {
-    /// Runs inside the caller's SQLite transaction.
-    pub fn on_sqlite(self, conn: &rusqlite::Connection) -> Result<Json, LedgerError> {
-        match self {
-            Op::CreateAccount { name } => json(create_account(conn, name)?),
-            Op::Credit {
-                account_id,
-                amount,
-                fail_after_effect,
-            } => {
-                let credit = credit(conn, account_id, amount)?;
-                if fail_after_effect {
-                    return Err(LedgerError::InjectedFailure);
-                }
-                json(credit)
-            }
+/// Runs `write` on `c`, inside the caller's transaction. Any error leaves
+/// the transaction to be rolled back.
+pub async fn apply<C: Conn>(c: &mut C, write: Write) -> Result<Json, LedgerError> {
+    let json = match write.op {
+        Op::CreateAccount { name } => {
+            let insert = returning!("INSERT INTO accounts (name) VALUES ($1)", "id");
+            let id = insert_row(c, insert, &[Param::Text(&name)]).await?;
+            json(Account {
+                id,
+                name,
+                balance: 0,
+            })?
         }
+        Op::Credit { account_id, amount } => json(credit(c, account_id, amount).await?)?,
+    };
+    if let Some(notify) = &write.notify {
+        c.enqueue(&notify.message(&json)?).await?;
+    }
+    if write.fail_after_effect {
+        return Err(LedgerError::InjectedFailure);
+    }
+    Ok(json)
+}
+
+/// Writes the credit and the account's new balance.
+async fn credit<C: Conn>(c: &mut C, account_id: i64, amount: i64) -> Result<Credit, LedgerError> {
+    let (id, amt) = (Param::Int(account_id), Param::Int(amount));
+    let (add, add_returning) = returning!(
+        "UPDATE accounts SET balance = balance + $1 WHERE id = $2",
+        "balance"
+    );
+    let balance = if C::RETURNING {
+        c.fetch(add_returning, &[amt, id]).await?
+    } else if c.execute(add, &[amt, id]).await?.rows > 0 {
+        // The UPDATE holds the row's lock: this reads this transaction's own balance.
+        c.fetch("SELECT balance FROM accounts WHERE id = $1", &[id])
+            .await?
+    } else {
+        None
+    };
+    let balance = balance.ok_or(LedgerError::NoSuchAccount)?;
+    let insert = returning!(
+        "INSERT INTO credits (account_id, amount) VALUES ($1, $2)",
+        "id"
+    );
+    let credit_id = insert_row(c, insert, &[id, amt]).await?;
+    Ok(Credit {
+        credit_id,
+        account_id,
+        amount,
+        balance,
+    })
+}
+
+/// Runs an INSERT; the new row's id.
+async fn insert_row<C: Conn>(
+    c: &mut C,
+    (sql, sql_returning): (&'static str, &'static str),
+    params: &[Param<'_>],
+) -> Result<i64, LedgerError> {
+    if C::RETURNING {
+        c.fetch(sql_returning, params)
+            .await?
+            .ok_or_else(|| "INSERT returned no row".into())
+    } else {
+        Ok(c.execute(sql, params).await?.id)
+    }
+}
+
+/// Runs a future that never waits (a `Conn` over a synchronous driver,
+/// rusqlite) to its end, on this thread.
+pub fn now<F: Future>(future: F) -> F::Output {
+    use std::task::{Context, Poll, Waker};
+    match std::pin::pin!(future).poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(output) => output,
+        Poll::Pending => unreachable!("a synchronous driver never waits"),
     }
 }
 
@@ -65,7 +253,7 @@ impl Op {
 pub fn json<T: Serialize>(value: T) -> Result<Json, LedgerError> {
     serde_json::to_string(&value)
         .map(Json)
-        .map_err(|e| LedgerError::Database(Box::new(e)))
+        .map_err(LedgerError::database)
 }
 
 /// A JSON document, serialized.
@@ -91,7 +279,21 @@ pub enum LedgerError {
     NoSuchAccount,
     /// `X-Ledger-Fail: after-effect`: the credit was written, then rolled back.
     InjectedFailure,
-    Database(Box<dyn std::error::Error + Send + Sync>),
+    Database(BoxError),
+}
+
+impl LedgerError {
+    pub fn database(e: impl Into<BoxError>) -> Self {
+        LedgerError::Database(e.into())
+    }
+
+    /// As an error of the set-up.
+    pub fn boxed(self) -> BoxError {
+        match self {
+            LedgerError::Database(e) => e,
+            other => other.to_string().into(),
+        }
+    }
 }
 
 impl std::fmt::Display for LedgerError {
@@ -104,139 +306,10 @@ impl std::fmt::Display for LedgerError {
     }
 }
 
-impl std::error::Error for LedgerError {}
-
-impl From<rusqlite::Error> for LedgerError {
-    fn from(e: rusqlite::Error) -> Self {
-        LedgerError::Database(Box::new(e))
+/// Every driver's error (and a message) is a database error of the ledger.
+/// (So `LedgerError` is not itself a `std::error::Error`, as `anyhow::Error`.)
+impl<E: Into<BoxError>> From<E> for LedgerError {
+    fn from(e: E) -> Self {
+        LedgerError::Database(e.into())
     }
-}
-
-impl From<r2d2::Error> for LedgerError {
-    fn from(e: r2d2::Error) -> Self {
-        LedgerError::Database(Box::new(e))
-    }
-}
-
-/// The busy handler of the ledger's own connections: waits for SQLite's
-/// write lock in steps of 100 µs, for at most about 5 s (50,000 tries).
-/// In separate mode the store's writer shares the file and holds the lock
-/// for one commit at a time (about one fsync); SQLite's default handler
-/// (`busy_timeout`) sleeps 1, 2, 5, 10 ms and more between tries, so each
-/// collision would cost a credit a millisecond or more.
-fn wait_for_write_lock(tries: i32) -> bool {
-    std::thread::sleep(Duration::from_micros(100));
-    tries < 50_000
-}
-
-impl SqliteDb {
-    pub async fn open(path: &Path) -> Result<SqliteDb, LedgerError> {
-        // WAL belongs to the file: set it once, not per pooled connection.
-        let path_owned = path.to_owned();
-        tokio::task::spawn_blocking(move || {
-            let conn = rusqlite::Connection::open(path_owned)?;
-            conn.busy_timeout(Duration::from_secs(5))?;
-            conn.pragma_update(None, "journal_mode", "WAL")
-        })
-        .await
-        .map_err(|e| LedgerError::Database(Box::new(e)))??;
-        let manager = SqliteConnectionManager::file(path).with_init(|c| {
-            c.busy_handler(Some(wait_for_write_lock))?;
-            c.pragma_update(None, "synchronous", "FULL")?;
-            c.pragma_update(None, "foreign_keys", "ON")
-        });
-        let db = SqliteDb {
-            pool: r2d2::Pool::builder().max_size(8).build_unchecked(manager),
-        };
-        db.run(|conn| conn.execute_batch(SCHEMA).map_err(Into::into))
-            .await?;
-        Ok(db)
-    }
-
-    async fn run<T, F>(&self, f: F) -> Result<T, LedgerError>
-    where
-        F: FnOnce(&mut rusqlite::Connection) -> Result<T, LedgerError> + Send + 'static,
-        T: Send + 'static,
-    {
-        let pool = self.pool.clone();
-        tokio::task::spawn_blocking(move || f(&mut *pool.get()?))
-            .await
-            .map_err(|e| LedgerError::Database(Box::new(e)))?
-    }
-
-    /// Runs `f` in a transaction of its own, committed when `f` succeeds
-    /// (the `separate` mode's writes).
-    pub async fn in_transaction<T, F>(&self, f: F) -> Result<T, LedgerError>
-    where
-        F: FnOnce(&rusqlite::Connection) -> Result<T, LedgerError> + Send + 'static,
-        T: Send + 'static,
-    {
-        self.run(|conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let value = f(&tx)?;
-            tx.commit()?;
-            Ok(value)
-        })
-        .await
-    }
-
-    pub async fn account(&self, id: i64) -> Result<Account, LedgerError> {
-        self.run(move |conn| {
-            conn.query_row(
-                "SELECT id, name, balance FROM accounts WHERE id = ?1",
-                params![id],
-                |r| {
-                    Ok(Account {
-                        id: r.get(0)?,
-                        name: r.get(1)?,
-                        balance: r.get(2)?,
-                    })
-                },
-            )
-            .optional()?
-            .ok_or(LedgerError::NoSuchAccount)
-        })
-        .await
-    }
-}
-
-pub fn create_account(conn: &rusqlite::Connection, name: String) -> Result<Account, LedgerError> {
-    let id = conn.query_row(
-        "INSERT INTO accounts (name) VALUES (?1) RETURNING id",
-        params![name],
-        |r| r.get(0),
-    )?;
-    Ok(Account {
-        id,
-        name,
-        balance: 0,
-    })
-}
-
-/// Writes the credit and the account's new balance (inside the caller's
-/// transaction).
-pub fn credit(
-    conn: &rusqlite::Connection,
-    account_id: i64,
-    amount: i64,
-) -> Result<Credit, LedgerError> {
-    let balance: Option<i64> = conn
-        .query_row(
-            "UPDATE accounts SET balance = balance + ?2 WHERE id = ?1 RETURNING balance",
-            params![account_id, amount],
-            |r| r.get(0),
-        )
-        .optional()?;
-    let balance = balance.ok_or(LedgerError::NoSuchAccount)?;
-    let credit_id = conn.query_row(
-        "INSERT INTO credits (account_id, amount) VALUES (?1, ?2) RETURNING id",
-        params![account_id, amount],
-        |r| r.get(0),
-    )?;
-    Ok(Credit {
-        credit_id,
-        account_id,
-        amount,
-        balance,
-    })
 }

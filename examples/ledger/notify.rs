@@ -24,10 +24,10 @@ mod enabled {
     use hyper_util::client::legacy::Client;
     use hyper_util::rt::TokioExecutor;
     use tower_idempotency::key::ClaimedKey;
-    use tower_idempotency::outbox::{self, HttpSink, Message, Outbox};
+    pub use tower_idempotency::outbox::Message;
+    use tower_idempotency::outbox::{HttpSink, Outbox};
 
-    use crate::db::{Json, LedgerError, Op};
-    use crate::{ApiError, AppState, Tx};
+    use crate::db::{Json, LedgerError};
 
     /// Between attempts at most this long (the contract's "at most 2 s").
     const MAX_BACKOFF: Duration = Duration::from_secs(2);
@@ -36,21 +36,23 @@ mod enabled {
     /// A relay holds a notification at most this long.
     const LEASE: Duration = Duration::from_secs(15);
 
-    /// What a credit's handler needs to enqueue its notification.
+    /// Where credits are notified.
     #[derive(Clone)]
     pub struct Notifier {
         url: String,
     }
 
+    /// The notification of one credit request.
+    pub struct Notify {
+        pub notifier: Notifier,
+        pub claimed: ClaimedKey,
+    }
+
     /// Checks `--notify-url`: an absolute `http://` URL.
     pub fn parse_url(url: &str) -> Result<String, String> {
-        let uri: http::Uri = url
-            .parse()
-            .map_err(|e| format!("--notify-url {url:?}: {e}"))?;
+        let uri: http::Uri = url.parse().map_err(|e| format!("{e}"))?;
         if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-            return Err(format!(
-                "--notify-url {url:?}: want an absolute http:// URL"
-            ));
+            return Err("want an absolute http:// URL".into());
         }
         Ok(url.to_owned())
     }
@@ -61,7 +63,7 @@ mod enabled {
         url: String,
         db: &str,
         postgres: bool,
-    ) -> Result<Notifier, Box<dyn std::error::Error>> {
+    ) -> Result<Notifier, crate::db::BoxError> {
         let outbox = if postgres {
             open_postgres(db).await?
         } else {
@@ -80,91 +82,35 @@ mod enabled {
     }
 
     #[cfg(feature = "postgres")]
-    async fn open_postgres(url: &str) -> Result<Outbox, Box<dyn std::error::Error>> {
+    async fn open_postgres(url: &str) -> Result<Outbox, crate::db::BoxError> {
         let store = tower_idempotency::PostgresStore::open(url).await?;
         Ok(Outbox::postgres(&store).await?)
     }
 
     #[cfg(not(feature = "postgres"))]
-    async fn open_postgres(_: &str) -> Result<Outbox, Box<dyn std::error::Error>> {
+    async fn open_postgres(_: &str) -> Result<Outbox, crate::db::BoxError> {
         Err("this build has no PostgreSQL store: build with `--features postgres`".into())
     }
 
-    impl Notifier {
+    impl Notify {
         /// The notification of the credit whose response is `credit`.
-        fn message(&self, claimed: &ClaimedKey, credit: &Json) -> Result<Message, LedgerError> {
+        pub fn message(&self, credit: &Json) -> Result<Message, LedgerError> {
             #[derive(serde::Deserialize, serde::Serialize)]
             struct Notice {
                 credit_id: i64,
                 account_id: i64,
                 amount: i64,
             }
-            let database = |e: Box<dyn std::error::Error + Send + Sync>| LedgerError::Database(e);
-            let notice: Notice =
-                serde_json::from_str(&credit.0).map_err(|e| database(Box::new(e)))?;
-            let body = serde_json::to_vec(&notice).map_err(|e| database(Box::new(e)))?;
-            Message::new(claimed, 0, self.url.clone(), "application/json", body)
-                .map_err(|e| database(Box::new(e)))
-        }
-    }
-
-    /// Runs a credit inside the request's idempotency transaction and, with
-    /// `--notify-url`, enqueues its notification in the same transaction.
-    pub async fn write_credit(
-        state: &AppState,
-        tx: Tx,
-        op: Op,
-        claimed: Option<ClaimedKey>,
-    ) -> Result<Json, ApiError> {
-        let Some(notifier) = state.notify.clone() else {
-            return crate::write(state, tx, op).await;
-        };
-        let no_tx = || {
-            ApiError::Ledger(LedgerError::Database(
-                "no idempotency transaction for this request".into(),
-            ))
-        };
-        let claimed = claimed.ok_or_else(no_tx)?;
-        match tx {
-            Tx::Sqlite(tx) => {
-                let sql_error = |e: tower_idempotency::store::TransactionError| {
-                    LedgerError::Database(Box::new(e))
-                };
-                Ok(tx
-                    .run(move |tx| {
-                        let json = match op.on_sqlite(tx) {
-                            Ok(json) => json,
-                            Err(e) => return Ok(Err(e)),
-                        };
-                        let message = match notifier.message(&claimed, &json) {
-                            Ok(message) => message,
-                            Err(e) => return Ok(Err(e)),
-                        };
-                        outbox::sqlite::enqueue(tx, &message)?;
-                        Ok(Ok(json))
-                    })
-                    .await
-                    .map_err(sql_error)??)
-            }
-            #[cfg(feature = "postgres")]
-            Tx::Postgres(tx) => {
-                let client = tx
-                    .client()
-                    .await
-                    .map_err(|e| LedgerError::Database(Box::new(e)))?;
-                let json = op.on_postgres(&*client).await?;
-                let message = notifier.message(&claimed, &json)?;
-                outbox::postgres::enqueue(&*client, &message)
-                    .await
-                    .map_err(|e| LedgerError::Database(Box::new(e)))?;
-                Ok(json)
-            }
-            Tx::None => Err(no_tx()),
-            // parse_args refuses --notify-url with the sqlx and MySQL drivers.
-            #[allow(unreachable_patterns)]
-            _ => Err(ApiError::Ledger(LedgerError::Database(
-                "--notify-url works with the default drivers only".into(),
-            ))),
+            let notice: Notice = serde_json::from_str(&credit.0)?;
+            let body = serde_json::to_vec(&notice)?;
+            let url = self.notifier.url.clone();
+            Ok(Message::new(
+                &self.claimed,
+                0,
+                url,
+                "application/json",
+                body,
+            )?)
         }
     }
 }
@@ -174,33 +120,30 @@ mod enabled {
 mod disabled {
     use tower_idempotency::key::ClaimedKey;
 
-    use crate::db::{Json, Op};
-    use crate::{ApiError, AppState, Tx};
+    use crate::db::{Json, LedgerError};
 
     #[derive(Clone)]
     pub enum Notifier {}
+
+    pub enum Message {}
+
+    pub struct Notify {
+        pub notifier: Notifier,
+        pub claimed: ClaimedKey,
+    }
 
     pub fn parse_url(_: &str) -> Result<String, String> {
         Err("--notify-url needs a build with `--features outbox`".into())
     }
 
-    pub async fn start(
-        _: String,
-        _: &str,
-        _: bool,
-    ) -> Result<Notifier, Box<dyn std::error::Error>> {
+    pub async fn start(_: String, _: &str, _: bool) -> Result<Notifier, crate::db::BoxError> {
         Err("--notify-url needs a build with `--features outbox`".into())
     }
 
-    pub async fn write_credit(
-        state: &AppState,
-        tx: Tx,
-        op: Op,
-        _: Option<ClaimedKey>,
-    ) -> Result<Json, ApiError> {
-        if let Some(never) = &state.notify {
-            match *never {}
+    impl Notify {
+        pub fn message(&self, _: &Json) -> Result<Message, LedgerError> {
+            let _ = &self.claimed;
+            match self.notifier {}
         }
-        crate::write(state, tx, op).await
     }
 }

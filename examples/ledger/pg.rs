@@ -1,149 +1,128 @@
-//! The ledger's tables on PostgreSQL (built with `--features postgres`),
-//! sharing the idempotency store's connection pool.
+//! PostgreSQL through tokio-postgres (`--db postgres://...`, a build with
+//! `--features postgres`): the ledger's tables share the idempotency
+//! store's connection pool.
+
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use tokio_postgres::GenericClient;
+use tokio_postgres::types::ToSql;
+use tower_idempotency::PostgresStore;
+use tower_idempotency::store::PostgresTransaction;
 
-use crate::db::{Account, Credit, Json, LedgerError, Op, json};
-
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS accounts (
-    id      BIGSERIAL PRIMARY KEY,
-    name    TEXT   NOT NULL,
-    balance BIGINT NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS credits (
-    id         BIGSERIAL PRIMARY KEY,
-    account_id BIGINT NOT NULL REFERENCES accounts (id),
-    amount     BIGINT NOT NULL CHECK (amount > 0)
-);
-";
-
-impl From<tokio_postgres::Error> for LedgerError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        LedgerError::Database(Box::new(e))
-    }
-}
-
-impl From<deadpool_postgres::PoolError> for LedgerError {
-    fn from(e: deadpool_postgres::PoolError) -> Self {
-        LedgerError::Database(Box::new(e))
-    }
-}
+use crate::db::{
+    ACCOUNT, Account, BoxError, Conn, Json, Ledger, LedgerError, Param, Write, apply, schema,
+};
+#[cfg(feature = "outbox")]
+use crate::notify::Message;
 
 #[derive(Clone)]
-pub struct PgDb {
+pub struct Postgres {
     pool: Pool,
     /// How long a `separate` mode write may take (half the lease): past it
     /// the write is abandoned and its connection closed, so a server cut
     /// off from the database never sends the `COMMIT` later, after another
     /// server has taken the key over.
-    write_budget: std::time::Duration,
+    write_budget: Duration,
 }
 
-impl PgDb {
-    pub async fn open(pool: Pool, write_budget: std::time::Duration) -> Result<PgDb, LedgerError> {
-        let mut client = pool.get().await?;
-        let tx = client.transaction().await?;
-        // Ledgers starting together would race on CREATE TABLE.
-        tx.execute("SELECT pg_advisory_xact_lock(7261)", &[])
-            .await?;
-        tx.batch_execute(SCHEMA).await?;
-        tx.commit().await?;
-        Ok(PgDb { pool, write_budget })
-    }
+/// Opens the store (its pool holds the ledger's tables too); it serves the
+/// records when `records` (no `--key-store`).
+pub async fn open(
+    url: &str,
+    lease: Duration,
+    records: bool,
+) -> Result<(Postgres, Option<PostgresStore>), BoxError> {
+    let store = PostgresStore::open(url).await?;
+    let pool = store.pool().clone();
+    let mut client = pool.get().await?;
+    let tx = client.transaction().await?;
+    tx.execute(schema::POSTGRES_LOCK, &[]).await?;
+    tx.batch_execute(schema::POSTGRES).await?;
+    tx.commit().await?;
+    let db = Postgres {
+        pool,
+        write_budget: lease / 2,
+    };
+    Ok((db, records.then_some(store)))
+}
 
-    pub async fn account(&self, id: i64) -> Result<Account, LedgerError> {
+impl Ledger for Postgres {
+    type Store = PostgresStore;
+
+    async fn account(&self, id: i64) -> Result<Account, LedgerError> {
         let client = self.pool.get().await?;
-        let row = client
-            .query_opt(
-                "SELECT id, name, balance FROM accounts WHERE id = $1",
-                &[&id],
-            )
+        Pg(&**client)
+            .account(id)
             .await?
-            .ok_or(LedgerError::NoSuchAccount)?;
-        Ok(Account {
-            id: row.try_get(0)?,
-            name: row.try_get(1)?,
-            balance: row.try_get(2)?,
-        })
+            .ok_or(LedgerError::NoSuchAccount)
     }
 
-    /// Runs `op` in a transaction of its own (the `separate` mode's writes).
     /// Abandoned past the write budget: the connection is closed, not
     /// pooled, so statements stuck in the network are never followed by a
     /// `COMMIT`.
-    pub async fn in_transaction(&self, op: Op) -> Result<Json, LedgerError> {
+    async fn in_transaction(&self, write: Write) -> Result<Json, LedgerError> {
         let started = tokio::time::Instant::now();
         let mut client = tokio::time::timeout(self.write_budget, self.pool.get())
             .await
-            .map_err(|_| LedgerError::Database("no connection within the write budget".into()))??;
+            .map_err(|_| LedgerError::from("no connection within the write budget"))??;
         let work = async {
             let tx = client.transaction().await?;
-            let value = op.on_postgres(&*tx).await?;
+            let json = apply(&mut Pg(&*tx), write).await?;
             tx.commit().await?;
-            Ok(value)
+            Ok(json)
         };
-        let outcome = tokio::time::timeout_at(started + self.write_budget, work).await;
-        match outcome {
+        match tokio::time::timeout_at(started + self.write_budget, work).await {
             Ok(result) => result,
             Err(_) => {
                 drop(deadpool_postgres::Object::take(client));
-                Err(LedgerError::Database(
-                    "the write did not finish within its budget (half the lease); abandoned".into(),
-                ))
+                Err("the write did not finish within its budget (half the lease); abandoned".into())
             }
         }
     }
+
+    async fn in_request(tx: &PostgresTransaction, write: Write) -> Result<Json, LedgerError> {
+        apply(&mut Pg(&*tx.client().await?), write).await
+    }
 }
 
-impl Op {
-    /// Runs inside the caller's PostgreSQL transaction.
-    pub async fn on_postgres<C: GenericClient>(self, client: &C) -> Result<Json, LedgerError> {
-        match self {
-            Op::CreateAccount { name } => {
-                let row = client
-                    .query_one(
-                        "INSERT INTO accounts (name) VALUES ($1) RETURNING id",
-                        &[&name],
-                    )
-                    .await?;
-                json(Account {
-                    id: row.try_get(0)?,
-                    name,
-                    balance: 0,
-                })
-            }
-            Op::Credit {
-                account_id,
-                amount,
-                fail_after_effect,
-            } => {
-                let balance: i64 = client
-                    .query_opt(
-                        "UPDATE accounts SET balance = balance + $2 WHERE id = $1 RETURNING balance",
-                        &[&account_id, &amount],
-                    )
-                    .await?
-                    .ok_or(LedgerError::NoSuchAccount)?
-                    .try_get(0)?;
-                let credit_id: i64 = client
-                    .query_one(
-                        "INSERT INTO credits (account_id, amount) VALUES ($1, $2) RETURNING id",
-                        &[&account_id, &amount],
-                    )
-                    .await?
-                    .try_get(0)?;
-                if fail_after_effect {
-                    return Err(LedgerError::InjectedFailure);
-                }
-                json(Credit {
-                    credit_id,
-                    account_id,
-                    amount,
-                    balance,
-                })
-            }
+/// A tokio-postgres client or transaction.
+struct Pg<'a, C>(&'a C);
+
+fn params<'a>(params: &'a [Param<'_>]) -> Vec<&'a (dyn ToSql + Sync)> {
+    let one = |p: &'a Param<'_>| -> &'a (dyn ToSql + Sync) {
+        match p {
+            Param::Int(i) => i,
+            Param::Text(s) => s,
         }
+    };
+    params.iter().map(one).collect()
+}
+
+impl<C: GenericClient + Sync> Conn for Pg<'_, C> {
+    async fn fetch(
+        &mut self,
+        sql: &'static str,
+        params_: &[Param<'_>],
+    ) -> Result<Option<i64>, LedgerError> {
+        let row = self.0.query_opt(sql, &params(params_)).await?;
+        Ok(row.map(|row| row.try_get(0)).transpose()?)
+    }
+
+    async fn account(&mut self, id: i64) -> Result<Option<Account>, LedgerError> {
+        let Some(row) = self.0.query_opt(ACCOUNT, &[&id]).await? else {
+            return Ok(None);
+        };
+        Ok(Some(Account {
+            id: row.try_get(0)?,
+            name: row.try_get(1)?,
+            balance: row.try_get(2)?,
+        }))
+    }
+
+    #[cfg(feature = "outbox")]
+    async fn enqueue(&mut self, message: &Message) -> Result<(), LedgerError> {
+        tower_idempotency::outbox::postgres::enqueue(self.0, message).await?;
+        Ok(())
     }
 }

@@ -1,0 +1,213 @@
+//! The command line (the contract in `examples/ledger/README.md`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{CommandFactory, Parser, ValueEnum};
+
+use crate::notify;
+
+/// The ledger: an HTTP service that credits accounts, where a credit
+/// delivered twice is applied once.
+#[derive(Debug, Parser)]
+#[command(name = "ledger", args_override_self = true)]
+pub struct Args {
+    /// Where accounts, credits and (by default) the idempotency records live:
+    /// a SQLite file, a postgres:// URL or a mysql:// URL
+    #[arg(long, value_name = "PATH|URL", default_value = "ledger.sqlite3")]
+    pub db: PathBuf,
+
+    /// The client library for --db (MySQL always uses sqlx)
+    #[arg(long, value_enum, default_value_t = Driver::Rusqlite)]
+    pub db_driver: Driver,
+
+    /// When the idempotency record is written [default: transactional
+    /// wherever the store supports it]
+    #[arg(long, value_enum)]
+    pub mode: Option<Mode>,
+
+    /// Keep the idempotency records in Redis (separate mode only); several
+    /// comma-separated URLs are a Redis Cluster's seeds
+    #[arg(long, value_name = "URL[,URL...]", value_parser = key_store)]
+    pub key_store: Option<String>,
+
+    /// The CA (PEM file) a rediss:// key store's certificate chains to
+    #[arg(long, value_name = "PEM-PATH")]
+    pub key_store_ca: Option<PathBuf>,
+
+    /// Where the ledger listens (port 0 picks a free port)
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:3000")]
+    pub listen: SocketAddr,
+
+    /// How long an in-flight claim holds [default: the crate's lease]
+    #[arg(long = "lease-secs", value_name = "N", value_parser = lease_secs)]
+    pub lease: Option<Duration>,
+
+    /// Honour the X-Ledger-* test headers
+    #[arg(long)]
+    pub fault_injection: bool,
+
+    /// Also serve the operators' admin router here (no authentication: a
+    /// loopback address only)
+    #[arg(long, value_name = "ADDR")]
+    pub admin_listen: Option<SocketAddr>,
+
+    /// Notify every applied credit to this http:// URL (the outbox;
+    /// transactional mode only)
+    #[arg(long, value_name = "URL", value_parser = notify::parse_url)]
+    pub notify_url: Option<String>,
+}
+
+/// Which client library talks to the --db database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Driver {
+    /// rusqlite for a SQLite path, tokio-postgres for a postgres:// URL
+    Rusqlite,
+    /// One sqlx pool for the ledger and its records
+    Sqlx,
+}
+
+/// When the idempotency record is written (see `tower_idempotency::mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// The credit, the record and the stored response in one commit
+    Transactional,
+    /// The credit commits, then the record is completed in a second write
+    Separate,
+}
+
+/// The database and driver `--db` and `--db-driver` name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    SqlxSqlite,
+    Postgres,
+    SqlxPostgres,
+    MySql,
+}
+
+impl Backend {
+    /// What this build lacks for it: the flags that name it and the feature.
+    fn missing(self) -> Option<(&'static str, &'static str)> {
+        let (built, what, feature) = match self {
+            Backend::Sqlite => return None,
+            Backend::SqlxSqlite => (
+                cfg!(feature = "sqlx-sqlite"),
+                "--db-driver sqlx with a SQLite path",
+                "sqlx-sqlite",
+            ),
+            Backend::Postgres => (
+                cfg!(feature = "postgres"),
+                "--db postgres://...",
+                "postgres",
+            ),
+            Backend::SqlxPostgres => (
+                cfg!(feature = "sqlx-postgres"),
+                "--db postgres://... --db-driver sqlx",
+                "sqlx-postgres",
+            ),
+            Backend::MySql => (cfg!(feature = "mysql"), "--db mysql://...", "mysql"),
+        };
+        (!built).then_some((what, feature))
+    }
+}
+
+impl Args {
+    /// Parses the command line; exits with status 2 and a message on a
+    /// mistake.
+    pub fn parse_checked() -> Args {
+        let args = Args::parse();
+        if let Err(message) = args.check() {
+            Args::command()
+                .error(clap::error::ErrorKind::ArgumentConflict, message)
+                .exit();
+        }
+        args
+    }
+
+    /// The `--db` text: a path or a URL.
+    pub fn db_url(&self) -> String {
+        self.db.to_string_lossy().into_owned()
+    }
+
+    pub fn backend(&self) -> Backend {
+        let url = self.db_url();
+        let sqlx = self.db_driver == Driver::Sqlx;
+        if url.starts_with("mysql://") {
+            Backend::MySql
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            [Backend::Postgres, Backend::SqlxPostgres][usize::from(sqlx)]
+        } else {
+            [Backend::Sqlite, Backend::SqlxSqlite][usize::from(sqlx)]
+        }
+    }
+
+    /// Transactional unless the records live elsewhere (`--key-store`).
+    pub fn mode(&self) -> Mode {
+        match (self.mode, &self.key_store) {
+            (Some(mode), _) => mode,
+            (None, Some(_)) => Mode::Separate,
+            (None, None) => Mode::Transactional,
+        }
+    }
+
+    /// What no single flag can judge alone.
+    fn check(&self) -> Result<(), String> {
+        let backend = self.backend();
+        if let Some((what, feature)) = backend.missing() {
+            return Err(format!("{what} needs a build with `--features {feature}`"));
+        }
+        if self.key_store_ca.is_some() && !cfg!(feature = "redis-tls") {
+            return Err("--key-store-ca needs a build with `--features redis-tls`".into());
+        }
+        if self.admin_listen.is_some() && !cfg!(feature = "admin") {
+            return Err("--admin-listen needs a build with `--features admin`".into());
+        }
+        if self.key_store_ca.is_some() && self.key_store.is_none() {
+            return Err("--key-store-ca needs --key-store rediss://...".into());
+        }
+        if self.key_store.is_some() && self.mode == Some(Mode::Transactional) {
+            return Err("--mode transactional needs the records in the --db database; with --key-store only --mode separate is possible".into());
+        }
+        if self.notify_url.is_some() && ![Backend::Sqlite, Backend::Postgres].contains(&backend) {
+            return Err(
+                "--notify-url works with the default drivers on SQLite and PostgreSQL only".into(),
+            );
+        }
+        if self.notify_url.is_some() && self.mode() == Mode::Separate {
+            return Err(
+                "--notify-url needs --mode transactional: a notification commits with its credit"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `--key-store`: `redis://` or `rediss://` URLs, separated by commas.
+fn key_store(urls: &str) -> Result<String, String> {
+    for url in urls.split(',') {
+        if !url.starts_with("redis://") && !url.starts_with("rediss://") {
+            return Err(format!(
+                "{url}: only redis:// and rediss:// URLs are supported"
+            ));
+        }
+        if url.starts_with("rediss://") && !cfg!(feature = "redis-tls") {
+            return Err("rediss://... needs a build with `--features redis-tls`".into());
+        }
+    }
+    if !cfg!(feature = "redis") {
+        return Err("redis://... needs a build with `--features redis`".into());
+    }
+    Ok(urls.to_owned())
+}
+
+/// `--lease-secs`: whole seconds, at least 1.
+fn lease_secs(secs: &str) -> Result<Duration, String> {
+    match secs.parse::<u64>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(secs) => Ok(Duration::from_secs(secs)),
+        Err(e) => Err(e.to_string()),
+    }
+}

@@ -1,0 +1,137 @@
+//! The ledger on any sqlx database: one pool holds the ledger's tables and
+//! the idempotency records. What differs between PostgreSQL
+//! (`sqlx_pg.rs`), SQLite (`sqlx_sqlite.rs`) and MySQL (`mysql.rs`) is a
+//! `Dialect`.
+
+use std::future::Future;
+
+use sqlx::{Database, Encode, Executor, FromRow, IntoArguments, Pool, SqlSafeStr, Type};
+use tower_idempotency::store::{Inspect, TransactionalStore};
+
+use crate::db::{ACCOUNT, Account, Conn, Done, Json, Ledger, LedgerError, Param, Write, apply};
+
+/// What the ledger needs to know of one sqlx database.
+pub trait Dialect: Database {
+    type Store: TransactionalStore + Inspect;
+
+    /// Whether `INSERT` and `UPDATE` take `RETURNING`.
+    const RETURNING: bool = true;
+
+    /// The ledger's SQL (`$1` placeholders) in this database's spelling.
+    fn sql(sql: &'static str) -> impl SqlSafeStr {
+        sql
+    }
+
+    /// The rows a statement changed and the id it inserted (asked only
+    /// where `!RETURNING`).
+    fn done(_: &Self::QueryResult) -> Done {
+        unreachable!("only asked without RETURNING")
+    }
+
+    /// Begins a write transaction of its own (`--mode separate`).
+    fn begin(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self>, sqlx::Error>> + Send {
+        pool.begin()
+    }
+
+    /// Runs `write` on the request's idempotency transaction.
+    fn in_request(
+        tx: &<Self::Store as TransactionalStore>::Transaction,
+        write: Write,
+    ) -> impl Future<Output = Result<Json, LedgerError>> + Send;
+}
+
+/// The ledger's tables on a sqlx pool.
+pub struct SqlxDb<DB: Database> {
+    pub pool: Pool<DB>,
+}
+
+impl<DB: Database> Clone for SqlxDb<DB> {
+    fn clone(&self) -> Self {
+        SqlxDb {
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+impl<DB: Dialect> Ledger for SqlxDb<DB>
+where
+    for<'c> Sqlx<'c, DB>: Conn,
+{
+    type Store = DB::Store;
+
+    async fn account(&self, id: i64) -> Result<Account, LedgerError> {
+        let mut conn = self.pool.acquire().await?;
+        Sqlx::<DB>(&mut conn)
+            .account(id)
+            .await?
+            .ok_or(LedgerError::NoSuchAccount)
+    }
+
+    /// An error drops the transaction, which rolls it back.
+    async fn in_transaction(&self, write: Write) -> Result<Json, LedgerError> {
+        let mut tx = DB::begin(&self.pool).await?;
+        let json = apply(&mut Sqlx::<DB>(&mut tx), write).await?;
+        tx.commit().await?;
+        Ok(json)
+    }
+
+    fn in_request(
+        tx: &<DB::Store as TransactionalStore>::Transaction,
+        write: Write,
+    ) -> impl Future<Output = Result<Json, LedgerError>> + Send {
+        DB::in_request(tx, write)
+    }
+}
+
+/// `$query` with `$params` bound in order.
+macro_rules! bind {
+    ($query:expr, $params:expr) => {
+        $params.iter().fold($query, |query, param| match *param {
+            Param::Int(i) => query.bind(i),
+            Param::Text(s) => query.bind(s.to_owned()),
+        })
+    };
+}
+
+/// A sqlx connection inside a transaction.
+pub struct Sqlx<'c, DB: Database>(pub &'c mut DB::Connection);
+
+impl<DB: Dialect> Conn for Sqlx<'_, DB>
+where
+    for<'e> &'e mut DB::Connection: Executor<'e, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+    for<'q> String: Encode<'q, DB> + Type<DB>,
+    (i64,): for<'r> FromRow<'r, DB::Row>,
+    (i64, String, i64): for<'r> FromRow<'r, DB::Row>,
+{
+    const RETURNING: bool = DB::RETURNING;
+
+    async fn fetch(
+        &mut self,
+        sql: &'static str,
+        params: &[Param<'_>],
+    ) -> Result<Option<i64>, LedgerError> {
+        let query = bind!(sqlx::query_scalar(DB::sql(sql)), params);
+        Ok(query.fetch_optional(&mut *self.0).await?)
+    }
+
+    async fn execute(
+        &mut self,
+        sql: &'static str,
+        params: &[Param<'_>],
+    ) -> Result<Done, LedgerError> {
+        let query = bind!(sqlx::query(DB::sql(sql)), params);
+        Ok(DB::done(&query.execute(&mut *self.0).await?))
+    }
+
+    async fn account(&mut self, id: i64) -> Result<Option<Account>, LedgerError> {
+        let row: Option<(i64, String, i64)> = sqlx::query_as(DB::sql(ACCOUNT))
+            .bind(id)
+            .fetch_optional(&mut *self.0)
+            .await?;
+        Ok(row.map(|(id, name, balance)| Account { id, name, balance }))
+    }
+}
