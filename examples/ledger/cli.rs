@@ -170,11 +170,6 @@ impl Args {
         if self.key_store.is_some() && self.mode == Some(Mode::Transactional) {
             return Err("--mode transactional needs the records in the --db database; with --key-store only --mode separate is possible".into());
         }
-        if self.notify_url.is_some() && ![Backend::Sqlite, Backend::Postgres].contains(&backend) {
-            return Err(
-                "--notify-url works with the default drivers on SQLite and PostgreSQL only".into(),
-            );
-        }
         if self.notify_url.is_some() && self.mode() == Mode::Separate {
             return Err(
                 "--notify-url needs --mode transactional: a notification commits with its credit"

@@ -12,7 +12,9 @@ use std::future::Future;
 use serde::Serialize;
 use tower_idempotency::store::{Inspect, TransactionalStore};
 
-use crate::notify::{Message, Notify};
+#[cfg(feature = "outbox")]
+use crate::notify::Message;
+use crate::notify::Notify;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -38,6 +40,13 @@ pub trait Ledger: Clone + Send + Sync + 'static {
         tx: &Tx<Self>,
         write: Write,
     ) -> impl Future<Output = Result<Json, LedgerError>> + Send;
+
+    /// `--notify-url`: the outbox in this database (its table created), over
+    /// `store`'s pool.
+    #[cfg(feature = "outbox")]
+    fn outbox(
+        store: &Self::Store,
+    ) -> impl Future<Output = Result<tower_idempotency::outbox::Outbox, BoxError>> + Send;
 }
 
 /// The transaction the idempotency layer opens for a request on `D`'s store.
@@ -101,13 +110,12 @@ pub trait Conn {
         id: i64,
     ) -> impl Future<Output = Result<Option<Account>, LedgerError>> + Send;
 
-    /// Enqueues an outbox message in this transaction (`--notify-url`; the
-    /// command line allows it only where the driver overrides this).
-    fn enqueue(&mut self, _: &Message) -> impl Future<Output = Result<(), LedgerError>> + Send {
-        async {
-            Err("--notify-url works with the default drivers on SQLite and PostgreSQL only".into())
-        }
-    }
+    /// Enqueues an outbox message in this transaction (`--notify-url`).
+    #[cfg(feature = "outbox")]
+    fn enqueue(
+        &mut self,
+        message: &Message,
+    ) -> impl Future<Output = Result<(), LedgerError>> + Send;
 }
 
 /// The ledger's tables, in each dialect.
@@ -186,7 +194,11 @@ pub async fn apply<C: Conn>(c: &mut C, write: Write) -> Result<Json, LedgerError
         Op::Credit { account_id, amount } => json(credit(c, account_id, amount).await?)?,
     };
     if let Some(notify) = &write.notify {
-        c.enqueue(&notify.message(&json)?).await?;
+        let message = notify.message(&json)?;
+        #[cfg(feature = "outbox")]
+        c.enqueue(&message).await?;
+        #[cfg(not(feature = "outbox"))]
+        match message {}
     }
     if write.fail_after_effect {
         return Err(LedgerError::InjectedFailure);

@@ -348,6 +348,15 @@ async fn serve<D: Ledger>(
 ) -> Result<(), BoxError> {
     let mode = args.mode();
     let lease = args.lease;
+    // `--notify-url` needs transactional mode (`Args::parse_checked`), so
+    // the store is the database's.
+    #[cfg(feature = "outbox")]
+    let notify = match (args.notify_url.clone(), &store) {
+        (Some(url), Some(store)) => Some(notify::start(url, D::outbox(store).await?)),
+        _ => None,
+    };
+    #[cfg(not(feature = "outbox"))]
+    let notify = None;
     let (protect, admin): (Protect<D>, _) = match store {
         #[cfg(feature = "redis")]
         _ if args.key_store.is_some() => {
@@ -363,13 +372,6 @@ async fn serve<D: Ledger>(
             (protected(store, mode, lease), admin)
         }
         None => unreachable!("the store is opened unless --key-store"),
-    };
-    let notify = match args.notify_url.clone() {
-        Some(url) => {
-            let postgres = args.backend() == Backend::Postgres;
-            Some(notify::start(url, &args.db_url(), postgres).await?)
-        }
-        None => None,
     };
     let state = App {
         db,

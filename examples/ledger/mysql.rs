@@ -27,6 +27,21 @@ pub async fn open(
 impl Dialect for MySql {
     type Store = MySqlStore;
 
+    #[cfg(feature = "outbox")]
+    async fn outbox(
+        store: &MySqlStore,
+    ) -> Result<tower_idempotency::outbox::Outbox, tower_idempotency::StoreError> {
+        tower_idempotency::outbox::Outbox::mysql(store).await
+    }
+
+    #[cfg(feature = "outbox")]
+    fn enqueue<'a>(
+        conn: &'a mut Self::Connection,
+        message: &'a crate::notify::Message,
+    ) -> impl std::future::Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
+        tower_idempotency::outbox::sqlx::enqueue(conn, message)
+    }
+
     const RETURNING: bool = false;
 
     /// `$1`, `$2`, ... (always in order in the ledger's SQL) become `?`.

@@ -57,18 +57,8 @@ mod enabled {
         Ok(url.to_owned())
     }
 
-    /// Opens the outbox in the ledger's database (creating its table) and
-    /// starts its relay; `db` is the `--db` path or `postgres://` URL.
-    pub async fn start(
-        url: String,
-        db: &str,
-        postgres: bool,
-    ) -> Result<Notifier, crate::db::BoxError> {
-        let outbox = if postgres {
-            open_postgres(db).await?
-        } else {
-            Outbox::sqlite(db).await?
-        };
+    /// Starts the relay of `outbox`, the outbox in the ledger's database.
+    pub fn start(url: String, outbox: Outbox) -> Notifier {
         let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
         outbox
             .relay(HttpSink::new(client))
@@ -78,18 +68,7 @@ mod enabled {
             .lease(LEASE)
             .poll_interval(Duration::from_millis(100))
             .spawn();
-        Ok(Notifier { url })
-    }
-
-    #[cfg(feature = "postgres")]
-    async fn open_postgres(url: &str) -> Result<Outbox, crate::db::BoxError> {
-        let store = tower_idempotency::PostgresStore::open(url).await?;
-        Ok(Outbox::postgres(&store).await?)
-    }
-
-    #[cfg(not(feature = "postgres"))]
-    async fn open_postgres(_: &str) -> Result<Outbox, crate::db::BoxError> {
-        Err("this build has no PostgreSQL store: build with `--features postgres`".into())
+        Notifier { url }
     }
 
     impl Notify {
@@ -133,10 +112,6 @@ mod disabled {
     }
 
     pub fn parse_url(_: &str) -> Result<String, String> {
-        Err("--notify-url needs a build with `--features outbox`".into())
-    }
-
-    pub async fn start(_: String, _: &str, _: bool) -> Result<Notifier, crate::db::BoxError> {
         Err("--notify-url needs a build with `--features outbox`".into())
     }
 

@@ -50,6 +50,11 @@ pub async fn open(
 impl Ledger for Postgres {
     type Store = PostgresStore;
 
+    #[cfg(feature = "outbox")]
+    async fn outbox(store: &PostgresStore) -> Result<tower_idempotency::outbox::Outbox, BoxError> {
+        Ok(tower_idempotency::outbox::Outbox::postgres(store).await?)
+    }
+
     async fn account(&self, id: i64) -> Result<Account, LedgerError> {
         let client = self.pool.get().await?;
         Pg(&**client)

@@ -90,6 +90,11 @@ impl Sqlite {
 impl Ledger for Sqlite {
     type Store = SqliteStore;
 
+    #[cfg(feature = "outbox")]
+    async fn outbox(store: &SqliteStore) -> Result<tower_idempotency::outbox::Outbox, BoxError> {
+        Ok(tower_idempotency::outbox::Outbox::sqlite(store.path()).await?)
+    }
+
     async fn account(&self, id: i64) -> Result<Account, LedgerError> {
         self.run(move |conn| now(Rusqlite(conn).account(id))?.ok_or(LedgerError::NoSuchAccount))
             .await

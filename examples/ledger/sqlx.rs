@@ -6,9 +6,15 @@
 use std::future::Future;
 
 use sqlx::{Database, Encode, Executor, FromRow, IntoArguments, Pool, SqlSafeStr, Type};
+#[cfg(feature = "outbox")]
+use tower_idempotency::store::StoreError;
 use tower_idempotency::store::{Inspect, TransactionalStore};
 
+#[cfg(feature = "outbox")]
+use crate::db::BoxError;
 use crate::db::{ACCOUNT, Account, Conn, Done, Json, Ledger, LedgerError, Param, Write, apply};
+#[cfg(feature = "outbox")]
+use crate::notify::Message;
 
 /// What the ledger needs to know of one sqlx database.
 pub trait Dialect: Database {
@@ -40,6 +46,19 @@ pub trait Dialect: Database {
         tx: &<Self::Store as TransactionalStore>::Transaction,
         write: Write,
     ) -> impl Future<Output = Result<Json, LedgerError>> + Send;
+
+    /// `--notify-url`: the outbox in this database, over the store's pool.
+    #[cfg(feature = "outbox")]
+    fn outbox(
+        store: &Self::Store,
+    ) -> impl Future<Output = Result<tower_idempotency::outbox::Outbox, StoreError>> + Send;
+
+    /// `outbox::sqlx::enqueue` on a connection of this database.
+    #[cfg(feature = "outbox")]
+    fn enqueue<'a>(
+        conn: &'a mut Self::Connection,
+        message: &'a Message,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 }
 
 /// The ledger's tables on a sqlx pool.
@@ -82,6 +101,11 @@ where
         write: Write,
     ) -> impl Future<Output = Result<Json, LedgerError>> + Send {
         DB::in_request(tx, write)
+    }
+
+    #[cfg(feature = "outbox")]
+    async fn outbox(store: &DB::Store) -> Result<tower_idempotency::outbox::Outbox, BoxError> {
+        Ok(DB::outbox(store).await?)
     }
 }
 
@@ -133,5 +157,11 @@ where
             .fetch_optional(&mut *self.0)
             .await?;
         Ok(row.map(|(id, name, balance)| Account { id, name, balance }))
+    }
+
+    #[cfg(feature = "outbox")]
+    async fn enqueue(&mut self, message: &Message) -> Result<(), LedgerError> {
+        DB::enqueue(self.0, message).await?;
+        Ok(())
     }
 }

@@ -37,6 +37,21 @@ pub async fn open(
 impl Dialect for Postgres {
     type Store = SqlxPostgresStore;
 
+    #[cfg(feature = "outbox")]
+    async fn outbox(
+        store: &SqlxPostgresStore,
+    ) -> Result<tower_idempotency::outbox::Outbox, tower_idempotency::StoreError> {
+        tower_idempotency::outbox::Outbox::sqlx_postgres(store).await
+    }
+
+    #[cfg(feature = "outbox")]
+    fn enqueue<'a>(
+        conn: &'a mut Self::Connection,
+        message: &'a crate::notify::Message,
+    ) -> impl std::future::Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
+        tower_idempotency::outbox::sqlx::enqueue(conn, message)
+    }
+
     async fn in_request(tx: &SqlxPostgresTransaction, write: Write) -> Result<Json, LedgerError> {
         let mut conn = tx.connection().await?;
         apply(&mut Sqlx::<Postgres>(&mut conn), write).await

@@ -46,6 +46,21 @@ pub async fn open(
 impl Dialect for Sqlite {
     type Store = SqlxSqliteStore;
 
+    #[cfg(feature = "outbox")]
+    async fn outbox(
+        store: &SqlxSqliteStore,
+    ) -> Result<tower_idempotency::outbox::Outbox, tower_idempotency::StoreError> {
+        tower_idempotency::outbox::Outbox::sqlx_sqlite(store).await
+    }
+
+    #[cfg(feature = "outbox")]
+    fn enqueue<'a>(
+        conn: &'a mut Self::Connection,
+        message: &'a crate::notify::Message,
+    ) -> impl std::future::Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
+        tower_idempotency::outbox::sqlx::enqueue(conn, message)
+    }
+
     /// Takes the write lock at once.
     fn begin(
         pool: &Pool<Sqlite>,
