@@ -194,7 +194,13 @@ pub(crate) async fn claim<D: TwoPhase>(
             release_logged(&phase_one, abandoned, token, "an abandoned key").await;
         }
     });
-    let claimed = claimed
+    // The answer may arrive after this request was cancelled but before
+    // its receiver is dropped: the receiver's guard gives that claim back.
+    let mut answer = AnswerGuard {
+        answer: claimed,
+        release: Some((store.clone(), id.clone(), token)),
+    };
+    let claimed = (&mut answer.answer)
         .await
         .map_err(|_| unavailable("the claim task ended without an answer"))?;
     let taken_over = match claimed? {
@@ -228,6 +234,28 @@ pub(crate) async fn claim<D: TwoPhase>(
         transaction: held,
         taken_over,
     })
+}
+
+/// The receiving end of phase one's answer. Dropped before the answer was
+/// read (the request was cancelled), it stops the claim task from
+/// answering, so that task gives back a claim it has yet to answer, and
+/// gives back a claim that was answered but not read.
+struct AnswerGuard<D: TwoPhase> {
+    answer: tokio::sync::oneshot::Receiver<Result<Claim, StoreError>>,
+    release: Option<(D, RecordId, FencingToken)>,
+}
+
+impl<D: TwoPhase> Drop for AnswerGuard<D> {
+    fn drop(&mut self) {
+        // After `close`, the claim task's `send` fails (and it releases);
+        // an answer sent before is still here to read.
+        self.answer.close();
+        if let Ok(Ok(Claim::Acquired { .. })) = self.answer.try_recv()
+            && let Some((store, id, token)) = self.release.take()
+        {
+            drop(ReleaseOnDrop::new(store, id, token));
+        }
+    }
 }
 
 /// [`TransactionalStore::commit`](crate::store::TransactionalStore::commit):
