@@ -303,10 +303,12 @@ impl OutboxSql {
                     UNIQUE KEY {TABLE}_key (msg_key),
                     KEY {TABLE}_due (state, due_ms),
                     KEY {TABLE}_finished (state, finished_ms)
-                ) ENGINE=InnoDB"
+                ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
             ),
             // `INSERT IGNORE` ignores only the duplicate key here: every
-            // other field was checked by `Message` to fit its column.
+            // other field was checked by `Message` to fit its column, and
+            // the table's text is utf8mb4 whatever the database's default
+            // (IGNORE would store a character latin1 lacks as `?`).
             enqueue: format!(
                 "INSERT IGNORE INTO {TABLE} (msg_key, destination, content_type, payload, created_ms, due_ms)
                  VALUES (?, ?, ?, ?, {NOW}, {NOW})"
