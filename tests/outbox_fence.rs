@@ -59,7 +59,6 @@ async fn until<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> 
 /// requeue resets the count). Relay 1's late finish of *its* attempt 1 must
 /// be refused by the fence: relay 2 still holds the message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "bug: requeue resets attempts to 0, so a late finish of an old attempt 1 passes the attempt fence of the requeued row (src/outbox/sql.rs requeue)"]
 async fn a_late_finish_before_a_requeue_does_not_touch_the_reclaimed_row() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("outbox.sqlite3");
@@ -128,7 +127,11 @@ async fn a_late_finish_before_a_requeue_does_not_touch_the_reclaimed_row() {
     );
     let in_flight = outbox.list(View::InFlight, 10).await.unwrap();
     assert_eq!(in_flight.len(), 1);
-    assert_eq!(in_flight[0].last_error, None);
+    assert_eq!(
+        in_flight[0].last_error.as_deref(),
+        Some("refused"),
+        "the last error is relay 2's refusal, not the stale attempt's"
+    );
 
     held.send(Outcome::Delivered).unwrap();
     second.shutdown().await;

@@ -81,6 +81,7 @@ pub(crate) trait Exec: Send + Sync + 'static {
 pub(crate) const CLAIMED: &[Col] = &[
     Col::Int,
     Col::Int,
+    Col::Int,
     Col::Text,
     Col::Text,
     Col::Text,
@@ -158,11 +159,12 @@ pub(crate) fn claimed(mut row: Row) -> Result<Claimed, StoreError> {
     Ok(Claimed {
         id: int(&row[0])?,
         attempt: u32::try_from(int(&row[1])?).unwrap_or(u32::MAX),
+        lease_until_ms: int(&row[2])?,
         message: Message {
-            key: take_text(&mut row[2])?,
-            destination: take_text(&mut row[3])?,
-            content_type: take_text(&mut row[4])?,
-            payload: take_bytes(&mut row[5])?,
+            key: take_text(&mut row[3])?,
+            destination: take_text(&mut row[4])?,
+            content_type: take_text(&mut row[5])?,
+            payload: take_bytes(&mut row[6])?,
         },
     })
 }
@@ -228,8 +230,14 @@ impl<E: Exec> Queue for SqlQueue<E> {
         })
     }
 
-    fn finish(&self, id: i64, attempt: u32, fate: Fate) -> BoxFut<'_, Result<bool, StoreError>> {
-        let attempt = Value::Int(i64::from(attempt));
+    fn finish(
+        &self,
+        id: i64,
+        attempt: u32,
+        lease_until_ms: i64,
+        fate: Fate,
+    ) -> BoxFut<'_, Result<bool, StoreError>> {
+        let (attempt, lease) = (Value::Int(i64::from(attempt)), Value::Int(lease_until_ms));
         let (sql, params) = match fate {
             Fate::Done => (&self.sql.done, vec![Value::Int(id)]),
             Fate::Retry { after, error } => (
@@ -239,11 +247,12 @@ impl<E: Exec> Queue for SqlQueue<E> {
                     Value::Text(error),
                     Value::Int(id),
                     attempt,
+                    lease,
                 ],
             ),
             Fate::Dead { error } => (
                 &self.sql.dead,
-                vec![Value::Text(error), Value::Int(id), attempt],
+                vec![Value::Text(error), Value::Int(id), attempt, lease],
             ),
         };
         Box::pin(async move { Ok(self.exec.execute(sql, params).await? == 1) })

@@ -50,14 +50,16 @@ pub(crate) struct OutboxSql {
     /// `key, destination, content_type, payload`; affects 0 rows when the
     /// key is there already.
     pub(crate) enqueue: String,
-    /// Returns `id, attempts, msg_key, destination, content_type, payload`.
+    /// Returns `id, attempts, lease_until_ms, msg_key, destination,
+    /// content_type, payload`.
     pub(crate) claim: ClaimSql,
     /// `id`: the message is done, whoever holds its lease now.
     pub(crate) done: String,
-    /// `after_ms, error, id, attempt`: only the attempt that holds the claim
-    /// schedules the next.
+    /// `after_ms, error, id, attempt, lease_until_ms`: only the attempt that
+    /// holds the claim schedules the next (the lease deadline tells a claim
+    /// from an older one with the same attempt number, as after a requeue).
     pub(crate) retry: String,
-    /// `error, id, attempt`.
+    /// `error, id, attempt, lease_until_ms`.
     pub(crate) dead: String,
     /// `older_than_ms, limit`.
     pub(crate) purge: String,
@@ -144,7 +146,7 @@ impl OutboxSql {
                        AND due_ms <= (SELECT ms FROM now)
                        AND (lease_until_ms IS NULL OR lease_until_ms <= (SELECT ms FROM now))
                        ORDER BY due_ms, id LIMIT $3::bigint FOR UPDATE SKIP LOCKED)
-                     RETURNING id, attempts::bigint, msg_key, destination, content_type, payload"
+                     RETURNING id, attempts::bigint, lease_until_ms, msg_key, destination, content_type, payload"
                 ),
             },
             done: format!(
@@ -153,12 +155,14 @@ impl OutboxSql {
             ),
             retry: format!(
                 "UPDATE {TABLE} SET due_ms = {NOW} + $1::bigint, lease_until_ms = NULL, lease_owner = NULL,
-                 last_error = $2 WHERE id = $3 AND attempts = $4::bigint AND state = 'pending'"
+                 last_error = $2 WHERE id = $3 AND attempts = $4::bigint AND lease_until_ms = $5::bigint
+                 AND state = 'pending'"
             ),
             dead: format!(
                 "UPDATE {TABLE} SET state = 'dead', finished_ms = {NOW}, lease_until_ms = NULL,
                  lease_owner = NULL, last_error = $1
-                 WHERE id = $2 AND attempts = $3::bigint AND state = 'pending'"
+                 WHERE id = $2 AND attempts = $3::bigint AND lease_until_ms = $4::bigint
+                 AND state = 'pending'"
             ),
             purge: format!(
                 "DELETE FROM {TABLE} WHERE id IN (SELECT id FROM {TABLE}
@@ -230,7 +234,7 @@ impl OutboxSql {
                     "UPDATE {TABLE} SET lease_owner = ?1, lease_until_ms = {NOW} + ?2, attempts = attempts + 1
                      WHERE id IN (SELECT id FROM {TABLE} WHERE state = 'pending' AND due_ms <= {NOW}
                        AND (lease_until_ms IS NULL OR lease_until_ms <= {NOW}) ORDER BY due_ms, id LIMIT ?3)
-                     RETURNING id, attempts, msg_key, destination, content_type, payload"
+                     RETURNING id, attempts, lease_until_ms, msg_key, destination, content_type, payload"
                 ),
             },
             done: format!(
@@ -239,11 +243,13 @@ impl OutboxSql {
             ),
             retry: format!(
                 "UPDATE {TABLE} SET due_ms = {NOW} + ?1, lease_until_ms = NULL, lease_owner = NULL,
-                 last_error = ?2 WHERE id = ?3 AND attempts = ?4 AND state = 'pending'"
+                 last_error = ?2 WHERE id = ?3 AND attempts = ?4 AND lease_until_ms = ?5
+                 AND state = 'pending'"
             ),
             dead: format!(
                 "UPDATE {TABLE} SET state = 'dead', finished_ms = {NOW}, lease_until_ms = NULL,
-                 lease_owner = NULL, last_error = ?1 WHERE id = ?2 AND attempts = ?3 AND state = 'pending'"
+                 lease_owner = NULL, last_error = ?1 WHERE id = ?2 AND attempts = ?3
+                 AND lease_until_ms = ?4 AND state = 'pending'"
             ),
             purge: format!(
                 "DELETE FROM {TABLE} WHERE id IN (SELECT id FROM {TABLE}
@@ -325,7 +331,8 @@ impl OutboxSql {
                      WHERE id IN ({{ids}})"
                 ),
                 select: format!(
-                    "SELECT id, CAST(attempts AS SIGNED), msg_key, destination, content_type, payload
+                    "SELECT id, CAST(attempts AS SIGNED), lease_until_ms, msg_key, destination,
+                       content_type, payload
                      FROM {TABLE} WHERE id IN ({{ids}}) ORDER BY due_ms, id"
                 ),
             },
@@ -335,12 +342,13 @@ impl OutboxSql {
             ),
             retry: format!(
                 "UPDATE {TABLE} SET due_ms = {NOW} + ?, lease_until_ms = NULL, lease_owner = NULL,
-                 last_error = ? WHERE id = ? AND attempts = ? AND state = 'pending'"
+                 last_error = ? WHERE id = ? AND attempts = ? AND lease_until_ms = ?
+                 AND state = 'pending'"
             ),
             dead: format!(
                 "UPDATE {TABLE} SET state = 'dead', finished_ms = {NOW}, lease_until_ms = NULL,
                  lease_owner = NULL, last_error = ?
-                 WHERE id = ? AND attempts = ? AND state = 'pending'"
+                 WHERE id = ? AND attempts = ? AND lease_until_ms = ? AND state = 'pending'"
             ),
             purge: format!(
                 "DELETE FROM {TABLE} WHERE state = 'done' AND finished_ms <= {NOW} - ?
