@@ -109,10 +109,12 @@ impl OutboxSql {
         let int = |e: &str| format!("{e}::bigint");
         OutboxSql {
             // Under an advisory lock, so processes starting together do
-            // not race on CREATE.
+            // not race on CREATE. No BEGIN/COMMIT of its own: run alone
+            // (a simple query of several statements) it is one implicit
+            // transaction, and run inside the request's transaction
+            // (`outbox::sqlx::migrate`) it must not commit that.
             schema: format!(
-                "BEGIN;
-                 SELECT pg_advisory_xact_lock(7261, 15);
+                "SELECT pg_advisory_xact_lock(7261, 15);
                  CREATE TABLE IF NOT EXISTS {TABLE} (
                     id BIGSERIAL PRIMARY KEY,
                     msg_key TEXT NOT NULL UNIQUE,
@@ -129,8 +131,7 @@ impl OutboxSql {
                     last_error TEXT
                  );
                  CREATE INDEX IF NOT EXISTS {TABLE}_due ON {TABLE} (due_ms) WHERE state = 'pending';
-                 CREATE INDEX IF NOT EXISTS {TABLE}_finished ON {TABLE} (finished_ms) WHERE state = 'done';
-                 COMMIT;"
+                 CREATE INDEX IF NOT EXISTS {TABLE}_finished ON {TABLE} (finished_ms) WHERE state = 'done';"
             ),
             enqueue: format!(
                 "INSERT INTO {TABLE} (msg_key, destination, content_type, payload)
