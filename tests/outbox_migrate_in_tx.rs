@@ -78,3 +78,53 @@ async fn migrate_inside_a_rolled_back_transaction_keeps_nothing() {
         std::panic::resume_unwind(e.into_panic());
     }
 }
+
+/// The same on MySQL/MariaDB, where `CREATE TABLE` commits the transaction
+/// it runs in (an implicit commit, even when the table exists).
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "bug: on MySQL/MariaDB outbox::sqlx::migrate inside a transaction implicitly commits it (DDL); it should refuse to run inside one"]
+async fn mysql_migrate_inside_a_rolled_back_transaction_keeps_nothing() {
+    use sqlx::MySqlConnection;
+    let url = std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let db = format!("brk_mig_{:08x}", FencingToken::random().0 as u32);
+    let mut admin = MySqlConnection::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("MySQL/MariaDB at {url} is required: {e}"));
+    admin
+        .execute(AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .await
+        .unwrap();
+    let outcome = {
+        let url = with_db(&url, &db);
+        tokio::spawn(async move {
+            let mut conn = MySqlConnection::connect(&url).await.unwrap();
+            conn.execute("CREATE TABLE credits (id INT PRIMARY KEY) ENGINE=InnoDB")
+                .await
+                .unwrap();
+            let mut tx = conn.begin().await.unwrap();
+            tx.execute("INSERT INTO credits VALUES (1)").await.unwrap();
+            // Refusing is as good as staying inside the transaction.
+            let migrated = outbox::sqlx::migrate(&mut tx).await;
+            tx.execute("INSERT INTO credits VALUES (2)").await.unwrap();
+            tx.rollback().await.unwrap();
+            let kept: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM credits")
+                .fetch_one(&mut conn)
+                .await
+                .unwrap();
+            assert_eq!(
+                kept, 0,
+                "the rolled-back transaction kept none of its writes (migrate: {migrated:?})"
+            );
+        })
+        .await
+    };
+    admin
+        .execute(AssertSqlSafe(format!("DROP DATABASE {db}")))
+        .await
+        .unwrap();
+    if let Err(e) = outcome {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
