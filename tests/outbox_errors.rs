@@ -186,3 +186,17 @@ async fn mysql_records_any_error() {
         std::panic::resume_unwind(e.into_panic());
     }
 }
+
+/// A destination with a NUL character fits no PostgreSQL `TEXT`: the
+/// handler's enqueue would fail (and abort the request's transaction) on
+/// PostgreSQL only, while SQLite and MySQL keep it. `Message` refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_postgres_cannot_hold_is_refused_by_message() {
+    assert_eq!(
+        Message::with_key("k", "http://127.0.0.1:9/\0", "text/plain", b"x".to_vec()),
+        Err(tower_idempotency::outbox::MessageError::InvalidField(
+            "destination"
+        ))
+    );
+    assert!(Message::with_key("k", "http://127.0.0.1:9/ok", "text/plain", b"x".to_vec()).is_ok());
+}
