@@ -81,6 +81,7 @@ pub(crate) trait Exec: Send + Sync + 'static {
 pub(crate) const CLAIMED: &[Col] = &[
     Col::Int,
     Col::Int,
+    Col::Int,
     Col::Text,
     Col::Text,
     Col::Text,
@@ -145,6 +146,30 @@ fn to_u64(v: i64) -> u64 {
     v.max(0) as u64
 }
 
+/// The longest error recorded, in bytes (MySQL's `TEXT` holds 64 KiB).
+const MAX_ERROR: usize = 4096;
+
+/// A sink's error as every dialect can store it: without NUL characters
+/// (PostgreSQL's `TEXT` refuses them) and at most [`MAX_ERROR`] bytes. An
+/// error the table refused would leave the attempt unrecorded and the
+/// message attempted again and again, never a dead letter.
+fn error_text(error: String) -> String {
+    let mut error = if error.contains('\0') {
+        error.replace('\0', "\u{fffd}")
+    } else {
+        error
+    };
+    if error.len() > MAX_ERROR {
+        let mut end = MAX_ERROR - '…'.len_utf8();
+        while !error.is_char_boundary(end) {
+            end -= 1;
+        }
+        error.truncate(end);
+        error.push('…');
+    }
+    error
+}
+
 /// Milliseconds, as the statements take them.
 pub(crate) fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
@@ -158,11 +183,12 @@ pub(crate) fn claimed(mut row: Row) -> Result<Claimed, StoreError> {
     Ok(Claimed {
         id: int(&row[0])?,
         attempt: u32::try_from(int(&row[1])?).unwrap_or(u32::MAX),
+        lease_until_ms: int(&row[2])?,
         message: Message {
-            key: take_text(&mut row[2])?,
-            destination: take_text(&mut row[3])?,
-            content_type: take_text(&mut row[4])?,
-            payload: take_bytes(&mut row[5])?,
+            key: take_text(&mut row[3])?,
+            destination: take_text(&mut row[4])?,
+            content_type: take_text(&mut row[5])?,
+            payload: take_bytes(&mut row[6])?,
         },
     })
 }
@@ -228,22 +254,34 @@ impl<E: Exec> Queue for SqlQueue<E> {
         })
     }
 
-    fn finish(&self, id: i64, attempt: u32, fate: Fate) -> BoxFut<'_, Result<bool, StoreError>> {
-        let attempt = Value::Int(i64::from(attempt));
+    fn finish(
+        &self,
+        id: i64,
+        attempt: u32,
+        lease_until_ms: i64,
+        fate: Fate,
+    ) -> BoxFut<'_, Result<bool, StoreError>> {
+        let (attempt, lease) = (Value::Int(i64::from(attempt)), Value::Int(lease_until_ms));
         let (sql, params) = match fate {
             Fate::Done => (&self.sql.done, vec![Value::Int(id)]),
             Fate::Retry { after, error } => (
                 &self.sql.retry,
                 vec![
                     Value::Int(ms(after)),
-                    Value::Text(error),
+                    Value::Text(error_text(error)),
                     Value::Int(id),
                     attempt,
+                    lease,
                 ],
             ),
             Fate::Dead { error } => (
                 &self.sql.dead,
-                vec![Value::Text(error), Value::Int(id), attempt],
+                vec![
+                    Value::Text(error_text(error)),
+                    Value::Int(id),
+                    attempt,
+                    lease,
+                ],
             ),
         };
         Box::pin(async move { Ok(self.exec.execute(sql, params).await? == 1) })
@@ -298,5 +336,22 @@ impl<E: Exec> Queue for SqlQueue<E> {
                 oldest_pending_age_ms: opt_int(&row[4])?.map(to_u64),
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_are_kept_storable() {
+        assert_eq!(error_text("plain".into()), "plain");
+        assert_eq!(error_text("a\0b".into()), "a\u{fffd}b");
+        let long = error_text("é".repeat(5_000));
+        assert!(long.len() <= MAX_ERROR, "{}", long.len());
+        assert!(long.ends_with('…'));
+        assert!(long.starts_with("éé"));
+        let exact = "x".repeat(MAX_ERROR);
+        assert_eq!(error_text(exact.clone()), exact);
     }
 }

@@ -37,8 +37,9 @@ pub enum MessageError {
     InvalidKey,
     /// The payload is larger than [`MAX_PAYLOAD`] bytes.
     PayloadTooLarge(usize),
-    /// The destination is empty or longer than 2048 bytes, or the content
-    /// type is empty or longer than 255 bytes or not visible ASCII.
+    /// The destination is empty, longer than 2048 bytes or has a NUL
+    /// character, or the content type is empty or longer than 255 bytes or
+    /// not visible ASCII.
     InvalidField(&'static str),
 }
 
@@ -90,7 +91,8 @@ pub fn message_key(claimed: &ClaimedKey, index: u32) -> String {
 }
 
 fn check_fields(destination: &str, content_type: &str, payload: &[u8]) -> Result<(), MessageError> {
-    if destination.is_empty() || destination.len() > 2048 {
+    // A NUL fits no PostgreSQL `TEXT` (and no URL nor subject).
+    if destination.is_empty() || destination.len() > 2048 || destination.contains('\0') {
         return Err(MessageError::InvalidField("destination"));
     }
     if content_type.is_empty()
@@ -113,8 +115,8 @@ impl Message {
     /// # Errors
     ///
     /// [`MessageError`] for a payload over [`MAX_PAYLOAD`] bytes, an empty or
-    /// over-long destination, or a content type that is not 1..=255 visible
-    /// ASCII characters.
+    /// over-long destination or one with a NUL character, or a content type
+    /// that is not 1..=255 visible ASCII characters.
     pub fn new(
         claimed: &ClaimedKey,
         index: u32,

@@ -11,11 +11,14 @@ use crate::store::StoreError;
 pub(crate) type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A message a relay has claimed: it holds the lease until it finishes it
-/// or the lease ends. `attempt` (1 for the first) fences the finish.
+/// or the lease ends. `attempt` (1 for the first) and `lease_until_ms` (the
+/// claim's lease deadline, which every claim sets anew) fence the finish:
+/// attempts alone restart at 1 after a requeue.
 #[derive(Debug)]
 pub(crate) struct Claimed {
     pub(crate) id: i64,
     pub(crate) attempt: u32,
+    pub(crate) lease_until_ms: i64,
     pub(crate) message: Message,
 }
 
@@ -88,7 +91,13 @@ pub(crate) trait Queue: Send + Sync + 'static {
     ) -> BoxFut<'_, Result<Vec<Claimed>, StoreError>>;
     /// Records how attempt `attempt` of message `id` ended; `false` when
     /// the row was not changed (done already, or reclaimed after the lease).
-    fn finish(&self, id: i64, attempt: u32, fate: Fate) -> BoxFut<'_, Result<bool, StoreError>>;
+    fn finish(
+        &self,
+        id: i64,
+        attempt: u32,
+        lease_until_ms: i64,
+        fate: Fate,
+    ) -> BoxFut<'_, Result<bool, StoreError>>;
     /// Deletes up to `limit` messages delivered more than `older_than` ago.
     fn purge(&self, older_than: Duration, limit: usize) -> BoxFut<'_, Result<u64, StoreError>>;
     fn list(&self, view: View, limit: usize) -> BoxFut<'_, Result<Vec<Entry>, StoreError>>;

@@ -334,7 +334,10 @@ async fn attempt(queue: &dyn Queue, sink: &dyn Sink, config: &Config, c: Claimed
         if pause > 0 {
             tokio::time::sleep(Duration::from_millis(pause)).await;
         }
-        match queue.finish(c.id, c.attempt, fate.clone()).await {
+        match queue
+            .finish(c.id, c.attempt, c.lease_until_ms, fate.clone())
+            .await
+        {
             Ok(_) => return,
             Err(e) => {
                 tracing::warn!(id = c.id, error = %e, "outbox relay: recording an attempt failed")

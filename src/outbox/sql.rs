@@ -50,14 +50,16 @@ pub(crate) struct OutboxSql {
     /// `key, destination, content_type, payload`; affects 0 rows when the
     /// key is there already.
     pub(crate) enqueue: String,
-    /// Returns `id, attempts, msg_key, destination, content_type, payload`.
+    /// Returns `id, attempts, lease_until_ms, msg_key, destination,
+    /// content_type, payload`.
     pub(crate) claim: ClaimSql,
     /// `id`: the message is done, whoever holds its lease now.
     pub(crate) done: String,
-    /// `after_ms, error, id, attempt`: only the attempt that holds the claim
-    /// schedules the next.
+    /// `after_ms, error, id, attempt, lease_until_ms`: only the attempt that
+    /// holds the claim schedules the next (the lease deadline tells a claim
+    /// from an older one with the same attempt number, as after a requeue).
     pub(crate) retry: String,
-    /// `error, id, attempt`.
+    /// `error, id, attempt, lease_until_ms`.
     pub(crate) dead: String,
     /// `older_than_ms, limit`.
     pub(crate) purge: String,
@@ -107,10 +109,12 @@ impl OutboxSql {
         let int = |e: &str| format!("{e}::bigint");
         OutboxSql {
             // Under an advisory lock, so processes starting together do
-            // not race on CREATE.
+            // not race on CREATE. No BEGIN/COMMIT of its own: run alone
+            // (a simple query of several statements) it is one implicit
+            // transaction, and run inside the request's transaction
+            // (`outbox::sqlx::migrate`) it must not commit that.
             schema: format!(
-                "BEGIN;
-                 SELECT pg_advisory_xact_lock(7261, 15);
+                "SELECT pg_advisory_xact_lock(7261, 15);
                  CREATE TABLE IF NOT EXISTS {TABLE} (
                     id BIGSERIAL PRIMARY KEY,
                     msg_key TEXT NOT NULL UNIQUE,
@@ -127,8 +131,7 @@ impl OutboxSql {
                     last_error TEXT
                  );
                  CREATE INDEX IF NOT EXISTS {TABLE}_due ON {TABLE} (due_ms) WHERE state = 'pending';
-                 CREATE INDEX IF NOT EXISTS {TABLE}_finished ON {TABLE} (finished_ms) WHERE state = 'done';
-                 COMMIT;"
+                 CREATE INDEX IF NOT EXISTS {TABLE}_finished ON {TABLE} (finished_ms) WHERE state = 'done';"
             ),
             enqueue: format!(
                 "INSERT INTO {TABLE} (msg_key, destination, content_type, payload)
@@ -144,7 +147,7 @@ impl OutboxSql {
                        AND due_ms <= (SELECT ms FROM now)
                        AND (lease_until_ms IS NULL OR lease_until_ms <= (SELECT ms FROM now))
                        ORDER BY due_ms, id LIMIT $3::bigint FOR UPDATE SKIP LOCKED)
-                     RETURNING id, attempts::bigint, msg_key, destination, content_type, payload"
+                     RETURNING id, attempts::bigint, lease_until_ms, msg_key, destination, content_type, payload"
                 ),
             },
             done: format!(
@@ -153,12 +156,14 @@ impl OutboxSql {
             ),
             retry: format!(
                 "UPDATE {TABLE} SET due_ms = {NOW} + $1::bigint, lease_until_ms = NULL, lease_owner = NULL,
-                 last_error = $2 WHERE id = $3 AND attempts = $4::bigint AND state = 'pending'"
+                 last_error = $2 WHERE id = $3 AND attempts = $4::bigint AND lease_until_ms = $5::bigint
+                 AND state = 'pending'"
             ),
             dead: format!(
                 "UPDATE {TABLE} SET state = 'dead', finished_ms = {NOW}, lease_until_ms = NULL,
                  lease_owner = NULL, last_error = $1
-                 WHERE id = $2 AND attempts = $3::bigint AND state = 'pending'"
+                 WHERE id = $2 AND attempts = $3::bigint AND lease_until_ms = $4::bigint
+                 AND state = 'pending'"
             ),
             purge: format!(
                 "DELETE FROM {TABLE} WHERE id IN (SELECT id FROM {TABLE}
@@ -230,7 +235,7 @@ impl OutboxSql {
                     "UPDATE {TABLE} SET lease_owner = ?1, lease_until_ms = {NOW} + ?2, attempts = attempts + 1
                      WHERE id IN (SELECT id FROM {TABLE} WHERE state = 'pending' AND due_ms <= {NOW}
                        AND (lease_until_ms IS NULL OR lease_until_ms <= {NOW}) ORDER BY due_ms, id LIMIT ?3)
-                     RETURNING id, attempts, msg_key, destination, content_type, payload"
+                     RETURNING id, attempts, lease_until_ms, msg_key, destination, content_type, payload"
                 ),
             },
             done: format!(
@@ -239,11 +244,13 @@ impl OutboxSql {
             ),
             retry: format!(
                 "UPDATE {TABLE} SET due_ms = {NOW} + ?1, lease_until_ms = NULL, lease_owner = NULL,
-                 last_error = ?2 WHERE id = ?3 AND attempts = ?4 AND state = 'pending'"
+                 last_error = ?2 WHERE id = ?3 AND attempts = ?4 AND lease_until_ms = ?5
+                 AND state = 'pending'"
             ),
             dead: format!(
                 "UPDATE {TABLE} SET state = 'dead', finished_ms = {NOW}, lease_until_ms = NULL,
-                 lease_owner = NULL, last_error = ?1 WHERE id = ?2 AND attempts = ?3 AND state = 'pending'"
+                 lease_owner = NULL, last_error = ?1 WHERE id = ?2 AND attempts = ?3
+                 AND lease_until_ms = ?4 AND state = 'pending'"
             ),
             purge: format!(
                 "DELETE FROM {TABLE} WHERE id IN (SELECT id FROM {TABLE}
@@ -303,10 +310,12 @@ impl OutboxSql {
                     UNIQUE KEY {TABLE}_key (msg_key),
                     KEY {TABLE}_due (state, due_ms),
                     KEY {TABLE}_finished (state, finished_ms)
-                ) ENGINE=InnoDB"
+                ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
             ),
             // `INSERT IGNORE` ignores only the duplicate key here: every
-            // other field was checked by `Message` to fit its column.
+            // other field was checked by `Message` to fit its column, and
+            // the table's text is utf8mb4 whatever the database's default
+            // (IGNORE would store a character latin1 lacks as `?`).
             enqueue: format!(
                 "INSERT IGNORE INTO {TABLE} (msg_key, destination, content_type, payload, created_ms, due_ms)
                  VALUES (?, ?, ?, ?, {NOW}, {NOW})"
@@ -323,7 +332,8 @@ impl OutboxSql {
                      WHERE id IN ({{ids}})"
                 ),
                 select: format!(
-                    "SELECT id, CAST(attempts AS SIGNED), msg_key, destination, content_type, payload
+                    "SELECT id, CAST(attempts AS SIGNED), lease_until_ms, msg_key, destination,
+                       content_type, payload
                      FROM {TABLE} WHERE id IN ({{ids}}) ORDER BY due_ms, id"
                 ),
             },
@@ -333,12 +343,13 @@ impl OutboxSql {
             ),
             retry: format!(
                 "UPDATE {TABLE} SET due_ms = {NOW} + ?, lease_until_ms = NULL, lease_owner = NULL,
-                 last_error = ? WHERE id = ? AND attempts = ? AND state = 'pending'"
+                 last_error = ? WHERE id = ? AND attempts = ? AND lease_until_ms = ?
+                 AND state = 'pending'"
             ),
             dead: format!(
                 "UPDATE {TABLE} SET state = 'dead', finished_ms = {NOW}, lease_until_ms = NULL,
                  lease_owner = NULL, last_error = ?
-                 WHERE id = ? AND attempts = ? AND state = 'pending'"
+                 WHERE id = ? AND attempts = ? AND lease_until_ms = ? AND state = 'pending'"
             ),
             purge: format!(
                 "DELETE FROM {TABLE} WHERE state = 'done' AND finished_ms <= {NOW} - ?

@@ -78,6 +78,16 @@ pub(crate) trait TwoPhase: Store {
 
     /// `ROLLBACK`; a failure leaves it to the `Tx`'s drop.
     fn roll_back_tx(tx: Self::Tx) -> impl Future<Output = ()> + Send;
+
+    /// Ends a transaction held past its max hold time, after the timer may
+    /// have sent [`TwoPhase::cancel`]. A driver whose cancel is sent without
+    /// waiting for the server to act on it (tokio-postgres) must not hand
+    /// the connection to another request: a cancel still on its way would
+    /// stop that request's statement. By default, [`TwoPhase::roll_back_tx`]
+    /// (the cancel has been acted on when [`TwoPhase::cancel`] returned).
+    fn discard_tx(tx: Self::Tx) -> impl Future<Output = ()> + Send {
+        Self::roll_back_tx(tx)
+    }
 }
 
 /// An open phase-two transaction: the inside of each store's public
@@ -89,6 +99,12 @@ pub(crate) struct Held<D: TwoPhase> {
     /// Its sender is dropped once the transaction has ended and its key is
     /// given back (if it is to be).
     ended: watch::Receiver<()>,
+    /// Held by the max-hold timer from before it expires the transaction
+    /// until its cancel has been delivered. The layer, ending a transaction
+    /// the timer expired, takes it before its rollback hands the connection
+    /// back to the pool: a cancel still on its way could otherwise stop the
+    /// statement of the next request on that connection.
+    cancelling: Arc<Mutex<()>>,
 }
 
 impl<D: TwoPhase> Clone for Held<D> {
@@ -97,6 +113,7 @@ impl<D: TwoPhase> Clone for Held<D> {
             open: self.open.clone(),
             fate: self.fate.clone(),
             ended: self.ended.clone(),
+            cancelling: self.cancelling.clone(),
         }
     }
 }
@@ -194,7 +211,13 @@ pub(crate) async fn claim<D: TwoPhase>(
             release_logged(&phase_one, abandoned, token, "an abandoned key").await;
         }
     });
-    let claimed = claimed
+    // The answer may arrive after this request was cancelled but before
+    // its receiver is dropped: the receiver's guard gives that claim back.
+    let mut answer = AnswerGuard {
+        answer: claimed,
+        release: Some((store.clone(), id.clone(), token)),
+    };
+    let claimed = (&mut answer.answer)
         .await
         .map_err(|_| unavailable("the claim task ended without an answer"))?;
     let taken_over = match claimed? {
@@ -217,6 +240,7 @@ pub(crate) async fn claim<D: TwoPhase>(
         }))),
         fate: Arc::new(Fate::new(hold)),
         ended: watch,
+        cancelling: Arc::default(),
     };
     let timer = tokio::spawn(end_past(store.clone(), held.clone(), cancel));
     // Unless the timer has already ended it (a zero hold).
@@ -228,6 +252,28 @@ pub(crate) async fn claim<D: TwoPhase>(
         transaction: held,
         taken_over,
     })
+}
+
+/// The receiving end of phase one's answer. Dropped before the answer was
+/// read (the request was cancelled), it stops the claim task from
+/// answering, so that task gives back a claim it has yet to answer, and
+/// gives back a claim that was answered but not read.
+struct AnswerGuard<D: TwoPhase> {
+    answer: tokio::sync::oneshot::Receiver<Result<Claim, StoreError>>,
+    release: Option<(D, RecordId, FencingToken)>,
+}
+
+impl<D: TwoPhase> Drop for AnswerGuard<D> {
+    fn drop(&mut self) {
+        // After `close`, the claim task's `send` fails (and it releases);
+        // an answer sent before is still here to read.
+        self.answer.close();
+        if let Ok(Ok(Claim::Acquired { .. })) = self.answer.try_recv()
+            && let Some((store, id, token)) = self.release.take()
+        {
+            drop(ReleaseOnDrop::new(store, id, token));
+        }
+    }
 }
 
 /// [`TransactionalStore::commit`](crate::store::TransactionalStore::commit):
@@ -242,8 +288,10 @@ pub(crate) async fn commit<D: TwoPhase>(
     // `closed` resolves once the key is given back, if it is.
     let ended = open.ended.take();
     if !held.fate.end() {
-        // The max hold time passed first: roll back, as its timer would.
-        roll_back_and_release(store, open).await;
+        // The max hold time passed first: roll back, as its timer would,
+        // once its cancel (if any) has been delivered.
+        let _cancelled = held.cancelling.lock().await;
+        roll_back_and_release(store, open, true).await;
         drop(ended);
         return Err(held.over());
     }
@@ -262,7 +310,7 @@ pub(crate) async fn commit<D: TwoPhase>(
     if let Some(e) = failure {
         // Nothing was committed: give the key back (token-checked, so a
         // request that took it over keeps it).
-        roll_back_and_release(store, open).await;
+        roll_back_and_release(store, open, false).await;
         drop(ended);
         return Err(e);
     }
@@ -300,20 +348,31 @@ fn spawn_rollback<D: TwoPhase>(store: &D, held: &Held<D>) -> Option<tokio::task:
     let (store, held) = (store.clone(), held.clone());
     Some(runtime.spawn(async move {
         if let Some(mut open) = held.take().await {
-            held.fate.end();
             let ended = open.ended.take();
+            // Past the max hold time, after the timer's cancel (if any).
+            let expired = !held.fate.end();
+            let _cancelled = if expired {
+                Some(held.cancelling.lock().await)
+            } else {
+                None
+            };
             // Give the key back, so a retry runs at once.
-            roll_back_and_release(&store, open).await;
+            roll_back_and_release(&store, open, expired).await;
             drop(ended);
         }
     }))
 }
 
-/// Rolls back, then gives the key back (token-checked, so a request that
-/// took it over keeps it).
-async fn roll_back_and_release<D: TwoPhase>(store: &D, mut open: Open<D>) {
+/// Rolls back (past the max hold time, through [`TwoPhase::discard_tx`]),
+/// then gives the key back (token-checked, so a request that took it over
+/// keeps it).
+async fn roll_back_and_release<D: TwoPhase>(store: &D, mut open: Open<D>, expired: bool) {
     if let Some(tx) = open.tx.take() {
-        D::roll_back_tx(tx).await;
+        if expired {
+            D::discard_tx(tx).await;
+        } else {
+            D::roll_back_tx(tx).await;
+        }
     }
     release_logged(store, open.id.clone(), open.token, "a rolled-back key").await;
 }
@@ -325,6 +384,9 @@ async fn roll_back_and_release<D: TwoPhase>(store: &D, mut open: Open<D>) {
 async fn end_past<D: TwoPhase>(store: D, held: Held<D>, cancel: D::Cancel) {
     let hold = held.fate.hold;
     tokio::time::sleep(hold).await;
+    // Taken before the expiry, so a layer that sees it expired waits for
+    // the cancel below to be delivered.
+    let cancelling = held.cancelling.lock().await;
     if !held.fate.expire() {
         return;
     }
@@ -340,6 +402,7 @@ async fn end_past<D: TwoPhase>(store: D, held: Held<D>, cancel: D::Cancel) {
             if let Err(e) = store.cancel(&cancel).await {
                 tracing::warn!(error = %e, "stopping a statement past the max hold time failed");
             }
+            drop(cancelling);
             held.open.lock().await
         }
     };
@@ -353,7 +416,7 @@ async fn end_past<D: TwoPhase>(store: D, held: Held<D>, cancel: D::Cancel) {
     // it halfway.
     open.timer = None;
     let ended = open.ended.take();
-    roll_back_and_release(&store, open).await;
+    roll_back_and_release(&store, open, true).await;
     drop(ended);
 }
 

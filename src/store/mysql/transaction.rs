@@ -158,14 +158,20 @@ impl TwoPhase for MySqlStore {
         Ok((tx, connection_id))
     }
 
-    /// `KILL QUERY` from another connection of the pool.
+    /// `KILL QUERY` from a connection of its own, made with the pool's
+    /// options: the pool may have no connection to spare (the transaction
+    /// to stop may hold the last one), and a statement must be stopped at
+    /// its max hold time, not once a pooled connection is free.
     async fn cancel(&self, connection_id: &u64) -> Result<(), StoreError> {
-        let kill = format!("KILL QUERY {connection_id}");
-        self.pool
-            .execute(AssertSqlSafe(kill))
+        use sqlx::Connection;
+        let options = self.pool.connect_options();
+        let mut conn = MySqlConnection::connect_with(&options)
             .await
-            .map(drop)
-            .map_err(unavailable)
+            .map_err(unavailable)?;
+        let kill = format!("KILL QUERY {connection_id}");
+        let killed = conn.execute(AssertSqlSafe(kill)).await.map(drop);
+        let _ = conn.close().await;
+        killed.map_err(unavailable)
     }
 
     /// On MariaDB the completion also checks `@@in_transaction`: InnoDB may

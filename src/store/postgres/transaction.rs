@@ -197,6 +197,14 @@ impl TwoPhase for PostgresStore {
             tx.ended();
         }
     }
+
+    /// Closes the connection (the server rolls back): tokio-postgres sends
+    /// a cancel without waiting for the server to act on it, so one still
+    /// on its way would stop the statement of the next request to use this
+    /// backend. A new connection is a new backend, with a new cancel key.
+    async fn discard_tx(tx: PgTx) {
+        drop(tx);
+    }
 }
 
 two_phase_store!(PostgresStore, PostgresTransaction);
