@@ -21,8 +21,7 @@ use tower_idempotency::store::{FencingToken, MySqlTransaction};
 use tower_idempotency::{IdempotencyLayer, MySqlStore};
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+    crate::common::services::mysql_url()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,6 +9,8 @@
 
 #![cfg(all(feature = "outbox", feature = "postgres", feature = "mysql"))]
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -18,13 +20,11 @@ use tower_idempotency::store::FencingToken;
 use tower_idempotency::{MySqlStore, PostgresStore};
 
 fn pg_url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 fn mysql_url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+    crate::common::services::mysql_url()
 }
 
 /// `url` with its database replaced by `db`.

@@ -8,13 +8,14 @@
 
 #![cfg(all(feature = "outbox", feature = "sqlx-postgres"))]
 
+mod common;
+
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
 use tower_idempotency::outbox;
 use tower_idempotency::store::FencingToken;
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 fn with_db(url: &str, db: &str) -> String {
@@ -86,8 +87,7 @@ async fn migrate_inside_a_rolled_back_transaction_keeps_nothing() {
 #[ignore = "bug: on MySQL/MariaDB outbox::sqlx::migrate inside a transaction implicitly commits it (DDL); it should refuse to run inside one"]
 async fn mysql_migrate_inside_a_rolled_back_transaction_keeps_nothing() {
     use sqlx::MySqlConnection;
-    let url = std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let url = crate::common::services::mysql_url();
     let db = format!("brk_mig_{:08x}", FencingToken::random().0 as u32);
     let mut admin = MySqlConnection::connect(&url)
         .await

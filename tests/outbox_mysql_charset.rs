@@ -7,6 +7,8 @@
 
 #![cfg(all(feature = "mysql", feature = "outbox"))]
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,8 +17,7 @@ use tower_idempotency::outbox::{self, Delivery, Message, Outbox, Outcome, View, 
 use tower_idempotency::store::FencingToken;
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+    crate::common::services::mysql_url()
 }
 
 /// `url()` with its database replaced by `db`.

@@ -6,6 +6,8 @@
 
 #![cfg(feature = "postgres")]
 
+mod common;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Wake, Waker};
@@ -18,8 +20,7 @@ use tower_idempotency::store::{
 };
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 /// The lease of every claim here: far longer than the test may take, so a

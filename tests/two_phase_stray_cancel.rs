@@ -29,8 +29,7 @@ use tower_idempotency::store::{FencingToken, PostgresTransaction};
 use tower_idempotency::{IdempotencyLayer, PostgresStore};
 
 fn url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 /// A TCP proxy to PostgreSQL that can hold the next new connection.

@@ -8,6 +8,8 @@
 //! Needs PostgreSQL and MySQL/MariaDB (`TOWER_IDEMPOTENCY_POSTGRES_URL`,
 //! `TOWER_IDEMPOTENCY_MYSQL_URL`, or the local `test` databases).
 
+mod common;
+
 use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode};
@@ -19,13 +21,11 @@ use tower_idempotency::store::{
 };
 
 fn pg_url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    crate::common::services::postgres_url()
 }
 
 fn mysql_url() -> String {
-    std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+    crate::common::services::mysql_url()
 }
 
 /// A clock `0` ms ahead of the server's.
@@ -131,7 +131,7 @@ async fn postgres_a_fenced_commit_never_replays_nor_releases() {
         .unwrap();
     let later = PostgresStore::builder(&pg_url())
         .table(table.clone())
-        .time_offset(Ahead(AHEAD))
+        .clock_offset(Ahead(AHEAD))
         .open()
         .await
         .unwrap();
@@ -160,7 +160,7 @@ async fn sqlx_postgres_a_fenced_commit_never_replays_nor_releases() {
         .unwrap();
     let later = SqlxPostgresStore::builder(pool.clone())
         .table(table.clone())
-        .time_offset(Ahead(AHEAD))
+        .clock_offset(Ahead(AHEAD))
         .open()
         .await
         .unwrap();
@@ -184,7 +184,7 @@ async fn mysql_a_fenced_commit_never_replays_nor_releases() {
         .unwrap();
     let later = MySqlStore::builder(&mysql_url())
         .table(&table)
-        .time_offset(Ahead(AHEAD))
+        .clock_offset(Ahead(AHEAD))
         .open()
         .await
         .unwrap();

@@ -176,7 +176,9 @@ pub async fn enqueue<C: OutboxConnection>(
 
 /// Creates the outbox's table and indexes if missing, as opening the
 /// relay's [`Outbox`](super::Outbox) does: call it yourself only if handlers
-/// enqueue before any relay has opened the database.
+/// enqueue before any relay has opened the database. Call it outside a
+/// transaction: on MySQL and MariaDB `CREATE TABLE` commits the transaction
+/// it runs in.
 ///
 /// # Errors
 ///
