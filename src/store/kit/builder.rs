@@ -1,9 +1,68 @@
 //! The settings every SQL store with a configurable table and a two-phase
 //! transaction shares, written once: `table`, `max_hold` and (feature
-//! `test-util`) `clock_offset`, with one documentation.
+//! `test-util`) `clock_offset`, with one documentation; [`Settings`] holds
+//! them on a builder, [`Limits`] on the store it opens.
 
-/// The shared setters of `$builder`, whose fields `table: String`,
-/// `max_hold: Duration` and `offset: Option<Arc<dyn Clock>>` they set;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use crate::store::Clock;
+
+/// A builder's shared settings.
+pub(crate) struct Settings {
+    pub(crate) table: String,
+    pub(crate) max_hold: Duration,
+    pub(crate) offset: Option<Arc<dyn Clock>>,
+}
+
+impl Default for Settings {
+    /// Table `idempotency_records`, a max hold of 30 s, the server's clock.
+    fn default() -> Self {
+        Settings {
+            table: "idempotency_records".into(),
+            max_hold: Duration::from_secs(30),
+            offset: None,
+        }
+    }
+}
+
+impl Settings {
+    /// What the opened store keeps of them.
+    pub(crate) fn limits(&self) -> Limits {
+        Limits {
+            offset: self.offset.clone(),
+            max_hold: self.max_hold,
+            held_too_long: Arc::default(),
+        }
+    }
+}
+
+/// What a two-phase store keeps of its settings, shared by its clones.
+#[derive(Clone)]
+pub(crate) struct Limits {
+    offset: Option<Arc<dyn Clock>>,
+    /// The longest a transactional request holds its transaction.
+    pub(crate) max_hold: Duration,
+    /// Transactions rolled back past their max hold time.
+    pub(crate) held_too_long: Arc<AtomicU64>,
+}
+
+impl Limits {
+    /// The test clock's offset, in milliseconds, added to the server's
+    /// clock (0 in production).
+    pub(crate) fn offset_ms(&self) -> i64 {
+        self.offset.as_ref().map_or(0, |c| c.now_ms())
+    }
+
+    /// Transactions rolled back past their max hold time so far.
+    pub(crate) fn held_too_long(&self) -> u64 {
+        self.held_too_long.load(Relaxed)
+    }
+}
+
+/// The shared setters of `$builder`, whose field `settings: Settings`
+/// they set;
 /// `$transaction` is the store's transaction type, whose docs say what
 /// happens past the max hold time.
 macro_rules! sql_builder_settings {
@@ -14,7 +73,7 @@ macro_rules! sql_builder_settings {
             /// that the index named after it fits every database's
             /// identifiers. Checked when the store opens.
             pub fn table(mut self, table: impl Into<String>) -> Self {
-                self.table = table.into();
+                self.settings.table = table.into();
                 self
             }
 
@@ -25,7 +84,7 @@ macro_rules! sql_builder_settings {
             /// and the request is answered 503 with `Retry-After`: see
             #[doc = concat!("[`", stringify!($transaction), "`], \"Max hold time\".")]
             pub fn max_hold(mut self, hold: std::time::Duration) -> Self {
-                self.max_hold = hold;
+                self.settings.max_hold = hold;
                 self
             }
 
@@ -34,7 +93,7 @@ macro_rules! sql_builder_settings {
             /// server's clock, which judges leases and TTLs on this store.
             #[cfg(feature = "test-util")]
             pub fn clock_offset(mut self, offset: impl crate::store::Clock) -> Self {
-                self.offset = Some(std::sync::Arc::new(offset));
+                self.settings.offset = Some(std::sync::Arc::new(offset));
                 self
             }
         }

@@ -14,9 +14,10 @@ use std::time::Duration;
 use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, Executor, Row};
 
-use super::{Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError};
+use super::{Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError};
 use crate::fingerprint::Hasher;
 use crate::response::StoredResponse;
+use crate::store::kit::builder::{Limits, Settings};
 
 mod inspect;
 mod sql;
@@ -76,11 +77,8 @@ pub use transaction::{MySqlTransaction, MySqlTransactionConnection};
 pub struct MySqlStore {
     pool: MySqlPool,
     sql: Arc<Sql>,
-    offset: Option<Arc<dyn Clock>>,
-    /// The longest a transactional request holds its transaction.
-    max_hold: Duration,
-    /// Transactions rolled back past their max hold time.
-    held_too_long: Arc<std::sync::atomic::AtomicU64>,
+    /// Max hold, the transactions held past it, the test clock offset.
+    limits: Limits,
 }
 
 impl std::fmt::Debug for MySqlStore {
@@ -95,11 +93,9 @@ impl std::fmt::Debug for MySqlStore {
 #[must_use]
 pub struct MySqlStoreBuilder {
     url: String,
-    table: String,
     pool_size: u32,
     wait_timeout: Duration,
-    offset: Option<Arc<dyn Clock>>,
-    max_hold: Duration,
+    settings: Settings,
 }
 
 pub(super) fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
@@ -148,7 +144,7 @@ impl MySqlStoreBuilder {
     /// table that is not InnoDB; [`StoreError::Unavailable`] for a server
     /// that cannot be reached.
     pub async fn open(self) -> Result<MySqlStore, StoreError> {
-        crate::store::kit::table::check_table_name(&self.table)?;
+        crate::store::kit::table::check_table_name(&self.settings.table)?;
         let options = MySqlConnectOptions::from_str(&self.url)
             .map_err(StoreError::config)?
             .timezone(Some("+00:00".to_owned()));
@@ -165,7 +161,7 @@ impl MySqlStoreBuilder {
             .connect_with(options)
             .await
             .map_err(unavailable)?;
-        let mut sql = Sql::new(&self.table);
+        let mut sql = Sql::new(&self.settings.table);
         // MariaDB (and MySQL versions that have it) tells whether a
         // transaction is open; see `MySqlTransaction`, "Errors inside".
         sql.in_transaction_check =
@@ -180,7 +176,7 @@ impl MySqlStoreBuilder {
             "SELECT CAST(engine AS CHAR) FROM information_schema.tables
              WHERE table_schema = DATABASE() AND table_name = ?",
         )
-        .bind(&self.table)
+        .bind(&self.settings.table)
         .fetch_optional(&pool)
         .await
         .map_err(unavailable)?;
@@ -190,16 +186,14 @@ impl MySqlStoreBuilder {
         {
             return Err(StoreError::config(format!(
                 "table {} uses the {} engine; the store needs InnoDB (transactions and row locks)",
-                self.table,
+                self.settings.table,
                 engine.as_deref().unwrap_or("unknown")
             )));
         }
         Ok(MySqlStore {
             pool,
             sql: Arc::new(sql),
-            offset: self.offset,
-            max_hold: self.max_hold,
-            held_too_long: Arc::default(),
+            limits: self.settings.limits(),
         })
     }
 }
@@ -219,19 +213,16 @@ impl MySqlStore {
     pub fn builder(url: &str) -> MySqlStoreBuilder {
         MySqlStoreBuilder {
             url: url.to_owned(),
-            table: "idempotency_records".into(),
             pool_size: 16,
             wait_timeout: Duration::from_secs(5),
-            offset: None,
-            max_hold: Duration::from_secs(30),
+            settings: Settings::default(),
         }
     }
 
     /// Transactional requests rolled back because they held their
     /// transaction past their max hold time, since the store opened.
     pub fn transactions_held_too_long(&self) -> u64 {
-        self.held_too_long
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.limits.held_too_long()
     }
 
     /// The pool (its connections run at `READ COMMITTED`, in UTC), for the
@@ -241,7 +232,7 @@ impl MySqlStore {
     }
 
     fn offset_ms(&self) -> i64 {
-        self.offset.as_ref().map_or(0, |c| c.now_ms())
+        self.limits.offset_ms()
     }
 
     /// One try of the claim, in one transaction. Its lock step is the

@@ -134,11 +134,11 @@ impl TwoPhase for MySqlStore {
     const FENCED: &'static str = "the record no longer carries this request's token (its lease ended and another request took the key over), or the database already ended the transaction; this request's writes were rolled back";
 
     fn max_hold(&self) -> Duration {
-        self.max_hold
+        self.limits.max_hold
     }
 
     fn held_too_long(&self) -> &AtomicU64 {
-        &self.held_too_long
+        &self.limits.held_too_long
     }
 
     /// `BEGIN`, with the session's `wait_timeout` at the hold time plus 1 s

@@ -16,8 +16,9 @@ use tokio_postgres::Statement;
 
 use super::kit::claim::{ClaimSteps, Met, claim_in};
 use super::pg_sql::{PgSql, advisory_key, answer_completed, schema};
-use super::{Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError};
+use super::{Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError};
 use crate::response::StoredResponse;
+use crate::store::kit::builder::{Limits, Settings};
 
 mod connect;
 mod inspect;
@@ -74,11 +75,8 @@ pub use transaction::{PostgresTransaction, TransactionClient};
 pub struct PostgresStore {
     pool: Pool,
     sql: Arc<Sql>,
-    offset: Option<Arc<dyn Clock>>,
-    /// The longest a transactional request holds its transaction.
-    max_hold: Duration,
-    /// Transactions rolled back past their max hold time.
-    held_too_long: Arc<std::sync::atomic::AtomicU64>,
+    /// Max hold, the transactions held past it, the test clock offset.
+    limits: Limits,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -93,11 +91,9 @@ impl std::fmt::Debug for PostgresStore {
 #[must_use]
 pub struct PostgresStoreBuilder {
     url: String,
-    table: String,
     pool_size: u32,
     wait_timeout: Duration,
-    offset: Option<Arc<dyn Clock>>,
-    max_hold: Duration,
+    settings: Settings,
 }
 
 /// The statements, with the table name in them.
@@ -152,7 +148,7 @@ impl PostgresStoreBuilder {
     /// connects only to the primary, and after a failover to the new one),
     /// `connect_timeout`, `keepalives_idle`, `tcp_user_timeout`, ...
     pub async fn open(self) -> Result<PostgresStore, StoreError> {
-        crate::store::kit::table::check_table_name(&self.table)?;
+        crate::store::kit::table::check_table_name(&self.settings.table)?;
         let target = connect::parse(&self.url)?;
         let manager = connect::manager(&target)?;
         let pool = Pool::builder(manager)
@@ -162,27 +158,25 @@ impl PostgresStoreBuilder {
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(unavailable)?;
-        let sql = Sql::new(&self.table, |statement| statement);
+        let sql = Sql::new(&self.settings.table, |statement| statement);
         let mut client = pool
             .get()
             .await
             .map_err(|e| connect::startup_error(&target, e))?;
         let tx = client.transaction().await.map_err(unavailable)?;
         // Two servers starting at once would race on CREATE TABLE.
-        let lock = advisory_key(&self.table, "migrate", "");
+        let lock = advisory_key(&self.settings.table, "migrate", "");
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
             .await
             .map_err(unavailable)?;
-        tx.batch_execute(&schema(&self.table))
+        tx.batch_execute(&schema(&self.settings.table))
             .await
             .map_err(unavailable)?;
         tx.commit().await.map_err(unavailable)?;
         Ok(PostgresStore {
             pool,
             sql: Arc::new(sql),
-            offset: self.offset,
-            max_hold: self.max_hold,
-            held_too_long: Arc::default(),
+            limits: self.settings.limits(),
         })
     }
 }
@@ -201,11 +195,9 @@ impl PostgresStore {
     pub fn builder(url: &str) -> PostgresStoreBuilder {
         PostgresStoreBuilder {
             url: url.to_owned(),
-            table: "idempotency_records".into(),
             pool_size: 16,
             wait_timeout: Duration::from_secs(5),
-            offset: None,
-            max_hold: Duration::from_secs(30),
+            settings: Settings::default(),
         }
     }
 
@@ -213,8 +205,7 @@ impl PostgresStore {
     /// transaction past their max hold time (see [`PostgresTransaction`],
     /// "Max hold time"), since the store opened.
     pub fn transactions_held_too_long(&self) -> u64 {
-        self.held_too_long
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.limits.held_too_long()
     }
 
     /// The pool, for the application's own queries.
@@ -223,7 +214,7 @@ impl PostgresStore {
     }
 
     fn offset_ms(&self) -> i64 {
-        self.offset.as_ref().map_or(0, |c| c.now_ms())
+        self.limits.offset_ms()
     }
 
     async fn client(&self) -> Result<Object, StoreError> {

@@ -139,11 +139,11 @@ impl TwoPhase for PostgresStore {
     const DROP_WITHOUT_RUNTIME: bool = true;
 
     fn max_hold(&self) -> Duration {
-        self.max_hold
+        self.limits.max_hold
     }
 
     fn held_too_long(&self) -> &AtomicU64 {
-        &self.held_too_long
+        &self.limits.held_too_long
     }
 
     async fn begin(&self, hold: Duration) -> Result<(PgTx, CancelToken), StoreError> {

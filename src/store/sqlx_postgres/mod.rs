@@ -24,12 +24,12 @@
 //! ```
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use sqlx::{PgConnection, PgPool, Row};
 
-use super::{Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError};
+use super::{Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError};
 use crate::response::StoredResponse;
+use crate::store::kit::builder::{Limits, Settings};
 
 mod inspect;
 mod sql;
@@ -104,11 +104,8 @@ pub use transaction::{SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresTra
 pub struct SqlxPostgresStore {
     pool: PgPool,
     sql: Arc<Sql>,
-    offset: Option<Arc<dyn Clock>>,
-    /// The longest a transactional request holds its transaction.
-    max_hold: Duration,
-    /// Transactions rolled back past their max hold time.
-    held_too_long: Arc<std::sync::atomic::AtomicU64>,
+    /// Max hold, the transactions held past it, the test clock offset.
+    limits: Limits,
 }
 
 impl std::fmt::Debug for SqlxPostgresStore {
@@ -123,16 +120,14 @@ impl std::fmt::Debug for SqlxPostgresStore {
 #[must_use]
 pub struct SqlxPostgresStoreBuilder {
     pool: PgPool,
-    table: String,
-    offset: Option<Arc<dyn Clock>>,
-    max_hold: Duration,
+    settings: Settings,
 }
 
 impl std::fmt::Debug for SqlxPostgresStoreBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SqlxPostgresStoreBuilder")
-            .field("table", &self.table)
-            .field("max_hold", &self.max_hold)
+            .field("table", &self.settings.table)
+            .field("max_hold", &self.settings.max_hold)
             .finish_non_exhaustive()
     }
 }
@@ -161,12 +156,12 @@ impl SqlxPostgresStoreBuilder {
     /// (a server that cannot be reached) or the statements fail (e.g. a role
     /// without `CREATE` on the schema).
     pub async fn open(self) -> Result<SqlxPostgresStore, StoreError> {
-        crate::store::kit::table::check_table_name(&self.table)?;
-        let sql = Sql::new(&self.table, checked);
+        crate::store::kit::table::check_table_name(&self.settings.table)?;
+        let sql = Sql::new(&self.settings.table, checked);
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         // Two servers starting at once would race on CREATE TABLE.
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(advisory_key(&self.table, "migrate", ""))
+            .bind(advisory_key(&self.settings.table, "migrate", ""))
             .execute(&mut *tx)
             .await
             .map_err(unavailable)?;
@@ -176,7 +171,7 @@ impl SqlxPostgresStoreBuilder {
             .execute(&mut *tx)
             .await
             .map_err(unavailable)?;
-        sqlx::raw_sql(checked(schema(&self.table)))
+        sqlx::raw_sql(checked(schema(&self.settings.table)))
             .execute(&mut *tx)
             .await
             .map_err(unavailable)?;
@@ -184,9 +179,7 @@ impl SqlxPostgresStoreBuilder {
         Ok(SqlxPostgresStore {
             pool: self.pool,
             sql: Arc::new(sql),
-            offset: self.offset,
-            max_hold: self.max_hold,
-            held_too_long: Arc::default(),
+            limits: self.settings.limits(),
         })
     }
 }
@@ -208,9 +201,7 @@ impl SqlxPostgresStore {
     pub fn builder(pool: PgPool) -> SqlxPostgresStoreBuilder {
         SqlxPostgresStoreBuilder {
             pool,
-            table: "idempotency_records".into(),
-            offset: None,
-            max_hold: Duration::from_secs(30),
+            settings: Settings::default(),
         }
     }
 
@@ -218,8 +209,7 @@ impl SqlxPostgresStore {
     /// transaction past their max hold time (see
     /// [`SqlxPostgresTransaction`], "Max hold time"), since the store opened.
     pub fn transactions_held_too_long(&self) -> u64 {
-        self.held_too_long
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.limits.held_too_long()
     }
 
     /// The pool the store was made with.
@@ -233,7 +223,7 @@ impl SqlxPostgresStore {
     }
 
     fn offset_ms(&self) -> i64 {
-        self.offset.as_ref().map_or(0, |c| c.now_ms())
+        self.limits.offset_ms()
     }
 
     /// Completes the record on `conn` if it still carries `token`.
