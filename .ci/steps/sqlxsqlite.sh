@@ -36,7 +36,7 @@ cargo tree --manifest-path "$app" -e normal -i rusqlite >/dev/null \
 cargo tree --manifest-path "$app" -e normal -i sqlx-sqlite >/dev/null \
     || fail "sqlx-sqlite is not in the app's tree"
 
-step "the package does not ship ci/"
-if cargo package --list --allow-dirty 2>/dev/null | grep -q '^ci/'; then
-    fail "the package ships ci/: fix the include list in Cargo.toml"
+step "the package does not ship .ci/"
+if cargo package --list --allow-dirty 2>/dev/null | grep -q '^\.ci/'; then
+    fail "the package ships .ci/: fix the include list in Cargo.toml"
 fi
