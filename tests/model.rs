@@ -207,8 +207,29 @@ fn config(cases: u32) -> ProptestConfig {
         .unwrap_or(cases);
     ProptestConfig {
         cases,
+        // A failing case is shrunk for at most this long (ms), then
+        // reported as the simplest found so far: each try of a server's
+        // case costs round trips, and proptest's default has no limit.
+        max_shrink_time: 60_000,
         ..ProptestConfig::default()
     }
+}
+
+/// How long one case (its store's set-up included) may run before it fails.
+const CASE_LIMIT: Duration = Duration::from_secs(120);
+
+/// Runs one case on [`RUNTIME`]; a case still running after [`CASE_LIMIT`]
+/// fails (a store call that never answers is a failure, never a hang).
+fn block_on(case: impl Future<Output = Result<(), TestCaseError>>) -> Result<(), TestCaseError> {
+    RUNTIME.block_on(async {
+        tokio::time::timeout(CASE_LIMIT, case)
+            .await
+            .unwrap_or_else(|_| {
+                Err(TestCaseError::fail(format!(
+                    "the case ran past {CASE_LIMIT:?}: a store call never answered"
+                )))
+            })
+    })
 }
 
 /// One runtime for every test in this file: `block_on` per case, tasks on
@@ -1055,12 +1076,12 @@ proptest! {
     #[test]
     fn sequences_memory(ops in ops(MEMORY)) {
         let clock = ManualClock::new(START_MS);
-        RUNTIME.block_on(run_sequence(MEMORY, memory(&clock), clock.clone(), &ops))?;
+        block_on(run_sequence(MEMORY, memory(&clock), clock.clone(), &ops))?;
     }
 
     #[test]
     fn sequences_sqlite(ops in ops(SQLITE)) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             let (store, _dir) = sqlite(&clock).await;
             run_sequence(SQLITE, store, clock, &ops).await
@@ -1074,12 +1095,12 @@ proptest! {
     #[test]
     fn concurrent_memory(rounds in rounds()) {
         let clock = ManualClock::new(START_MS);
-        RUNTIME.block_on(run_rounds(MEMORY, memory(&clock), clock.clone(), &rounds))?;
+        block_on(run_rounds(MEMORY, memory(&clock), clock.clone(), &rounds))?;
     }
 
     #[test]
     fn concurrent_sqlite(rounds in rounds()) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             let (store, _dir) = sqlite(&clock).await;
             run_rounds(SQLITE, store, clock, &rounds).await
@@ -1093,7 +1114,7 @@ proptest! {
 
     #[test]
     fn sequences_sqlx_sqlite(ops in ops(SQLX_SQLITE)) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             let (store, _dir) = sqlx_sqlite(&clock).await;
             run_sequence(SQLX_SQLITE, store, clock, &ops).await
@@ -1107,7 +1128,7 @@ proptest! {
 
     #[test]
     fn concurrent_sqlx_sqlite(rounds in rounds()) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             let (store, _dir) = sqlx_sqlite(&clock).await;
             run_rounds(SQLX_SQLITE, store, clock, &rounds).await
@@ -1121,7 +1142,7 @@ proptest! {
 
     #[test]
     fn sequences_postgres(ops in ops(POSTGRES)) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             pg::with_store(&clock, |store| run_sequence(POSTGRES, store, clock.clone(), &ops)).await
         })?;
@@ -1134,7 +1155,7 @@ proptest! {
 
     #[test]
     fn concurrent_postgres(rounds in rounds()) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             pg::with_store(&clock, |store| run_rounds(POSTGRES, store, clock.clone(), &rounds)).await
         })?;
@@ -1147,7 +1168,7 @@ proptest! {
 
     #[test]
     fn sequences_sqlx_postgres(ops in ops(SQLX_POSTGRES)) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             sqlx_pg::with_store(&clock, |store| run_sequence(SQLX_POSTGRES, store, clock.clone(), &ops)).await
         })?;
@@ -1160,7 +1181,7 @@ proptest! {
 
     #[test]
     fn concurrent_sqlx_postgres(rounds in rounds()) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             sqlx_pg::with_store(&clock, |store| run_rounds(SQLX_POSTGRES, store, clock.clone(), &rounds)).await
         })?;
@@ -1173,7 +1194,7 @@ proptest! {
 
     #[test]
     fn sequences_redis(ops in ops(REDIS)) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             let store = redis(&clock).await;
             run_sequence(REDIS, store, clock, &ops).await
@@ -1187,7 +1208,7 @@ proptest! {
 
     #[test]
     fn concurrent_redis(rounds in rounds()) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             let store = redis(&clock).await;
             run_rounds(REDIS, store, clock, &rounds).await
@@ -1201,7 +1222,7 @@ proptest! {
 
     #[test]
     fn sequences_mysql(ops in ops(MYSQL)) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             my::with_store(&clock, |store| run_sequence(MYSQL, store, clock.clone(), &ops)).await
         })?;
@@ -1214,7 +1235,7 @@ proptest! {
 
     #[test]
     fn concurrent_mysql(rounds in rounds()) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             my::with_store(&clock, |store| run_rounds(MYSQL, store, clock.clone(), &rounds)).await
         })?;
@@ -1227,7 +1248,7 @@ proptest! {
 
     #[test]
     fn sequences_redis_cluster(ops in ops(REDIS)) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             let (store, _nodes) = redis_cluster(&clock).await;
             run_sequence(REDIS, store, clock, &ops).await
@@ -1241,7 +1262,7 @@ proptest! {
 
     #[test]
     fn concurrent_redis_cluster(rounds in rounds()) {
-        RUNTIME.block_on(async {
+        block_on(async {
             let clock = ManualClock::new(START_MS);
             let (store, _nodes) = redis_cluster(&clock).await;
             run_rounds(REDIS, store, clock, &rounds).await

@@ -37,10 +37,13 @@ impl RedisCluster {
         for &port in &ports {
             // A cluster of the same test binary that is just stopping frees
             // its ports within moments; a leftover server never does.
-            wait_until(
-                &format!("port {port} is free (a leftover redis-server?)"),
-                || std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
-            );
+            // The node's cluster bus listens on port + 10000.
+            for used in [port, port + 10000] {
+                wait_until(
+                    &format!("port {used} is free (a leftover redis-server?)"),
+                    || std::net::TcpStream::connect(("127.0.0.1", used)).is_err(),
+                );
+            }
             let conf = cluster._dir.path().join(format!("nodes-{port}.conf"));
             let child = Command::new("redis-server")
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
@@ -62,16 +65,19 @@ impl RedisCluster {
             });
         }
         let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        let out = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
+        // `redis-cli --cluster create` waits for the nodes to agree with no
+        // limit of its own: `timeout` gives it one (exit status 124).
+        let out = Command::new("timeout")
+            .arg(CLUSTER_DEADLINE.as_secs().to_string())
+            .args(["redis-cli", "--cluster", "create"])
             .args(&addrs)
             .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
-            .unwrap_or_else(|e| panic!("redis-cli is required on the PATH: {e}"));
+            .unwrap_or_else(|e| panic!("timeout and redis-cli are required on the PATH: {e}"));
         assert!(
             out.status.success(),
-            "redis-cli --cluster create failed: {}{}",
+            "redis-cli --cluster create failed or ran past {CLUSTER_DEADLINE:?} ({}): {}{}",
+            out.status,
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
@@ -167,14 +173,21 @@ impl Drop for RedisCluster {
     }
 }
 
-/// `redis-cli -p port args...`'s output; `None` when it fails.
+/// How long one `redis-cli` call may take: a node that accepts but never
+/// answers (stopped, or still loading) counts as not answering.
+const CLI_DEADLINE: Duration = Duration::from_secs(5);
+
+/// `redis-cli -p port args...`'s output; `None` when it fails or runs past
+/// [`CLI_DEADLINE`].
 pub fn cli(port: u16, args: &[&str]) -> Option<String> {
-    let out = Command::new("redis-cli")
+    let out = Command::new("timeout")
+        .arg(CLI_DEADLINE.as_secs().to_string())
+        .arg("redis-cli")
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args(args)
         .stderr(Stdio::null())
         .output()
-        .unwrap_or_else(|e| panic!("redis-cli is required on the PATH: {e}"));
+        .unwrap_or_else(|e| panic!("timeout and redis-cli are required on the PATH: {e}"));
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     (out.status.success() && !text.starts_with("Could not connect")).then_some(text)
 }
