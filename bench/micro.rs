@@ -228,7 +228,7 @@ fn stores(c: &mut Criterion) {
             .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
         let store = rt
             .block_on(
-                tower_idempotency::RedisStore::builder(url.clone())
+                tower_idempotency_redis::RedisStore::builder(url.clone())
                     .prefix(format!("bench-micro-{}:", std::process::id()))
                     .open(),
             )

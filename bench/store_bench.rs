@@ -147,7 +147,7 @@ async fn main() {
     {
         let url = std::env::var("TOWER_IDEMPOTENCY_REDIS_URL")
             .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        let store = tower_idempotency::RedisStore::builder(url)
+        let store = tower_idempotency_redis::RedisStore::builder(url)
             .prefix(format!("bench-{:08x}:", FencingToken::random().0 as u32))
             .open()
             .await

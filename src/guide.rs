@@ -29,10 +29,6 @@ pub mod postgres {}
 #[doc = include_str!("../docs/guide/mysql.md")]
 pub mod mysql {}
 
-#[cfg(feature = "redis")]
-#[doc = include_str!("../docs/guide/redis.md")]
-pub mod redis {}
-
 #[cfg(feature = "outbox")]
 #[doc = include_str!("../docs/guide/outbox.md")]
 pub mod outbox {}

@@ -58,8 +58,8 @@
 //!   response together, exactly once across crashes.
 //! * **Choose a store** ([`guide::stores`]): [`MemoryStore`], `SqliteStore`
 //!   (default feature `sqlite`), `PostgresStore`, `SqlxPostgresStore`,
-//!   `SqlxSqliteStore`, `MySqlStore` and `RedisStore`, each behind its
-//!   feature.
+//!   `SqlxSqliteStore` and `MySqlStore`, each behind its feature, and
+//!   `RedisStore` in the crate `tower-idempotency-redis`.
 //! * **Configure the layer** ([`guide::configuration`]): the scope (whose key
 //!   it is), the layer's place inside authentication, lease, TTL, body
 //!   limits, fingerprint, which responses are stored.
@@ -151,8 +151,6 @@ pub use sqlx;
 pub use store::MySqlStore;
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
-#[cfg(feature = "redis")]
-pub use store::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
 #[cfg(feature = "sqlx-postgres")]

@@ -72,8 +72,9 @@
 //! | `tower_idempotency_requests_total` | counter | `outcome` | requests the layer answered or ran, by [`Outcome`] |
 //! | `tower_idempotency_takeovers_total` | counter | | in-flight records taken over after their lease ended (a holder crashed or was too slow) |
 //! | `tower_idempotency_store_duration_seconds` | histogram | `operation` = `claim`, `complete` or `release` | the store's latency per call, in seconds |
-//! | `tower_idempotency_redis_eviction_unsafe` | gauge | `node` (`host:port`) | `RedisStore` (feature `redis`): 1 when the node's `maxmemory-policy` is not `noeviction` or cannot be read (Redis may evict records, and a retry then runs its handler again), 0 when it is `noeviction`; set when the store opens and at each re-check (`RedisStoreBuilder::eviction_check_interval`) |
-//! | `tower_idempotency_redis_evicted_keys` | gauge | `node` | `RedisStore`: the node's `evicted_keys` (`INFO stats`): keys of any kind it has evicted since it started; set at the same checks; a rise may be an idempotency record lost |
+//!
+//! Store crates add their own: `tower-idempotency-redis` names its eviction
+//! gauges in its crate docs.
 
 use std::future::Future;
 use std::time::Instant;
@@ -202,20 +203,6 @@ pub(crate) fn outcome(outcome: Outcome) {
     #[cfg(feature = "metrics")]
     metrics::counter!("tower_idempotency_requests_total", "outcome" => outcome.as_str())
         .increment(1);
-}
-
-/// A Redis node's eviction check: `tower_idempotency_redis_eviction_unsafe`
-/// and `tower_idempotency_redis_evicted_keys` (when `INFO stats` told it).
-#[cfg(all(feature = "metrics", feature = "redis"))]
-pub(crate) fn redis_eviction(node: &str, safe: bool, evicted_keys: Option<u64>) {
-    metrics::gauge!("tower_idempotency_redis_eviction_unsafe", "node" => node.to_owned())
-        .set(if safe { 0.0 } else { 1.0 });
-    if let Some(evicted) = evicted_keys {
-        // A gauge holds an f64: exact up to 2^53 keys.
-        #[allow(clippy::cast_precision_loss)]
-        metrics::gauge!("tower_idempotency_redis_evicted_keys", "node" => node.to_owned())
-            .set(evicted as f64);
-    }
 }
 
 /// The store operations whose latency is recorded.

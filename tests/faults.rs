@@ -883,8 +883,8 @@ mod pg {
 #[cfg(feature = "redis")]
 mod redis_faults {
     use super::*;
-    use tower_idempotency::RedisStore;
     use tower_idempotency::store::{FencingToken, Store};
+    use tower_idempotency_redis::RedisStore;
 
     fn url() -> String {
         crate::common::services::redis_url()

@@ -1016,9 +1016,9 @@ mod sqlx_pg {
 }
 
 #[cfg(feature = "redis")]
-async fn redis(clock: &ManualClock) -> tower_idempotency::store::RedisStore {
+async fn redis(clock: &ManualClock) -> tower_idempotency_redis::RedisStore {
     let url = crate::common::services::redis_url();
-    tower_idempotency::store::RedisStore::builder(&url)
+    tower_idempotency_redis::RedisStore::builder(&url)
         .prefix(format!(
             "tower-idempotency-model:{:016x}:",
             FencingToken::random().0
@@ -1043,7 +1043,7 @@ static CLUSTER: std::sync::Mutex<std::sync::Weak<rediscluster::RedisCluster>> =
 async fn redis_cluster(
     clock: &ManualClock,
 ) -> (
-    tower_idempotency::store::RedisStore,
+    tower_idempotency_redis::RedisStore,
     std::sync::Arc<rediscluster::RedisCluster>,
 ) {
     let nodes = tokio::task::spawn_blocking(|| rediscluster::RedisCluster::shared(&CLUSTER, 15630))
@@ -1056,7 +1056,7 @@ async fn redis_cluster(
             const { std::cell::RefCell::new(None) };
     }
     HELD.with(|held| *held.borrow_mut() = Some(nodes.clone()));
-    let store = tower_idempotency::store::RedisStore::cluster_builder(nodes.urls())
+    let store = tower_idempotency_redis::RedisStore::cluster_builder(nodes.urls())
         .prefix(format!(
             "tower-idempotency-model:{:016x}:",
             FencingToken::random().0

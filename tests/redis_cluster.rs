@@ -12,7 +12,8 @@ use tower_idempotency::store::{Claim, FencingToken, Inspect, RecordId, Refusal, 
 use tower_idempotency::test_util::{
     ClockOffset, ManualClock, claim_of, counts, response, store_suite,
 };
-use tower_idempotency::{RedisStore, StoreError, StoredResponse};
+use tower_idempotency::{StoreError, StoredResponse};
+use tower_idempotency_redis::RedisStore;
 
 #[path = "common/rediscluster.rs"]
 mod rediscluster;

@@ -11,9 +11,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use tower_idempotency::StoreError;
 use tower_idempotency::store::{Claim, FencingToken, RecordId, Refusal, Store};
 use tower_idempotency::test_util::{claim_of, response};
-use tower_idempotency::{RedisStore, StoreError};
+use tower_idempotency_redis::RedisStore;
 
 #[path = "common/rediscluster.rs"]
 mod rediscluster;

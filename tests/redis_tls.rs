@@ -11,9 +11,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use tower_idempotency::StoreError;
 use tower_idempotency::store::{Claim, FencingToken, RecordId, Refusal, Store};
 use tower_idempotency::test_util::{ClockOffset, ManualClock, claim_of, response, store_suite};
-use tower_idempotency::{RedisStore, StoreError};
+use tower_idempotency_redis::RedisStore;
 
 const PORT: u16 = 15640;
 

@@ -166,7 +166,7 @@ async fn the_purge_task_removes_expired_records() {
 #[cfg(feature = "redis")]
 mod redis_support {
     use super::*;
-    use tower_idempotency::store::RedisStore;
+    use tower_idempotency_redis::RedisStore;
 
     pub(crate) fn url() -> String {
         crate::common::services::redis_url()
@@ -225,7 +225,7 @@ store_suite!(redis_store, redis, inspect);
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_two_handles_one_key_one_winner() {
-    use tower_idempotency::store::RedisStore;
+    use tower_idempotency_redis::RedisStore;
     let prefix = redis_support::unique_prefix("two_handles");
     let one = RedisStore::builder(redis_support::url())
         .prefix(prefix.clone())
@@ -247,7 +247,7 @@ async fn redis_two_handles_one_key_one_winner() {
 async fn redis_record_layout_expiry_and_corruption() {
     use redis_support::{hget, pttl};
     use tower_idempotency::StoreError;
-    use tower_idempotency::store::RedisStore;
+    use tower_idempotency_redis::RedisStore;
     let prefix = redis_support::unique_prefix("layout");
     let store = RedisStore::builder(redis_support::url())
         .prefix(prefix.clone())
@@ -347,7 +347,7 @@ async fn redis_record_layout_expiry_and_corruption() {
 #[tokio::test]
 async fn redis_bad_config_is_config_and_unreachable_is_unavailable() {
     use tower_idempotency::StoreError;
-    use tower_idempotency::store::RedisStore;
+    use tower_idempotency_redis::RedisStore;
     for url in ["not a url", "http://127.0.0.1:6379"] {
         let err = RedisStore::open(url).await.unwrap_err();
         assert!(matches!(err, StoreError::Config(_)), "{url}: {err:?}");
@@ -368,7 +368,7 @@ async fn redis_bad_config_is_config_and_unreachable_is_unavailable() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn redis_huge_durations_are_clamped() {
-    use tower_idempotency::store::RedisStore;
+    use tower_idempotency_redis::RedisStore;
     let store = RedisStore::builder(redis_support::url())
         .prefix(redis_support::unique_prefix("huge"))
         .open()
@@ -396,7 +396,7 @@ async fn redis_huge_durations_are_clamped() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_purge_walks_every_scan_page() {
-    use tower_idempotency::store::RedisStore;
+    use tower_idempotency_redis::RedisStore;
     let clock = ManualClock::new(START_MS);
     let open = |prefix: String| {
         RedisStore::builder(redis_support::url())
@@ -435,7 +435,7 @@ async fn redis_purge_walks_every_scan_page() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_inspect_walks_every_scan_page() {
-    use tower_idempotency::store::RedisStore;
+    use tower_idempotency_redis::RedisStore;
     let clock = ManualClock::new(START_MS);
     let prefix = redis_support::unique_prefix("inspect_pages");
     let store = RedisStore::builder(redis_support::url())
@@ -554,7 +554,7 @@ async fn postgres_lease_until_an_hour_ahead_in_the_table_is_taken_over() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn redis_lease_until_an_hour_ahead_in_the_hash_is_taken_over() {
-    use tower_idempotency::store::RedisStore;
+    use tower_idempotency_redis::RedisStore;
     let prefix = redis_support::unique_prefix("stepped");
     let store = RedisStore::builder(redis_support::url())
         .prefix(prefix.clone())

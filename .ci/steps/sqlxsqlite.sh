@@ -37,6 +37,6 @@ cargo tree --manifest-path "$app" -e normal -i sqlx-sqlite >/dev/null \
     || fail "sqlx-sqlite is not in the app's tree"
 
 step "the package does not ship .ci/"
-if cargo package --list --allow-dirty 2>/dev/null | grep -q '^\.ci/'; then
+if cargo package -p tower-idempotency --list --allow-dirty 2>/dev/null | grep -q '^\.ci/'; then
     fail "the package ships .ci/: fix the include list in Cargo.toml"
 fi

@@ -431,8 +431,8 @@ fn admin_router<St: Inspect>(store: &St, args: &Args) -> Option<Router> {
 /// Records in Redis (one server, or a cluster through its seeds), the
 /// ledger's data in --db: separate mode only.
 #[cfg(feature = "redis")]
-async fn redis_store(args: &Args) -> Result<tower_idempotency::RedisStore, BoxError> {
-    use tower_idempotency::RedisStore;
+async fn redis_store(args: &Args) -> Result<tower_idempotency_redis::RedisStore, BoxError> {
+    use tower_idempotency_redis::RedisStore;
     let urls = args.key_store.as_deref().unwrap_or_default();
     let seeds: Vec<&str> = urls.split(',').collect();
     let builder = match seeds[..] {

@@ -3,8 +3,9 @@
 
 use std::time::Duration;
 
-/// Milliseconds since the Unix epoch, the time unit every store keeps.
-pub(crate) fn duration_ms(d: Duration) -> i64 {
+/// `d` in whole milliseconds, the time unit every store keeps (leases, TTLs
+/// and Unix times alike); `i64::MAX` past about 292 million years.
+pub fn duration_ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 

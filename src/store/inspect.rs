@@ -125,8 +125,10 @@ impl RecordSummary {
         }
     }
 
-    /// A summary from a record's deadlines (Unix ms) and the store's `now`.
-    pub(crate) fn from_deadlines(
+    /// A summary from a record's deadlines and the store's `now`, all Unix
+    /// milliseconds by the store's clock, as a store reads them from its
+    /// rows: a deadline already passed counts 0.
+    pub fn from_deadlines(
         scope: String,
         key: String,
         fingerprint: Fingerprint,

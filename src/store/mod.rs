@@ -9,7 +9,7 @@
 //! | PostgreSQL through tokio-postgres, or a managed one over TLS | `PostgresStore` (`postgres`, `postgres-tls`) | separate, transactional |
 //! | already on sqlx with PostgreSQL | `SqlxPostgresStore` (`sqlx-postgres`) | separate, transactional |
 //! | MySQL 8 or MariaDB | `MySqlStore` (`mysql`) | separate, transactional |
-//! | a fleet whose data lives elsewhere: Redis, one server or a cluster | `RedisStore` (`redis`, `redis-tls`) | separate |
+//! | a fleet whose data lives elsewhere: Redis, one server or a cluster | `RedisStore` (the crate `tower-idempotency-redis`) | separate |
 //! | tests, a single process that may forget on restart | [`MemoryStore`] | separate |
 //!
 //! Transactional mode (the handler writes through the request's
@@ -125,8 +125,6 @@ mod mysql;
 mod pg_sql;
 #[cfg(feature = "postgres")]
 mod postgres;
-#[cfg(feature = "redis")]
-mod redis;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 #[cfg(any(feature = "sqlite", feature = "sqlx-sqlite"))]
@@ -138,10 +136,8 @@ mod sqlx_postgres;
 #[cfg(feature = "sqlx-sqlite")]
 mod sqlx_sqlite;
 
-#[cfg(feature = "redis")]
-pub use self::redis::{EvictionCheck, NodeEviction, RedisStore, RedisStoreBuilder};
 pub use crate::fencing::FencingToken;
-pub(crate) use clock::duration_ms;
+pub use clock::duration_ms;
 pub use clock::{Clock, SystemClock};
 pub(crate) use decide::{Decision, Existing, Kind, decide, retry_after_secs};
 pub use error::StoreError;

@@ -20,7 +20,7 @@
 //! G)`, where `G` is kept alive until the test ends (a temporary directory,
 //! a guard that drops a table; `()` if none). Every check uses its own
 //! store. Stores judged by a server's clock add [`ClockOffset`] to the
-//! server's time, as [`RedisStore`](crate::store::RedisStore) does with
+//! server's time, as `tower_idempotency_redis::RedisStore` does with
 //! `clock_offset`; the checks allow for the server's clock moving on by itself.
 //!
 //! In `tests/conformance.rs` of the store's crate (here with this crate's

@@ -12,7 +12,7 @@ use super::eviction::{self, Eviction};
 use super::{
     CLAIM_SCRIPT, COMPLETE_SCRIPT, INSPECT_SCRIPT, PURGE_SCRIPT, RELEASE_SCRIPT, RedisStore,
 };
-use crate::store::{Clock, StoreError};
+use tower_idempotency::store::{Clock, StoreError};
 
 /// Reconnection attempts after the first, while Redis is unreachable.
 const RECONNECT_RETRIES: usize = 1;
@@ -45,7 +45,7 @@ pub struct RedisStoreBuilder {
     offset: Option<Arc<dyn Clock>>,
     accept_eviction_risk: bool,
     eviction_interval: Duration,
-    #[cfg(feature = "redis-tls")]
+    #[cfg(feature = "tls")]
     ca: Option<Vec<u8>>,
 }
 
@@ -78,7 +78,7 @@ impl RedisStoreBuilder {
             offset: None,
             accept_eviction_risk: false,
             eviction_interval: eviction::DEFAULT_INTERVAL,
-            #[cfg(feature = "redis-tls")]
+            #[cfg(feature = "tls")]
             ca: None,
         }
     }
@@ -89,7 +89,7 @@ impl RedisStoreBuilder {
     /// prefix would put every record in one cluster slot);
     /// [`RedisStoreBuilder::open`] fails with [`StoreError::Config`].
     ///
-    /// [`Store::purge_expired`]: crate::store::Store::purge_expired
+    /// [`Store::purge_expired`]: tower_idempotency::Store::purge_expired
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -134,7 +134,7 @@ impl RedisStoreBuilder {
     /// counts as 1 s; [`Duration::ZERO`] turns the timer off), since a
     /// policy can be changed at run time. Each check is
     /// [`RedisStore::check_eviction_policy`]: a WARN log for a node whose
-    /// policy evicts, the metrics of [`crate::telemetry`] (feature
+    /// policy evicts, the gauges of the [crate docs](crate) (feature
     /// `metrics`), and [`RedisStore::last_eviction_check`]. The timer is one
     /// tokio task per opened store, stopped when the store's last clone is
     /// dropped; a check that takes over 10 s is abandoned until the next.
@@ -151,8 +151,8 @@ impl RedisStoreBuilder {
     /// `rediss://`, or [`RedisStoreBuilder::open`] fails with
     /// [`StoreError::Config`]; a PEM without a certificate fails the same
     /// way. Feature `redis-tls`.
-    #[cfg(feature = "redis-tls")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "redis-tls")))]
+    #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub fn ca_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.ca = Some(pem.into());
         self
@@ -195,12 +195,12 @@ impl RedisStoreBuilder {
                 "the Redis key prefix holds '{' or '}': on a cluster, every record would hash to one slot",
             ));
         }
-        #[cfg(feature = "redis-tls")]
+        #[cfg(feature = "tls")]
         self.check_tls()?;
         let mut single = String::new();
         let mut conn = match self.target {
             Target::Single(url) => {
-                #[cfg(feature = "redis-tls")]
+                #[cfg(feature = "tls")]
                 let client = match self.ca {
                     Some(pem) => ::redis::Client::build_with_tls(
                         url.as_str(),
@@ -211,7 +211,7 @@ impl RedisStoreBuilder {
                     ),
                     None => ::redis::Client::open(url.as_str()),
                 };
-                #[cfg(not(feature = "redis-tls"))]
+                #[cfg(not(feature = "tls"))]
                 let client = ::redis::Client::open(url.as_str());
                 let client = client.map_err(StoreError::config)?;
                 single = client.get_connection_info().addr().to_string();
@@ -234,7 +234,7 @@ impl RedisStoreBuilder {
                     .retries(CLUSTER_RETRIES)
                     .min_retry_wait(CLUSTER_MIN_RETRY_WAIT_MS)
                     .max_retry_wait(CLUSTER_MAX_RETRY_WAIT_MS);
-                #[cfg(feature = "redis-tls")]
+                #[cfg(feature = "tls")]
                 let builder = match self.ca {
                     Some(pem) => builder.certs(::redis::TlsCertificates {
                         client_tls: None,
@@ -287,7 +287,7 @@ impl RedisStoreBuilder {
 
     /// Every URL is `rediss://` when a CA is given, and a TLS URL has a
     /// crypto provider to use.
-    #[cfg(feature = "redis-tls")]
+    #[cfg(feature = "tls")]
     fn check_tls(&self) -> Result<(), StoreError> {
         let urls: Vec<&str> = match &self.target {
             Target::Single(url) => vec![url],

@@ -12,7 +12,7 @@ use ::redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 use tokio::task::JoinSet;
 
 use super::SCAN_COUNT;
-use crate::store::StoreError;
+use tower_idempotency::StoreError;
 
 /// How many per-slot script calls of one `SCAN` page a cluster walk keeps in
 /// flight at once.

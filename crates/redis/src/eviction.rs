@@ -10,7 +10,7 @@ use tokio::task::AbortHandle;
 
 use super::RedisStore;
 use super::conn::{Conn, Node, nodes, on_node};
-use crate::store::StoreError;
+use tower_idempotency::StoreError;
 
 /// The one policy under which Redis never deletes a record before its TTL.
 pub(super) const SAFE_POLICY: &str = "noeviction";
@@ -124,7 +124,7 @@ impl Eviction {
                 .and_then(|l| l.nodes.iter().find(|n| n.node == node.node));
             warn_if_news(before, node);
             #[cfg(feature = "metrics")]
-            crate::telemetry::redis_eviction(&node.node, node.is_safe(), node.evicted_keys);
+            gauges(&node.node, node.is_safe(), node.evicted_keys);
         }
         *last = Some(check.clone());
     }
@@ -164,6 +164,20 @@ impl Eviction {
             }
         });
         *this.timer.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
+    }
+}
+
+/// A node's check as the gauges `tower_idempotency_redis_eviction_unsafe` and
+/// `tower_idempotency_redis_evicted_keys` (when `INFO stats` told it).
+#[cfg(feature = "metrics")]
+fn gauges(node: &str, safe: bool, evicted_keys: Option<u64>) {
+    metrics::gauge!("tower_idempotency_redis_eviction_unsafe", "node" => node.to_owned())
+        .set(if safe { 0.0 } else { 1.0 });
+    if let Some(evicted) = evicted_keys {
+        // A gauge holds an f64: exact up to 2^53 keys.
+        #[allow(clippy::cast_precision_loss)]
+        metrics::gauge!("tower_idempotency_redis_evicted_keys", "node" => node.to_owned())
+            .set(evicted as f64);
     }
 }
 
@@ -368,7 +382,7 @@ impl RedisStore {
     /// Reads `maxmemory-policy` and `INFO stats` `evicted_keys` on every
     /// node now (the one server, or every master of a cluster), keeps the
     /// result as [`RedisStore::last_eviction_check`], sets the metrics
-    /// (feature `metrics`, see [`crate::telemetry`]) and logs a WARN for a
+    /// (feature `metrics`, see the crate docs) and logs a WARN for a
     /// node whose policy evicts (once per change of policy, and again when
     /// it has evicted keys since the last check). The store's timer calls
     /// it every [`RedisStoreBuilder::eviction_check_interval`]; call it to

@@ -4,8 +4,8 @@
 use ::redis::Value;
 
 use super::{INSPECT_SCRIPT, RedisStore, SCAN_COUNT, Walk, int, scan_pattern, text};
-use crate::fingerprint::Fingerprint;
-use crate::store::{Inspect, RecordCounts, RecordSummary, StoreError};
+use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::store::{Inspect, RecordCounts, RecordSummary, StoreError};
 
 /// A stuck record as the inspect script lists it.
 struct StuckEntry {
@@ -165,7 +165,7 @@ impl RedisStore {
 }
 
 /// Walks every key under the prefix with `SCAN` (as
-/// [`Store::purge_expired`](crate::store::Store::purge_expired) does),
+/// [`Store::purge_expired`](tower_idempotency::Store::purge_expired) does),
 /// judging each page in one script at one reading of the Redis server's
 /// clock. So an answer is not one snapshot:
 /// records written or deleted during the walk may or may not be counted, and
@@ -206,7 +206,7 @@ impl Inspect for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::redis::record_key;
+    use crate::record_key;
 
     #[test]
     fn record_names_parse_back_to_scope_and_key() {

@@ -1,18 +1,25 @@
-//! Records in Redis, for a fleet of app servers that share one Redis (the
-//! `redis` cargo feature). The docs, with an example, are on [`RedisStore`].
+#![doc = include_str!("../README.md")]
 //!
-//! Each Lua script is a `.lua` file beside this one, loaded with
-//! `include_str!`; `inspect.rs` holds [`Inspect`](crate::store::Inspect).
+//! # Source map
+//!
+//! `lib.rs` holds [`RedisStore`] and its [`Store`] methods; `builder.rs` where
+//! it connects; `conn.rs` one server or a cluster; `eviction.rs` the
+//! `maxmemory-policy` guard; `inspect.rs` [`Inspect`](tower_idempotency::store::Inspect). Each Lua script is a
+//! `.lua` file beside them, loaded with `include_str!`.
+
+#![deny(unsafe_code, unreachable_pub)]
+#![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use ::redis::{Script, Value};
 
-use super::{
+use tower_idempotency::StoredResponse;
+use tower_idempotency::store::{
     Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError, duration_ms,
 };
-use crate::response::StoredResponse;
 
 mod builder;
 mod conn;
@@ -39,7 +46,7 @@ const SCAN_COUNT: usize = 500;
 const PRELUDE: &str = include_str!("prelude.lua");
 
 /// `KEYS[1]` the record; `ARGV`: offset, fingerprint, token, lease ms, TTL ms.
-/// The table in the module docs of [`super`], in order.
+/// The table in the module docs of `tower_idempotency::store`, in order.
 const CLAIM: &str = include_str!("claim.lua");
 
 /// `KEYS[1]` the record; `ARGV`: offset, token, response. 1 stored, 0 fenced.
@@ -76,7 +83,8 @@ fn script(body: &str) -> Script {
 /// # Example
 ///
 /// ```no_run
-/// use tower_idempotency::{IdempotencyLayer, store::RedisStore};
+/// use tower_idempotency::IdempotencyLayer;
+/// use tower_idempotency_redis::RedisStore;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = RedisStore::builder("redis://127.0.0.1:6379")
@@ -111,12 +119,12 @@ fn script(body: &str) -> Script {
 ///
 /// # Separate mode only
 ///
-/// [`RedisStore`] does not implement [`super::TransactionalStore`], so
-/// [`crate::IdempotencyLayer::transactional`] does not accept it. Transactional
+/// [`RedisStore`] does not implement [`TransactionalStore`](tower_idempotency::store::TransactionalStore), so
+/// [`IdempotencyLayer::transactional`](tower_idempotency::IdempotencyLayer::transactional) does not accept it. Transactional
 /// mode commits the handler's own writes together with the record, in one
 /// database transaction; the handler's data does not live in Redis, and no
 /// Redis transaction can include another database's writes. In
-/// [`crate::mode::Separate`], a process that dies between the handler's
+/// [`mode::Separate`](tower_idempotency::mode::Separate), a process that dies between the handler's
 /// effect and [`Store::complete`] leaves the key in flight; when its lease
 /// ends, a retry runs the handler again.
 ///
@@ -128,7 +136,7 @@ fn script(body: &str) -> Script {
 /// native expiry (`PEXPIRE`) to the record's TTL, so Redis deletes records by
 /// itself; [`Store::purge_expired`] (a `SCAN` over the prefix) only sweeps a
 /// record whose `expires_at` has passed before Redis removed it, and a
-/// [`super::spawn_purge_task`] is not needed. Lookups check `expires_at`
+/// [`spawn_purge_task`](tower_idempotency::store::spawn_purge_task) is not needed. Lookups check `expires_at`
 /// themselves and never rely on the native expiry. (A test's
 /// `RedisStoreBuilder::clock_offset` (feature `test-util`) is added to the server's time.) If the
 /// server's clock steps back, a record whose `lease_until` is then further
@@ -175,7 +183,7 @@ fn script(body: &str) -> Script {
 /// WARN when a node's policy turns evicting or it has evicted keys since,
 /// the gauges `tower_idempotency_redis_eviction_unsafe` and
 /// `tower_idempotency_redis_evicted_keys` (feature `metrics`, see
-/// [`crate::telemetry`]), and [`RedisStore::last_eviction_check`]. It never
+/// the gauges of the [crate docs](crate)), and [`RedisStore::last_eviction_check`]. It never
 /// stops the store: requests go on being served. Replicas are not read;
 /// a promoted one is, at the next check.
 ///
@@ -201,7 +209,7 @@ fn script(body: &str) -> Script {
 /// narrows that window but does not close it (a replica that received the
 /// write is not necessarily the one promoted); the store does not call it.
 ///
-/// [`Store::purge_expired`] and [`Inspect`](crate::store::Inspect) walk
+/// [`Store::purge_expired`] and [`Inspect`](tower_idempotency::store::Inspect) walk
 /// every master with `SCAN` (the masters as `CLUSTER SLOTS` names them when
 /// the walk starts), judging each slot's keys in one script call. During a
 /// resharding or a failover a walk may miss or repeat a record, or fail

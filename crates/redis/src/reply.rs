@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use ::redis::Value;
 
-use crate::response::StoredResponse;
-use crate::store::{Claim, Refusal, StoreError};
+use tower_idempotency::StoredResponse;
+use tower_idempotency::store::{Claim, Refusal, StoreError};
 
 pub(super) fn unexpected(script: &str, reply: &Value) -> StoreError {
     StoreError::unavailable(format!(
