@@ -122,8 +122,14 @@ async fn purge<S: Inspect>(State(store): State<S>) -> Response<Body> {
     }
 }
 
-/// `limit` from the query pairs: absent, or once, an integer in 1..=MAX_LIMIT.
-pub(crate) fn parse_limit(pairs: &[(String, String)]) -> Result<usize, String> {
+/// `limit` from a router's query pairs: absent ([`DEFAULT_LIMIT`]), or once,
+/// an integer in 1..=[`MAX_LIMIT`]; any other parameter is an error that names it.
+/// For routers beside [`router`] with the same rules (the outbox's).
+///
+/// # Errors
+///
+/// The detail of the 400 to answer ([`bad_request`]).
+pub fn parse_limit(pairs: &[(String, String)]) -> Result<usize, String> {
     if let Some((name, _)) = pairs.iter().find(|(name, _)| name != "limit") {
         return Err(format!(
             "unknown query parameter {}; only limit is accepted",
@@ -141,8 +147,8 @@ pub(crate) fn parse_limit(pairs: &[(String, String)]) -> Result<usize, String> {
     }
 }
 
-/// A JSON string (escaped by serde_json).
-pub(crate) fn string(s: &str) -> String {
+/// `s` as a JSON string, quoted and escaped.
+pub fn string(s: &str) -> String {
     serde_json::Value::from(s).to_string()
 }
 
@@ -166,7 +172,8 @@ fn counts_json(c: &RecordCounts) -> String {
     )
 }
 
-pub(crate) fn json(body: String) -> Response<Body> {
+/// A 200 answer with `body`, which must be JSON, as `application/json`.
+pub fn json(body: String) -> Response<Body> {
     let mut response = Response::new(Body::from(body));
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -175,8 +182,10 @@ pub(crate) fn json(body: String) -> Response<Body> {
     response
 }
 
-/// 503 with the crate's `store-unavailable` problem and `Retry-After: 1`.
-pub(crate) fn unavailable(e: &StoreError) -> Response<Body> {
+/// 503 with the crate's `store-unavailable` problem and `Retry-After: 1`
+/// (RFC 9457), for a store or table that cannot be read; `e` is logged at
+/// WARN, never echoed.
+pub fn unavailable(e: &StoreError) -> Response<Body> {
     tracing::warn!(error = %e, "the admin router could not read the idempotency store");
     Rejection::StoreUnavailable {
         retry_after_secs: 1,
@@ -185,9 +194,9 @@ pub(crate) fn unavailable(e: &StoreError) -> Response<Body> {
     .map(Body::from)
 }
 
-/// 400 with an `about:blank` problem (RFC 9457 §4.2.1: the title is the
-/// status's reason phrase).
-pub(crate) fn bad_request(detail: &str) -> Response<Body> {
+/// 400 with an `about:blank` problem whose `detail` is `detail` (RFC 9457
+/// §4.2.1: the title is the status's reason phrase).
+pub fn bad_request(detail: &str) -> Response<Body> {
     let body = format!(
         "{{\"type\":\"about:blank\",\"title\":\"Bad Request\",\"status\":400,\"detail\":{}}}",
         string(detail)

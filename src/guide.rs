@@ -29,10 +29,6 @@ pub mod postgres {}
 #[doc = include_str!("../docs/guide/mysql.md")]
 pub mod mysql {}
 
-#[cfg(feature = "outbox")]
-#[doc = include_str!("../docs/guide/outbox.md")]
-pub mod outbox {}
-
 #[doc = include_str!("../docs/guide/operations.md")]
 pub mod operations {}
 

@@ -67,8 +67,9 @@
 //!   what is stored and for how long.
 //! * **What is promised** ([`guide::limits`]): what one claim decides, the
 //!   guarantees and every bound. Callers: [`guide::clients`].
-//! * Every guide, including the pages of each server store and the outbox:
-//!   [`guide`].
+//! * Every guide, including the pages of each server store: [`guide`].
+//!   Effects beyond the database (webhooks, messages) go through a
+//!   transactional outbox: the crate `tower-idempotency-outbox`.
 //!
 //! # Guarantees, in short
 //!
@@ -110,8 +111,6 @@ pub mod guide;
 pub mod key;
 mod layer;
 pub mod mode;
-#[cfg(feature = "outbox")]
-pub mod outbox;
 pub mod policy;
 pub mod problem;
 mod record;

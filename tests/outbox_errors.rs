@@ -15,9 +15,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tower_idempotency::outbox::{Delivery, Message, Outbox, Outcome, View, from_fn};
 use tower_idempotency::store::FencingToken;
 use tower_idempotency::{MySqlStore, PostgresStore};
+use tower_idempotency_outbox::{Delivery, Message, Outbox, Outcome, View, from_fn};
 
 fn pg_url() -> String {
     crate::common::services::postgres_url()
@@ -125,7 +125,7 @@ async fn postgres_records_any_error() {
                 let client: &tokio_postgres::Client = &pooled;
                 for m in messages {
                     assert!(
-                        tower_idempotency::outbox::postgres::enqueue(client, m)
+                        tower_idempotency_outbox::postgres::enqueue(client, m)
                             .await
                             .unwrap()
                     );
@@ -167,7 +167,7 @@ async fn mysql_records_any_error() {
                 let mut tx = store.pool().begin().await.unwrap();
                 for m in messages {
                     assert!(
-                        tower_idempotency::outbox::sqlx::enqueue(&mut tx, m)
+                        tower_idempotency_outbox::sqlx::enqueue(&mut tx, m)
                             .await
                             .unwrap()
                     );
@@ -194,7 +194,7 @@ async fn mysql_records_any_error() {
 async fn a_destination_postgres_cannot_hold_is_refused_by_message() {
     assert_eq!(
         Message::with_key("k", "http://127.0.0.1:9/\0", "text/plain", b"x".to_vec()),
-        Err(tower_idempotency::outbox::MessageError::InvalidField(
+        Err(tower_idempotency_outbox::MessageError::InvalidField(
             "destination"
         ))
     );

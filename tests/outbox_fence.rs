@@ -10,7 +10,7 @@ use std::task::{Context, Waker};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
-use tower_idempotency::outbox::{self, Delivery, Message, Outbox, Outcome, View};
+use tower_idempotency_outbox::{self as outbox, Delivery, Message, Outbox, Outcome, View};
 
 /// One delivery the test answers: its attempt and where its outcome goes.
 type Pending = (u32, oneshot::Sender<Outcome>);

@@ -11,8 +11,8 @@
 mod common;
 
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
-use tower_idempotency::outbox;
 use tower_idempotency::store::FencingToken;
+use tower_idempotency_outbox as outbox;
 
 fn url() -> String {
     crate::common::services::postgres_url()

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tower_idempotency::MySqlStore;
-use tower_idempotency::outbox::{self, Delivery, Message, Outbox, Outcome, View, from_fn};
 use tower_idempotency::store::FencingToken;
+use tower_idempotency_outbox::{self as outbox, Delivery, Message, Outbox, Outcome, View, from_fn};
 
 fn url() -> String {
     crate::common::services::mysql_url()

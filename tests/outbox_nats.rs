@@ -20,8 +20,8 @@ use std::time::Duration;
 use async_nats::jetstream::{self, Context, stream};
 use outbox_support::{WAIT, rusqlite_conn, until_async};
 use tokio::sync::mpsc;
-use tower_idempotency::outbox::nats::NatsSink;
-use tower_idempotency::outbox::{self, Delivery, Message, Outbox, Outcome, Sink, from_fn};
+use tower_idempotency_outbox::nats::NatsSink;
+use tower_idempotency_outbox::{self as outbox, Delivery, Message, Outbox, Outcome, Sink, from_fn};
 
 async fn jetstream() -> Context {
     let url = crate::common::services::nats_url();

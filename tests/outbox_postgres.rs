@@ -21,9 +21,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use outbox_support::{Answer, Downstream, until};
 use tower_idempotency::key::ClaimedKey;
-use tower_idempotency::outbox::{self, HttpSink, Message, Outbox};
 use tower_idempotency::store::PostgresTransaction;
 use tower_idempotency::{IdempotencyLayer, PostgresStore};
+use tower_idempotency_outbox::{self as outbox, HttpSink, Message, Outbox};
 
 fn url() -> String {
     crate::common::services::postgres_url()

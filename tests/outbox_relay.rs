@@ -17,7 +17,9 @@ use hyper_util::rt::TokioExecutor;
 use outbox_support::{
     Answer, Downstream, WAIT, enqueue_direct, http_sink, rusqlite_conn, script, until, until_async,
 };
-use tower_idempotency::outbox::{self, Delivery, HttpSink, Message, Outbox, Outcome, View};
+use tower_idempotency_outbox::{
+    self as outbox, Delivery, HttpSink, Message, Outbox, Outcome, View,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn retryable_statuses_are_retried_others_dead_letter_until_requeued() {

@@ -18,9 +18,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use outbox_support::{Answer, Downstream, WAIT, http_sink, script, until, until_async};
 use tower_idempotency::key::ClaimedKey;
-use tower_idempotency::outbox::{self, Message, Outbox};
 use tower_idempotency::store::SqliteTransaction;
 use tower_idempotency::{IdempotencyLayer, SqliteStore};
+use tower_idempotency_outbox::{self as outbox, Message, Outbox};
 
 /// The upstream: `POST /orders` enqueues `n` messages (header `x-messages`,
 /// default 1) to `url` and writes an order row, all in the request's

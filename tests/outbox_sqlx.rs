@@ -38,10 +38,10 @@ macro_rules! outbox_suite {
             use axum::routing::post;
             use tower_idempotency::IdempotencyLayer;
             use tower_idempotency::key::ClaimedKey;
-            use tower_idempotency::outbox::{
-                self, Delivery, Message, Outbox, Outcome, View, from_fn,
-            };
             use tower_idempotency::scope::GlobalScope;
+            use tower_idempotency_outbox::{
+                self as outbox, Delivery, Message, Outbox, Outcome, View, from_fn,
+            };
 
             use super::{Transaction, setup};
             use crate::{Attempts, WAIT, common};
@@ -335,8 +335,8 @@ fn table() -> String {
 #[cfg(feature = "mysql")]
 mod mysql {
     use tower_idempotency::MySqlStore;
-    use tower_idempotency::outbox::Outbox;
     pub(crate) use tower_idempotency::store::MySqlTransaction as Transaction;
+    use tower_idempotency_outbox::Outbox;
 
     fn url() -> String {
         crate::common::services::mysql_url()
@@ -387,8 +387,8 @@ mod mysql {
 #[cfg(feature = "sqlx-postgres")]
 mod sqlx_postgres {
     use tower_idempotency::SqlxPostgresStore;
-    use tower_idempotency::outbox::Outbox;
     pub(crate) use tower_idempotency::store::SqlxPostgresTransaction as Transaction;
+    use tower_idempotency_outbox::Outbox;
 
     fn url() -> String {
         crate::common::services::postgres_url()
@@ -443,8 +443,8 @@ mod sqlx_postgres {
 mod sqlx_sqlite {
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
     use tower_idempotency::SqlxSqliteStore;
-    use tower_idempotency::outbox::Outbox;
     pub(crate) use tower_idempotency::store::SqlxSqliteTransaction as Transaction;
+    use tower_idempotency_outbox::Outbox;
 
     pub(crate) struct Backend {
         pub(crate) store: SqlxSqliteStore,

@@ -46,7 +46,7 @@ pub trait Ledger: Clone + Send + Sync + 'static {
     #[cfg(feature = "outbox")]
     fn outbox(
         store: &Self::Store,
-    ) -> impl Future<Output = Result<tower_idempotency::outbox::Outbox, BoxError>> + Send;
+    ) -> impl Future<Output = Result<tower_idempotency_outbox::Outbox, BoxError>> + Send;
 }
 
 /// The transaction the idempotency layer opens for a request on `D`'s store.

@@ -30,8 +30,8 @@ impl Dialect for MySql {
     #[cfg(feature = "outbox")]
     async fn outbox(
         store: &MySqlStore,
-    ) -> Result<tower_idempotency::outbox::Outbox, tower_idempotency::StoreError> {
-        tower_idempotency::outbox::Outbox::mysql(store).await
+    ) -> Result<tower_idempotency_outbox::Outbox, tower_idempotency::StoreError> {
+        tower_idempotency_outbox::Outbox::mysql(store).await
     }
 
     #[cfg(feature = "outbox")]
@@ -39,7 +39,7 @@ impl Dialect for MySql {
         conn: &'a mut Self::Connection,
         message: &'a crate::notify::Message,
     ) -> impl std::future::Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
-        tower_idempotency::outbox::sqlx::enqueue(conn, message)
+        tower_idempotency_outbox::sqlx::enqueue(conn, message)
     }
 
     const RETURNING: bool = false;

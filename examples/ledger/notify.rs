@@ -5,7 +5,7 @@
 //! "Notifications").
 //!
 //! The key is message 0 of the credit request
-//! (`tower_idempotency::outbox::message_key` over the caller's scope and the
+//! (`tower_idempotency_outbox::message_key` over the caller's scope and the
 //! request's idempotency key): the same on every attempt, after restarts,
 //! and for a credit rolled back and retried; different for every other
 //! credit, since each credit is one request with a key of its own.
@@ -24,8 +24,8 @@ mod enabled {
     use hyper_util::client::legacy::Client;
     use hyper_util::rt::TokioExecutor;
     use tower_idempotency::key::ClaimedKey;
-    pub use tower_idempotency::outbox::Message;
-    use tower_idempotency::outbox::{HttpSink, Outbox};
+    pub use tower_idempotency_outbox::Message;
+    use tower_idempotency_outbox::{HttpSink, Outbox};
 
     use crate::db::{Json, LedgerError};
 

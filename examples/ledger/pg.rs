@@ -51,8 +51,8 @@ impl Ledger for Postgres {
     type Store = PostgresStore;
 
     #[cfg(feature = "outbox")]
-    async fn outbox(store: &PostgresStore) -> Result<tower_idempotency::outbox::Outbox, BoxError> {
-        Ok(tower_idempotency::outbox::Outbox::postgres(store).await?)
+    async fn outbox(store: &PostgresStore) -> Result<tower_idempotency_outbox::Outbox, BoxError> {
+        Ok(tower_idempotency_outbox::Outbox::postgres(store).await?)
     }
 
     async fn account(&self, id: i64) -> Result<Account, LedgerError> {
@@ -127,7 +127,7 @@ impl<C: GenericClient + Sync> Conn for Pg<'_, C> {
 
     #[cfg(feature = "outbox")]
     async fn enqueue(&mut self, message: &Message) -> Result<(), LedgerError> {
-        tower_idempotency::outbox::postgres::enqueue(self.0, message).await?;
+        tower_idempotency_outbox::postgres::enqueue(self.0, message).await?;
         Ok(())
     }
 }

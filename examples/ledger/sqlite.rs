@@ -91,8 +91,8 @@ impl Ledger for Sqlite {
     type Store = SqliteStore;
 
     #[cfg(feature = "outbox")]
-    async fn outbox(store: &SqliteStore) -> Result<tower_idempotency::outbox::Outbox, BoxError> {
-        Ok(tower_idempotency::outbox::Outbox::sqlite(store.path()).await?)
+    async fn outbox(store: &SqliteStore) -> Result<tower_idempotency_outbox::Outbox, BoxError> {
+        Ok(tower_idempotency_outbox::Outbox::sqlite(store.path()).await?)
     }
 
     async fn account(&self, id: i64) -> Result<Account, LedgerError> {
@@ -172,7 +172,7 @@ impl Conn for Rusqlite<'_> {
         &mut self,
         message: &Message,
     ) -> impl Future<Output = Result<(), LedgerError>> + Send {
-        let done = tower_idempotency::outbox::sqlite::enqueue(self.0, message);
+        let done = tower_idempotency_outbox::sqlite::enqueue(self.0, message);
         ready(done.map(drop).map_err(LedgerError::from))
     }
 }

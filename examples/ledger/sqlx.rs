@@ -51,7 +51,7 @@ pub trait Dialect: Database {
     #[cfg(feature = "outbox")]
     fn outbox(
         store: &Self::Store,
-    ) -> impl Future<Output = Result<tower_idempotency::outbox::Outbox, StoreError>> + Send;
+    ) -> impl Future<Output = Result<tower_idempotency_outbox::Outbox, StoreError>> + Send;
 
     /// `outbox::sqlx::enqueue` on a connection of this database.
     #[cfg(feature = "outbox")]
@@ -104,7 +104,7 @@ where
     }
 
     #[cfg(feature = "outbox")]
-    async fn outbox(store: &DB::Store) -> Result<tower_idempotency::outbox::Outbox, BoxError> {
+    async fn outbox(store: &DB::Store) -> Result<tower_idempotency_outbox::Outbox, BoxError> {
         Ok(DB::outbox(store).await?)
     }
 }

@@ -40,8 +40,8 @@ impl Dialect for Postgres {
     #[cfg(feature = "outbox")]
     async fn outbox(
         store: &SqlxPostgresStore,
-    ) -> Result<tower_idempotency::outbox::Outbox, tower_idempotency::StoreError> {
-        tower_idempotency::outbox::Outbox::sqlx_postgres(store).await
+    ) -> Result<tower_idempotency_outbox::Outbox, tower_idempotency::StoreError> {
+        tower_idempotency_outbox::Outbox::sqlx_postgres(store).await
     }
 
     #[cfg(feature = "outbox")]
@@ -49,7 +49,7 @@ impl Dialect for Postgres {
         conn: &'a mut Self::Connection,
         message: &'a crate::notify::Message,
     ) -> impl std::future::Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
-        tower_idempotency::outbox::sqlx::enqueue(conn, message)
+        tower_idempotency_outbox::sqlx::enqueue(conn, message)
     }
 
     async fn in_request(tx: &SqlxPostgresTransaction, write: Write) -> Result<Json, LedgerError> {

@@ -49,8 +49,8 @@ impl Dialect for Sqlite {
     #[cfg(feature = "outbox")]
     async fn outbox(
         store: &SqlxSqliteStore,
-    ) -> Result<tower_idempotency::outbox::Outbox, tower_idempotency::StoreError> {
-        tower_idempotency::outbox::Outbox::sqlx_sqlite(store).await
+    ) -> Result<tower_idempotency_outbox::Outbox, tower_idempotency::StoreError> {
+        tower_idempotency_outbox::Outbox::sqlx_sqlite(store).await
     }
 
     #[cfg(feature = "outbox")]
@@ -58,7 +58,7 @@ impl Dialect for Sqlite {
         conn: &'a mut Self::Connection,
         message: &'a crate::notify::Message,
     ) -> impl std::future::Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
-        tower_idempotency::outbox::sqlx::enqueue(conn, message)
+        tower_idempotency_outbox::sqlx::enqueue(conn, message)
     }
 
     /// Takes the write lock at once.

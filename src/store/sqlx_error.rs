@@ -9,8 +9,10 @@ use crate::store::StoreError;
 /// `SqlxSqliteTransaction`,
 /// `MySqlTransaction`): the transaction
 /// could not be had (its `connection()` failed), a statement failed, or
-/// (feature `outbox`) an outbox message could not be built. `From` each, so
-/// a handler returning `Result<_, SqlxError>` uses `?` on every call.
+/// the handler built a value that a library refuses (an outbox message:
+/// `tower-idempotency-outbox` converts its `MessageError` with `From`).
+/// `From` each, so a handler returning `Result<_, SqlxError>` uses `?` on
+/// every call.
 ///
 /// With the `axum` feature it is a response, always a 5xx, which the default
 /// store policy does not store, so the transaction rolls back and the key
@@ -23,8 +25,9 @@ use crate::store::StoreError;
 ///   `SqlxSqliteStore::explain_busy`);
 ///   any other statement error as a 500 problem whose detail does not echo
 ///   the SQL error (it is logged at error level instead).
-/// * `Message`: a 500 problem, logged (the handler built a message the
-///   outbox refuses: a bug to fix, not a condition to retry).
+/// * `Invalid`: a 500 problem, logged (the handler built a value that is
+///   refused, such as a message the outbox cannot hold: a bug to fix, not a
+///   condition to retry).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum SqlxError {
@@ -32,9 +35,16 @@ pub enum SqlxError {
     Store(StoreError),
     /// A statement failed.
     Sql(sqlx::Error),
-    /// An outbox message could not be built.
-    #[cfg(feature = "outbox")]
-    Message(crate::outbox::MessageError),
+    /// The handler built a value that is refused (see [`SqlxError::invalid`]).
+    Invalid(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl SqlxError {
+    /// An `Invalid` error: `e` says what the handler built that a library
+    /// (such as the outbox) refuses. Answered as a logged 500.
+    pub fn invalid(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        SqlxError::Invalid(e.into())
+    }
 }
 
 /// The error of a handler on [`SqlxPostgresStore`](crate::store::SqlxPostgresStore).
@@ -57,20 +67,12 @@ impl From<sqlx::Error> for SqlxError {
     }
 }
 
-#[cfg(feature = "outbox")]
-impl From<crate::outbox::MessageError> for SqlxError {
-    fn from(e: crate::outbox::MessageError) -> Self {
-        SqlxError::Message(e)
-    }
-}
-
 impl std::fmt::Display for SqlxError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             SqlxError::Store(e) => e.fmt(f),
             SqlxError::Sql(e) => write!(f, "SQL in the idempotency transaction failed: {e}"),
-            #[cfg(feature = "outbox")]
-            SqlxError::Message(e) => write!(f, "an outbox message could not be built: {e}"),
+            SqlxError::Invalid(e) => write!(f, "the handler built a value that is refused: {e}"),
         }
     }
 }
@@ -80,8 +82,7 @@ impl std::error::Error for SqlxError {
         match self {
             SqlxError::Store(e) => Some(e),
             SqlxError::Sql(e) => Some(e),
-            #[cfg(feature = "outbox")]
-            SqlxError::Message(e) => Some(e),
+            SqlxError::Invalid(e) => Some(e.as_ref()),
         }
     }
 }
@@ -101,11 +102,10 @@ impl axum_core::response::IntoResponse for SqlxError {
                     "a database statement failed while this request was processed",
                 )
             }
-            #[cfg(feature = "outbox")]
-            SqlxError::Message(e) => {
-                tracing::error!(error = %e, "a handler built an invalid outbox message; answering 500");
+            SqlxError::Invalid(e) => {
+                tracing::error!(error = %e, "a handler built a value that is refused; answering 500");
                 crate::extract::internal_error(
-                    "an outbox message could not be built while this request was processed",
+                    "a value built while this request was processed was refused",
                 )
             }
         }

@@ -220,6 +220,13 @@ pub fn response(body: &'static [u8]) -> StoredResponse {
     )
 }
 
+/// The [`ClaimedKey`](crate::key::ClaimedKey) the layer hands a handler
+/// whose request claimed `key` under `scope`, for tests of code that takes
+/// one (an outbox message's key is derived from it).
+pub fn claimed_key(key: &str, scope: &str) -> crate::key::ClaimedKey {
+    crate::key::ClaimedKey::new(key.to_owned(), scope.to_owned())
+}
+
 /// The record of `key` in scope `"s"`, the scope of most checks.
 pub fn id(key: &str) -> RecordId {
     RecordId::new("s", key)

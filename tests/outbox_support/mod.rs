@@ -23,10 +23,10 @@ use hyper_util::rt::TokioExecutor;
 #[cfg(feature = "sqlite")]
 use std::path::Path;
 use tower_idempotency::key::ClaimedKey;
-use tower_idempotency::outbox::HttpSink;
-#[cfg(feature = "sqlite")]
-use tower_idempotency::outbox::{self, Message};
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
+use tower_idempotency_outbox::HttpSink;
+#[cfg(feature = "sqlite")]
+use tower_idempotency_outbox::{self as outbox, Message};
 
 /// What the downstream does with one attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

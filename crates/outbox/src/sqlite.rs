@@ -1,5 +1,5 @@
 //! The outbox on SQLite: [`enqueue`] inside the handler's transaction
-//! ([`SqliteTransaction::run`](crate::store::SqliteTransaction::run)), and the
+//! ([`SqliteTransaction::run`](tower_idempotency::store::SqliteTransaction::run)), and the
 //! relay's queue over a connection of its own to the same file.
 //!
 //! Several processes may share the file, each with a relay: a claim is one
@@ -16,10 +16,10 @@ use super::Message;
 use super::exec::{Cell, Col, Exec, Row, Value};
 use super::queue::BoxFut;
 use super::sql::OutboxSql;
-use crate::store::StoreError;
+use tower_idempotency::StoreError;
 
 /// The outbox's table and index, created if missing: run by
-/// [`Outbox::sqlite`](super::Outbox::sqlite); call it yourself only if
+/// [`Outbox::sqlite`](crate::Outbox::sqlite); call it yourself only if
 /// handlers enqueue before any relay of the database has started.
 ///
 /// # Errors
@@ -37,11 +37,11 @@ pub fn migrate(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
 /// Returns `false` when a message with the same key is already in the
 /// outbox (it is kept, this one is not added): a key names one message.
 ///
-/// [`SqliteTransaction::run`]: crate::store::SqliteTransaction::run
+/// [`SqliteTransaction::run`]: tower_idempotency::store::SqliteTransaction::run
 ///
 /// # Errors
 ///
-/// SQLite's error; `no such table` if no [`Outbox::sqlite`](super::Outbox::sqlite)
+/// SQLite's error; `no such table` if no [`Outbox::sqlite`](crate::Outbox::sqlite)
 /// (or [`migrate`]) has run on the database.
 pub fn enqueue(conn: &rusqlite::Connection, message: &Message) -> rusqlite::Result<bool> {
     let n = conn

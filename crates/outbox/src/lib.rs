@@ -1,5 +1,14 @@
-//! A transactional outbox (feature `outbox`): effects beyond the database,
-//! delivered at least once under keys that make them apply once.
+//! A transactional outbox for [`tower-idempotency`](tower_idempotency):
+//! effects beyond the database, delivered at least once under keys that
+//! make them apply once.
+//!
+//! ```toml
+//! [dependencies]
+//! tower-idempotency = "0.1"
+//! tower-idempotency-outbox = "0.1"  # SQLite; or postgres, sqlx-postgres, sqlx-sqlite, mysql; nats, admin, metrics
+//! ```
+//!
+//! The whole guide, with a service on axum, sqlx and PostgreSQL: [`guide`].
 //!
 //! # Example
 //!
@@ -7,7 +16,7 @@
 //! use axum::{Router, routing::post};
 //! use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 //! use tower_idempotency::key::ClaimedKey;
-//! use tower_idempotency::outbox::{self, HttpSink, Message, Outbox};
+//! use tower_idempotency_outbox::{self as outbox, HttpSink, Message, Outbox};
 //! use tower_idempotency::store::{SqliteTransaction, TransactionError};
 //! use tower_idempotency::{IdempotencyLayer, SqliteStore};
 //!
@@ -59,7 +68,7 @@
 //! retried. [`HttpSink`] sends it as `Idempotency-Key`, so a receiver behind
 //! this crate's `IdempotencyLayer` applies each message once.
 //!
-//! Sinks: [`HttpSink`], [`from_fn`], and with the feature `outbox-nats`
+//! Sinks: [`HttpSink`], [`from_fn`], and with the feature `nats`
 //! `nats::NatsSink` (NATS JetStream, de-duplicated by `Nats-Msg-Id`).
 //!
 //! # What the relay promises
@@ -95,6 +104,13 @@
 //! | `tower_idempotency_outbox_dead_letters_total` | counter | messages that became dead letters |
 //! | `tower_idempotency_outbox_oldest_pending_seconds` | gauge | age of the oldest undelivered message, in seconds (set every 10 s by each relay) |
 
+#![deny(unsafe_code, unreachable_pub)]
+#![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+#[doc = include_str!("../docs/guide.md")]
+pub mod guide {}
+
 #[cfg(feature = "admin")]
 pub mod admin;
 #[cfg(any(
@@ -108,7 +124,7 @@ mod exec;
 mod message;
 #[cfg(feature = "mysql")]
 pub mod mysql;
-#[cfg(feature = "outbox-nats")]
+#[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "postgres")]
 pub mod postgres;
@@ -138,8 +154,8 @@ pub use queue::{Counts, Entry, View};
 pub use relay::{Relay, RelayHandle};
 pub use sink::{Delivery, FnSink, HttpSink, Outcome, Sink, classify, from_fn, request, sf_string};
 
-use crate::store::StoreError;
 use queue::Queue;
+use tower_idempotency::StoreError;
 
 /// The outbox's table.
 #[cfg_attr(
@@ -182,7 +198,7 @@ impl std::fmt::Debug for Outbox {
 
 impl Outbox {
     /// The outbox in the SQLite file at `path` (the store's, e.g.
-    /// [`SqliteStore::path`](crate::SqliteStore::path)), over a connection
+    /// [`SqliteStore::path`](tower_idempotency::SqliteStore::path)), over a connection
     /// of its own (WAL, 5 s busy timeout). Creates its table if missing.
     ///
     /// # Errors
@@ -203,7 +219,7 @@ impl Outbox {
     /// [`StoreError::Unavailable`] when no connection can be had or the
     /// table cannot be created.
     #[cfg(feature = "postgres")]
-    pub async fn postgres(store: &crate::PostgresStore) -> Result<Outbox, StoreError> {
+    pub async fn postgres(store: &tower_idempotency::PostgresStore) -> Result<Outbox, StoreError> {
         let exec = postgres::PostgresExec(store.pool().clone());
         Outbox::over(exec, sql::OutboxSql::postgres()).await
     }
@@ -217,7 +233,9 @@ impl Outbox {
     /// [`StoreError::Unavailable`] when no connection can be had or the
     /// table cannot be created.
     #[cfg(feature = "sqlx-postgres")]
-    pub async fn sqlx_postgres(store: &crate::SqlxPostgresStore) -> Result<Outbox, StoreError> {
+    pub async fn sqlx_postgres(
+        store: &tower_idempotency::SqlxPostgresStore,
+    ) -> Result<Outbox, StoreError> {
         let exec = sqlx::SqlxExec(store.pool().clone());
         Outbox::over(exec, sql::OutboxSql::postgres()).await
     }
@@ -231,7 +249,9 @@ impl Outbox {
     /// [`StoreError::Unavailable`] when no connection can be had or the
     /// table cannot be created.
     #[cfg(feature = "sqlx-sqlite")]
-    pub async fn sqlx_sqlite(store: &crate::SqlxSqliteStore) -> Result<Outbox, StoreError> {
+    pub async fn sqlx_sqlite(
+        store: &tower_idempotency::SqlxSqliteStore,
+    ) -> Result<Outbox, StoreError> {
         let exec = sqlx::SqlxExec(store.pool().clone());
         Outbox::over(exec, sql::OutboxSql::sqlite()).await
     }
@@ -244,7 +264,7 @@ impl Outbox {
     /// [`StoreError::Unavailable`] when no connection can be had or the
     /// table cannot be created.
     #[cfg(feature = "mysql")]
-    pub async fn mysql(store: &crate::MySqlStore) -> Result<Outbox, StoreError> {
+    pub async fn mysql(store: &tower_idempotency::MySqlStore) -> Result<Outbox, StoreError> {
         let exec = sqlx::SqlxExec(store.pool().clone());
         Outbox::over(exec, sql::OutboxSql::mysql()).await
     }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::queue::{BoxFut, Claimed, Counts, Entry, Fate, Queue, View};
 use super::sql::{ClaimSql, OutboxSql};
 use super::{Message, TABLE};
-use crate::store::StoreError;
+use tower_idempotency::StoreError;
 
 /// A parameter of a statement.
 #[derive(Debug, Clone)]

@@ -1,5 +1,5 @@
 //! The operators' view of an outbox (features `outbox` and `admin`): an axum
-//! router beside [`crate::admin::router`], with the same rules (no
+//! router beside [`tower_idempotency::admin::router`], with the same rules (no
 //! authentication of its own: mount it only behind the operators').
 //!
 //! # Endpoints
@@ -18,7 +18,8 @@
 //!
 //! ```no_run
 //! # async fn f(store: tower_idempotency::SqliteStore) -> Result<(), tower_idempotency::StoreError> {
-//! use tower_idempotency::{admin, outbox::{self, Outbox}};
+//! use tower_idempotency::admin;
+//! use tower_idempotency_outbox::{self as outbox, Outbox};
 //! let outbox = Outbox::sqlite(store.path()).await?;
 //! let operators = admin::router(store).merge(outbox::admin::router(outbox));
 //! # let _ = operators; Ok(()) }
@@ -31,7 +32,7 @@ use axum::routing::{get, post};
 use http::{HeaderValue, Response, StatusCode, header};
 
 use super::{Counts, Entry, Outbox, View};
-use crate::admin::{bad_request, json, parse_limit, string, unavailable};
+use tower_idempotency::admin::{bad_request, json, parse_limit, string, unavailable};
 
 /// The router over `outbox` (see the module docs).
 pub fn router(outbox: Outbox) -> Router {

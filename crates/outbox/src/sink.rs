@@ -23,7 +23,7 @@ pub struct Delivery {
     /// Its bytes: the same on every attempt.
     pub payload: Bytes,
     /// Which attempt this is: 1 for the first (after a
-    /// [requeue](super::Outbox::requeue), counting starts again).
+    /// [requeue](crate::Outbox::requeue), counting starts again).
     pub attempt: u32,
 }
 
@@ -180,7 +180,7 @@ impl<F> std::fmt::Debug for FnSink<F> {
 /// broker, a queue or a call of your own.
 ///
 /// ```
-/// use tower_idempotency::outbox::{Delivery, Outcome, from_fn};
+/// use tower_idempotency_outbox::{Delivery, Outcome, from_fn};
 ///
 /// let sink = from_fn(|d: Delivery| async move {
 ///     println!("{} -> {}", d.key, d.destination);

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use super::Message;
-use crate::store::StoreError;
+use tower_idempotency::StoreError;
 
 pub(crate) type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -30,7 +30,7 @@ pub(crate) enum Fate {
     Dead { error: String },
 }
 
-/// Which messages [`Outbox::list`](super::Outbox::list) shows.
+/// Which messages [`Outbox::list`](crate::Outbox::list) shows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum View {
     /// Not delivered yet and held by no relay (waiting for their first
@@ -39,14 +39,14 @@ pub enum View {
     /// Held by a relay whose lease has not ended: being delivered now.
     InFlight,
     /// Dead letters: refused by the receiver, or out of attempts. Never
-    /// retried until [`Outbox::requeue`](super::Outbox::requeue).
+    /// retried until [`Outbox::requeue`](crate::Outbox::requeue).
     Dead,
 }
 
 /// One message as the operators see it (its payload left out).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
-    /// The row's id: what [`Outbox::requeue`](super::Outbox::requeue) takes.
+    /// The row's id: what [`Outbox::requeue`](crate::Outbox::requeue) takes.
     pub id: i64,
     /// The message's idempotency key.
     pub key: String,

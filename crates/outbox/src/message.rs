@@ -2,10 +2,10 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::key::ClaimedKey;
+use tower_idempotency::key::ClaimedKey;
 
 /// The longest message key accepted, in bytes: what an `IdempotencyLayer`
-/// downstream accepts (1..=255 characters, see [`crate::key`]).
+/// downstream accepts (1..=255 characters, see [`tower_idempotency::key`]).
 pub const MAX_KEY_LEN: usize = 255;
 
 /// The largest payload accepted by [`Message::new`] and
@@ -14,7 +14,7 @@ pub const MAX_KEY_LEN: usize = 255;
 pub const MAX_PAYLOAD: usize = 1024 * 1024;
 
 /// One message to deliver after the handler's transaction commits: its
-/// stable idempotency key, its destination (for [`super::HttpSink`], the
+/// stable idempotency key, its destination (for [`crate::HttpSink`], the
 /// URL it is POSTed to), its content type and its payload bytes.
 ///
 /// Enqueue it with `sqlite::enqueue`, `postgres::enqueue` or `mysql::enqueue`
@@ -170,7 +170,7 @@ impl Message {
         &self.key
     }
 
-    /// Where it goes (for [`super::HttpSink`], the URL).
+    /// Where it goes (for [`crate::HttpSink`], the URL).
     pub fn destination(&self) -> &str {
         &self.destination
     }
@@ -189,26 +189,21 @@ impl Message {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tower_idempotency::test_util::claimed_key;
 
     #[test]
     fn keys_are_stable_and_distinct() {
-        let a = ClaimedKey::new("k1".into(), "alice".into());
+        let a = claimed_key("k1", "alice");
         let k = message_key(&a, 0);
-        assert_eq!(
-            k,
-            message_key(&ClaimedKey::new("k1".into(), "alice".into()), 0)
-        );
+        assert_eq!(k, message_key(&claimed_key("k1", "alice"), 0));
         assert_eq!(k.len(), 69);
         assert!(k.starts_with("obx1-"));
         assert_ne!(k, message_key(&a, 1));
-        assert_ne!(
-            k,
-            message_key(&ClaimedKey::new("k1".into(), "bob".into()), 0)
-        );
+        assert_ne!(k, message_key(&claimed_key("k1", "bob"), 0));
         // Framing: moving a byte between scope and key changes the key.
         assert_ne!(
-            message_key(&ClaimedKey::new("ab".into(), "c".into()), 0),
-            message_key(&ClaimedKey::new("b".into(), "ca".into()), 0)
+            message_key(&claimed_key("ab", "c"), 0),
+            message_key(&claimed_key("b", "ca"), 0)
         );
     }
 

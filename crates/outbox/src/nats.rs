@@ -1,7 +1,7 @@
-//! [`NatsSink`]: the outbox's NATS JetStream sink (feature `outbox-nats`).
+//! [`NatsSink`]: the outbox's NATS JetStream sink (feature `nats`).
 //!
 //! ```no_run
-//! use tower_idempotency::outbox::{Outbox, nats::NatsSink};
+//! use tower_idempotency_outbox::{Outbox, nats::NatsSink};
 //!
 //! # async fn run(outbox: Outbox) -> Result<(), Box<dyn std::error::Error>> {
 //! let client = async_nats::connect("nats://127.0.0.1:4222").await?;
@@ -29,7 +29,7 @@
 //! * No stream listening on the subject (`no responders`):
 //!   [`Outcome::Retry`], not a dead letter, because a stream may be
 //!   created, or a clustered stream's leader elected, after the message was
-//!   enqueued. [`Relay::max_attempts`](super::Relay::max_attempts) still
+//!   enqueued. [`Relay::max_attempts`](crate::Relay::max_attempts) still
 //!   ends it as a dead letter, which an operator can requeue once the
 //!   stream exists.
 //! * A subject that can never be published to (empty, or with whitespace,
@@ -47,7 +47,7 @@
 //! message once regardless keep the `Nats-Msg-Id` of what they applied
 //! (for as long as re-sends can happen) and skip a message whose key they
 //! have: the key is the same on every attempt. Make the window at least
-//! the lease plus [`Relay::backoff`](super::Relay::backoff)'s maximum if
+//! the lease plus [`Relay::backoff`](crate::Relay::backoff)'s maximum if
 //! the stream alone should de-duplicate relay re-sends.
 //!
 //! JetStream de-duplication: <https://docs.nats.io/using-nats/developer/develop_jetstream/model_deep_dive#message-deduplication>.

@@ -10,7 +10,7 @@
 //! ```no_run
 //! # #[cfg(feature = "sqlx-postgres")] mod example {
 //! use tower_idempotency::key::ClaimedKey;
-//! use tower_idempotency::outbox::{self, Message};
+//! use tower_idempotency_outbox::{self as outbox, Message};
 //! use tower_idempotency::store::{SqlxPostgresError, SqlxPostgresTransaction};
 //!
 //! async fn order(tx: SqlxPostgresTransaction, claimed: ClaimedKey) -> Result<&'static str, SqlxPostgresError> {
@@ -37,12 +37,20 @@ use super::Message;
 use super::exec::{Cell, Col, Exec, Row, Value};
 use super::queue::BoxFut;
 use super::sql::{ClaimSql, OutboxSql};
-use crate::store::StoreError;
+use tower_idempotency::StoreError;
 
 /// A sqlx database the outbox has the SQL of.
 pub(crate) trait Dialect: Database {
     fn outbox_sql() -> &'static OutboxSql;
     fn rows_affected(done: &Self::QueryResult) -> u64;
+}
+
+/// A handler on a sqlx store returns [`SqlxError`](tower_idempotency::store::SqlxError):
+/// `?` on [`Message::new`] gives its `Invalid` variant, a logged 500.
+impl From<crate::MessageError> for tower_idempotency::store::SqlxError {
+    fn from(e: crate::MessageError) -> Self {
+        tower_idempotency::store::SqlxError::invalid(e)
+    }
 }
 
 #[cfg(feature = "sqlx-postgres")]
@@ -145,9 +153,18 @@ macro_rules! outbox_guard {
     };
 }
 
-outbox_guard!("sqlx-postgres", crate::store::SqlxPostgresConnection<'_>);
-outbox_guard!("sqlx-sqlite", crate::store::SqlxSqliteConnection<'_>);
-outbox_guard!("mysql", crate::store::MySqlTransactionConnection<'_>);
+outbox_guard!(
+    "sqlx-postgres",
+    tower_idempotency::store::SqlxPostgresConnection<'_>
+);
+outbox_guard!(
+    "sqlx-sqlite",
+    tower_idempotency::store::SqlxSqliteConnection<'_>
+);
+outbox_guard!(
+    "mysql",
+    tower_idempotency::store::MySqlTransactionConnection<'_>
+);
 outbox_guard!("sqlx-postgres", sqlx::Transaction<'_, sqlx::Postgres>);
 outbox_guard!("sqlx-sqlite", sqlx::Transaction<'_, sqlx::Sqlite>);
 outbox_guard!("mysql", sqlx::Transaction<'_, sqlx::MySql>);
@@ -166,7 +183,7 @@ outbox_guard!("mysql", sqlx::Transaction<'_, sqlx::MySql>);
 /// # Errors
 ///
 /// The database's error; a missing table if no relay's
-/// [`Outbox`](super::Outbox) (or [`migrate`]) has opened the database yet.
+/// [`Outbox`](crate::Outbox) (or [`migrate`]) has opened the database yet.
 pub async fn enqueue<C: OutboxConnection>(
     conn: &mut C,
     message: &Message,
@@ -175,7 +192,7 @@ pub async fn enqueue<C: OutboxConnection>(
 }
 
 /// Creates the outbox's table and indexes if missing, as opening the
-/// relay's [`Outbox`](super::Outbox) does: call it yourself only if handlers
+/// relay's [`Outbox`](crate::Outbox) does: call it yourself only if handlers
 /// enqueue before any relay has opened the database. Call it outside a
 /// transaction: on MySQL and MariaDB `CREATE TABLE` commits the transaction
 /// it runs in.

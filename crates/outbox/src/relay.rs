@@ -112,8 +112,8 @@ impl RelayHandle {
     }
 }
 
-/// The delivering side of an [`Outbox`](super::Outbox): from
-/// [`Outbox::relay`](super::Outbox::relay), configured with the methods
+/// The delivering side of an [`Outbox`](crate::Outbox): from
+/// [`Outbox::relay`](crate::Outbox::relay), configured with the methods
 /// below, started with [`Relay::spawn`].
 ///
 /// Each round it claims up to [`batch_size`](Relay::batch_size) due messages
@@ -131,7 +131,7 @@ impl RelayHandle {
 /// * [`Outcome::Reject`]: a dead letter.
 ///
 /// When nothing is due it waits [`poll_interval`](Relay::poll_interval)
-/// (or until [`Outbox::wake`](super::Outbox::wake)).
+/// (or until [`Outbox::wake`](crate::Outbox::wake)).
 pub struct Relay {
     pub(super) queue: Arc<dyn Queue>,
     pub(super) sink: Arc<dyn Sink>,

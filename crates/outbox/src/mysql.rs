@@ -1,10 +1,10 @@
 //! The outbox on MySQL 8 and MariaDB 10.6+: [`enqueue`] through the
-//! request's [`MySqlTransaction`](crate::store::MySqlTransaction), and the
+//! request's [`MySqlTransaction`](tower_idempotency::store::MySqlTransaction), and the
 //! relay's queue over the store's pool.
 //!
 //! ```no_run
 //! use tower_idempotency::key::ClaimedKey;
-//! use tower_idempotency::outbox::{self, Message};
+//! use tower_idempotency_outbox::{self as outbox, Message};
 //! use tower_idempotency::store::{MySqlTransaction, StoreError};
 //!
 //! async fn order(tx: MySqlTransaction, claimed: ClaimedKey) -> Result<(), StoreError> {
@@ -24,7 +24,7 @@
 //! another's claim. Times are the database server's clock, so the app
 //! servers' clocks need not agree.
 //!
-//! [`enqueue`] and [`migrate`] are [`outbox::sqlx`](super::sqlx)'s, which
+//! [`enqueue`] and [`migrate`] are [`outbox::sqlx`](crate::sqlx)'s, which
 //! take any sqlx connection the outbox knows.
 
 pub use super::sqlx::{enqueue, migrate};

@@ -275,7 +275,7 @@ impl OutboxSql {
 
     /// MySQL 8.0.1+ and MariaDB 10.6+: claims with `SELECT ... FOR UPDATE
     /// SKIP LOCKED`, marking the rows claimed in the same transaction.
-    /// Column sizes hold what [`Message`](super::Message) accepts (keys of
+    /// Column sizes hold what [`Message`](crate::Message) accepts (keys of
     /// 255 bytes, destinations of 2048, payloads of 1 MiB in a
     /// `MEDIUMBLOB`).
     #[cfg(feature = "mysql")]

@@ -16,11 +16,11 @@ use super::Message;
 use super::exec::{Cell, Col, Exec, Row, Value};
 use super::queue::BoxFut;
 use super::sql::OutboxSql;
-use crate::store::StoreError;
+use tower_idempotency::StoreError;
 
 /// The outbox's table and indexes, created if missing (under an advisory
 /// lock, so processes starting together do not race): run by
-/// [`Outbox::postgres`](super::Outbox::postgres).
+/// [`Outbox::postgres`](crate::Outbox::postgres).
 ///
 /// # Errors
 ///
@@ -31,7 +31,7 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<(), tokio_po
 
 /// Adds `message` to the outbox through `client`, the connection of the
 /// request's transaction (`&*tx.client().await?` of a
-/// [`PostgresTransaction`](crate::store::PostgresTransaction)): it commits
+/// [`PostgresTransaction`](tower_idempotency::store::PostgresTransaction)): it commits
 /// with the handler's writes and the idempotency record, or rolls back with
 /// them.
 ///
@@ -41,7 +41,7 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<(), tokio_po
 /// # Errors
 ///
 /// The database's error; `relation ... does not exist` if no
-/// [`Outbox::postgres`](super::Outbox::postgres) (or [`migrate`]) has run on
+/// [`Outbox::postgres`](crate::Outbox::postgres) (or [`migrate`]) has run on
 /// the database.
 pub async fn enqueue<C: GenericClient>(
     client: &C,
