@@ -56,7 +56,7 @@
 //! `postgres::enqueue` through the
 //! `PostgresTransaction` with the feature `postgres`, or
 //! `mysql::enqueue` through the `MySqlTransaction` with the feature
-//! `mysql`): the row
+//! `mysql`, or `sqlx::enqueue` on any sqlx store's connection): the row
 //! commits with the handler's writes and the idempotency record, or neither
 //! does. A [`Relay`] delivers committed rows afterwards.
 //!
@@ -92,8 +92,8 @@
 //!
 //! The outbox keeps its messages in its own table,
 //! `tower_idempotency_outbox`, in the store's database, which
-//! `Outbox::sqlite`, `Outbox::postgres` and `Outbox::mysql` create if
-//! missing.
+//! `Outbox::sqlite`, `Outbox::postgres`, `Outbox::sqlx_postgres`,
+//! `Outbox::sqlx_sqlite` and `Outbox::mysql` create if missing.
 //!
 //! # Metrics (with the `metrics` feature)
 //!
