@@ -1,4 +1,4 @@
-//! The operators' view of an outbox (features `outbox` and `admin`): an axum
+//! The operators' view of an outbox (feature `admin`): an axum
 //! router beside [`tower_idempotency::admin::router`], with the same rules (no
 //! authentication of its own: mount it only behind the operators').
 //!

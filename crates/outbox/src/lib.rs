@@ -66,7 +66,7 @@
 //! request's scope, its idempotency key and the message's index), the same
 //! on every attempt, after every restart, and for a request rolled back and
 //! retried. [`HttpSink`] sends it as `Idempotency-Key`, so a receiver behind
-//! this crate's `IdempotencyLayer` applies each message once.
+//! `tower-idempotency`'s `IdempotencyLayer` applies each message once.
 //!
 //! Sinks: [`HttpSink`], [`from_fn`], and with the feature `nats`
 //! `nats::NatsSink` (NATS JetStream, de-duplicated by `Nats-Msg-Id`).

@@ -129,7 +129,7 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// How often, in seconds, the store reads `maxmemory-policy` and `INFO
+    /// How often the store reads `maxmemory-policy` and `INFO
     /// stats` `evicted_keys` on every node again (default 60 s; below 1 s
     /// counts as 1 s; [`Duration::ZERO`] turns the timer off), since a
     /// policy can be changed at run time. Each check is
@@ -150,7 +150,7 @@ impl RedisStoreBuilder {
     /// cluster, the addresses the nodes announce). Every URL must then be
     /// `rediss://`, or [`RedisStoreBuilder::open`] fails with
     /// [`StoreError::Config`]; a PEM without a certificate fails the same
-    /// way. Feature `redis-tls`.
+    /// way. Feature `tls`.
     #[cfg(feature = "tls")]
     #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub fn ca_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
@@ -170,7 +170,7 @@ impl RedisStoreBuilder {
     /// # Errors
     ///
     /// [`StoreError::Config`] when a URL is not a Redis URL (or `rediss://`
-    /// without the `redis-tls` feature), a cluster has no seed or seeds that
+    /// without the `tls` feature), a cluster has no seed or seeds that
     /// disagree (password, database, TLS), the prefix is empty or holds `{`
     /// or `}`, or a CA is not a PEM certificate; [`StoreError::Unavailable`]
     /// when no server (or seed) can be reached, its TLS certificate is not
@@ -197,6 +197,12 @@ impl RedisStoreBuilder {
         }
         #[cfg(feature = "tls")]
         self.check_tls()?;
+        #[cfg(not(feature = "tls"))]
+        if self.urls().iter().any(|url| is_tls(url)) {
+            return Err(StoreError::config(
+                "a rediss:// URL needs TLS: enable the `tls` feature of tower-idempotency-redis",
+            ));
+        }
         let mut single = String::new();
         let mut conn = match self.target {
             Target::Single(url) => {
@@ -289,14 +295,8 @@ impl RedisStoreBuilder {
     /// crypto provider to use.
     #[cfg(feature = "tls")]
     fn check_tls(&self) -> Result<(), StoreError> {
-        let urls: Vec<&str> = match &self.target {
-            Target::Single(url) => vec![url],
-            Target::Cluster(seeds) => seeds.iter().map(String::as_str).collect(),
-        };
-        let tls = |url: &&str| {
-            url.get(..9)
-                .is_some_and(|s| s.eq_ignore_ascii_case("rediss://"))
-        };
+        let urls = self.urls();
+        let tls = |url: &&str| is_tls(url);
         if let Some(pem) = &self.ca {
             if !urls.iter().all(tls) {
                 return Err(StoreError::config(
@@ -323,6 +323,22 @@ impl RedisStoreBuilder {
         }
         Ok(())
     }
+}
+
+impl RedisStoreBuilder {
+    /// The one server's URL, or every seed's.
+    fn urls(&self) -> Vec<&str> {
+        match &self.target {
+            Target::Single(url) => vec![url],
+            Target::Cluster(seeds) => seeds.iter().map(String::as_str).collect(),
+        }
+    }
+}
+
+/// Whether `url` asks for TLS (`rediss://`, in any case).
+fn is_tls(url: &str) -> bool {
+    url.get(..9)
+        .is_some_and(|s| s.eq_ignore_ascii_case("rediss://"))
 }
 
 /// An error while connecting, with the cause (for TLS, rustls's reason such
@@ -352,4 +368,36 @@ fn connection_config() -> ConnectionManagerConfig {
         .set_number_of_retries(RECONNECT_RETRIES)
         .set_connection_timeout(Some(CONNECTION_TIMEOUT))
         .set_response_timeout(Some(RESPONSE_TIMEOUT))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without the feature, a `rediss://` URL is refused before any
+    /// connection, naming the feature to enable.
+    #[cfg(not(feature = "tls"))]
+    #[tokio::test]
+    async fn a_tls_url_without_the_tls_feature_names_the_feature() {
+        for builder in [
+            RedisStore::builder("rediss://127.0.0.1:1"),
+            RedisStore::cluster_builder(["redis://127.0.0.1:1", "REDISS://127.0.0.1:2"]),
+        ] {
+            match builder.open().await {
+                Err(StoreError::Config(e)) => assert_eq!(
+                    e.to_string(),
+                    "a rediss:// URL needs TLS: enable the `tls` feature of tower-idempotency-redis"
+                ),
+                other => panic!("expected a configuration error, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn tls_urls_are_told_apart_in_any_case() {
+        assert!(is_tls("rediss://h:6380"));
+        assert!(is_tls("REDISS://h"));
+        assert!(!is_tls("redis://h"));
+        assert!(!is_tls("redis"));
+    }
 }

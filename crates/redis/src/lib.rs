@@ -217,9 +217,9 @@ fn script(body: &str) -> Script {
 ///
 /// # TLS
 ///
-/// `rediss://` URLs need the `redis-tls` feature (rustls). The server's
+/// `rediss://` URLs need the `tls` feature (rustls). The server's
 /// certificate must chain to the system's roots, or to the CA given to
-/// `RedisStoreBuilder::ca_certificate` (feature `redis-tls`), and name the URL's host; an
+/// `RedisStoreBuilder::ca_certificate` (feature `tls`), and name the URL's host; an
 /// untrusted certificate fails [`RedisStoreBuilder::open`] with
 /// [`StoreError::Unavailable`] naming rustls's reason (`UnknownIssuer`,
 /// `certificate not valid for name`, ...).
