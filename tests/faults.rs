@@ -569,7 +569,6 @@ mod pg {
         let table = format!("idem_faults_{:016x}", FencingToken::random().0);
         let store = PostgresStore::builder(url)
             .table(table.clone())
-            .wait_timeout(Duration::from_secs(1))
             .open()
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL at {url} is required: {e}"));

@@ -57,13 +57,20 @@ async fn charge(State(h): State<Harness>, headers: HeaderMap) -> Response {
         .into_response()
 }
 
-async fn pool(url: &str, size: u32) -> PgPool {
+/// A pool of `size` on `url`. sqlx retries a refused connection until the
+/// acquire timeout, so a call to a stopped server answers only then.
+async fn pool_waiting(url: &str, size: u32, acquire: Duration) -> PgPool {
     PgPoolOptions::new()
         .max_connections(size)
-        .acquire_timeout(Duration::from_secs(1))
+        .acquire_timeout(acquire)
         .connect(url)
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {url} is required: {e}"))
+}
+
+/// A pool on the shared server, patient enough for a loaded CI machine.
+async fn pool(url: &str, size: u32) -> PgPool {
+    pool_waiting(url, size, Duration::from_secs(10)).await
 }
 
 /// A store on a table of its own, with an items table beside it.
@@ -376,7 +383,9 @@ impl Drop for PrivatePostgres {
 async fn server_restarted() {
     let pg = PrivatePostgres::init();
     pg.start();
-    let (store, _) = store(pool(&pg.url(), 4).await).await;
+    // A private, idle server: a short wait keeps the stopped phase short.
+    let pool = pool_waiting(&pg.url(), 4, Duration::from_secs(2)).await;
+    let (store, _) = store(pool).await;
     let h = Harness::default();
     let addr = serve_separate(store, &h).await;
     let done = request(addr, "done", &[]).await;

@@ -124,7 +124,10 @@ impl PostgresStoreBuilder {
     }
 
     /// How long a call waits for a pooled connection before it fails with
-    /// [`StoreError::Unavailable`] (default 5 s).
+    /// [`StoreError::Unavailable`] (default 5 s). It bounds opening a new
+    /// connection too (TCP, TLS and start-up), so a short one fails calls
+    /// whenever the server is slow to accept, not only when the pool is
+    /// exhausted.
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = timeout;
         self
