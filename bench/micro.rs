@@ -206,7 +206,7 @@ fn stores(c: &mut Criterion) {
         let table = format!("bench_micro_{}", std::process::id());
         let store = rt
             .block_on(
-                tower_idempotency::PostgresStore::builder(&url)
+                tower_idempotency_postgres::PostgresStore::builder(&url)
                     .table(table.clone())
                     .open(),
             )

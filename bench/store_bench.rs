@@ -131,7 +131,7 @@ async fn main() {
         let url = std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
         let table = format!("idem_bench_{:08x}", FencingToken::random().0 as u32);
-        let store = tower_idempotency::PostgresStore::builder(&url)
+        let store = tower_idempotency_postgres::PostgresStore::builder(&url)
             .table(table.clone())
             .open()
             .await

@@ -21,10 +21,6 @@ pub mod sqlx {}
 #[doc = include_str!("../docs/guide/sqlx_sqlite.md")]
 pub mod sqlx_sqlite {}
 
-#[cfg(feature = "postgres")]
-#[doc = include_str!("../docs/guide/postgres.md")]
-pub mod postgres {}
-
 #[cfg(feature = "mysql")]
 #[doc = include_str!("../docs/guide/mysql.md")]
 pub mod mysql {}

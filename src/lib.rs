@@ -125,6 +125,15 @@ pub mod test_util;
 
 pub use body::{RequestBody, ResponseBody};
 
+/// What the kit's macros expand to in a store crate; not an API.
+#[doc(hidden)]
+#[cfg(feature = "axum")]
+pub mod __private {
+    pub use crate::extract::misconfigured;
+    pub use axum_core;
+    pub use http;
+}
+
 /// The README's Rust examples, compiled and run as doc tests.
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
@@ -148,8 +157,6 @@ pub use service::{Idempotency, ResponseFuture};
 pub use sqlx;
 #[cfg(feature = "mysql")]
 pub use store::MySqlStore;
-#[cfg(feature = "postgres")]
-pub use store::PostgresStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
 #[cfg(feature = "sqlx-postgres")]
@@ -158,7 +165,3 @@ pub use store::SqlxPostgresStore;
 pub use store::SqlxSqliteStore;
 pub use store::{DEFAULT_LEASE, DEFAULT_TTL};
 pub use store::{MemoryStore, Store, StoreError};
-/// The tokio-postgres this crate is built with, for the statements a handler
-/// runs through [`store::PostgresTransaction::client`].
-#[cfg(feature = "postgres")]
-pub use tokio_postgres;

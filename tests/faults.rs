@@ -557,8 +557,9 @@ mod pg {
     use super::*;
     use std::sync::Arc;
     use std::sync::atomic::AtomicI32;
-    use tower_idempotency::PostgresStore;
-    use tower_idempotency::store::{FencingToken, PostgresTransaction};
+    use tower_idempotency::store::FencingToken;
+    use tower_idempotency_postgres::PostgresStore;
+    use tower_idempotency_postgres::PostgresTransaction;
 
     fn url() -> String {
         crate::common::services::postgres_url()

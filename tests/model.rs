@@ -898,7 +898,7 @@ impl tower_idempotency::store::Clock for Offset {
 #[cfg(feature = "postgres")]
 mod pg {
     use super::*;
-    use tower_idempotency::PostgresStore;
+    use tower_idempotency_postgres::PostgresStore;
 
     fn url() -> String {
         crate::common::services::postgres_url()

@@ -20,10 +20,11 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use outbox_support::{Answer, Downstream, until};
+use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::key::ClaimedKey;
-use tower_idempotency::store::PostgresTransaction;
-use tower_idempotency::{IdempotencyLayer, PostgresStore};
 use tower_idempotency_outbox::{self as outbox, HttpSink, Message, Outbox};
+use tower_idempotency_postgres::PostgresStore;
+use tower_idempotency_postgres::PostgresTransaction;
 
 fn url() -> String {
     crate::common::services::postgres_url()

@@ -17,12 +17,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use common::{Harness, send, serve};
 use tokio::sync::Barrier;
+use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency::store::{
-    Claim, ClaimRequest, FencingToken, PostgresTransaction, RecordId, Refusal, Store,
-};
-use tower_idempotency::{IdempotencyLayer, PostgresStore};
+use tower_idempotency::store::{Claim, ClaimRequest, FencingToken, RecordId, Refusal, Store};
+use tower_idempotency_postgres::PostgresStore;
+use tower_idempotency_postgres::PostgresTransaction;
 
 fn url() -> String {
     crate::common::services::postgres_url()

@@ -23,7 +23,8 @@ use pgcluster::{PgCluster, TestCa};
 use tower_idempotency::scope::GlobalScope;
 use tower_idempotency::store::FencingToken;
 use tower_idempotency::test_util::{ClockOffset, ManualClock, run, suite};
-use tower_idempotency::{IdempotencyLayer, PostgresStore, StoreError};
+use tower_idempotency::{IdempotencyLayer, StoreError};
+use tower_idempotency_postgres::PostgresStore;
 
 const HBA_TLS_ONLY: &str = "hostssl all all 127.0.0.1/32 trust\n";
 

@@ -91,7 +91,7 @@ async fn shares_a_table_with_the_tokio_postgres_store() {
     use tower_idempotency::store::{Claim, Completion, Refusal};
     use tower_idempotency::test_util::{acquire, claim_of, id, response};
     let (sqlx_store, table) = sqlx_postgres(ManualClock::new(START_MS)).await;
-    let tokio_store = tower_idempotency::PostgresStore::builder(&url())
+    let tokio_store = tower_idempotency_postgres::PostgresStore::builder(&url())
         .table(table.0.clone())
         .open()
         .await

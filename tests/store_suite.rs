@@ -59,7 +59,7 @@ impl Drop for DropTable {
                 .build()
                 .unwrap();
             runtime.block_on(async {
-                let store = tower_idempotency::PostgresStore::open(&postgres_url())
+                let store = tower_idempotency_postgres::PostgresStore::open(&postgres_url())
                     .await
                     .unwrap();
                 let client = store.pool().get().await.unwrap();
@@ -74,9 +74,9 @@ impl Drop for DropTable {
 }
 
 #[cfg(feature = "postgres")]
-async fn postgres(clock: ManualClock) -> (tower_idempotency::PostgresStore, DropTable) {
+async fn postgres(clock: ManualClock) -> (tower_idempotency_postgres::PostgresStore, DropTable) {
     let table = format!("idem_test_{:016x}", FencingToken::random().0);
-    let store = tower_idempotency::PostgresStore::builder(&postgres_url())
+    let store = tower_idempotency_postgres::PostgresStore::builder(&postgres_url())
         .table(table.clone())
         .clock_offset(ClockOffset(clock))
         .open()
@@ -99,7 +99,8 @@ store_suite!(postgres_store, postgres, inspect);
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn postgres_bad_config_is_config_and_unreachable_is_unavailable() {
-    use tower_idempotency::{PostgresStore, StoreError};
+    use tower_idempotency::StoreError;
+    use tower_idempotency_postgres::PostgresStore;
     for table in ["bad name;", "", "1st", &"t".repeat(49)] {
         let err = PostgresStore::builder(&postgres_url())
             .table(table)
@@ -532,7 +533,7 @@ async fn sqlite_lease_until_an_hour_ahead_in_the_file_is_taken_over() {
 async fn postgres_lease_until_an_hour_ahead_in_the_table_is_taken_over() {
     let table = format!("idem_test_{:016x}", FencingToken::random().0);
     let _drop = DropTable(table.clone());
-    let store = tower_idempotency::PostgresStore::builder(&postgres_url())
+    let store = tower_idempotency_postgres::PostgresStore::builder(&postgres_url())
         .table(table.clone())
         .open()
         .await

@@ -14,10 +14,10 @@ use std::task::{Context, Wake, Waker};
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tower_idempotency::PostgresStore;
 use tower_idempotency::store::{
     Claim, ClaimRequest, FencingToken, RecordId, Store, TransactionClaim, TransactionalStore,
 };
+use tower_idempotency_postgres::PostgresStore;
 
 fn url() -> String {
     crate::common::services::postgres_url()

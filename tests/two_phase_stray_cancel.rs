@@ -24,9 +24,11 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc};
+use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency::store::{FencingToken, PostgresTransaction};
-use tower_idempotency::{IdempotencyLayer, PostgresStore};
+use tower_idempotency::store::FencingToken;
+use tower_idempotency_postgres::PostgresStore;
+use tower_idempotency_postgres::PostgresTransaction;
 
 fn url() -> String {
     crate::common::services::postgres_url()

@@ -122,7 +122,7 @@ async fn take_over<S: TransactionalStore + Store>(
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_fenced_commit_never_replays_nor_releases() {
-    use tower_idempotency::PostgresStore;
+    use tower_idempotency_postgres::PostgresStore;
     let table = format!("idem_brk_{:016x}", FencingToken::random().0);
     let first = PostgresStore::builder(&pg_url())
         .table(table.clone())

@@ -7,8 +7,8 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
-use tower_idempotency::PostgresStore;
-use tower_idempotency::store::PostgresTransaction;
+use tower_idempotency_postgres::PostgresStore;
+use tower_idempotency_postgres::PostgresTransaction;
 
 use crate::db::{
     ACCOUNT, Account, BoxError, Conn, Json, Ledger, LedgerError, Param, Write, apply, schema,

@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | one process, SQLite file | `SqliteStore` (`sqlite`, default) | separate, transactional |
 //! | already on sqlx with SQLite | `SqlxSqliteStore` (`sqlx-sqlite`) | separate, transactional |
-//! | PostgreSQL through tokio-postgres, or a managed one over TLS | `PostgresStore` (`postgres`, `postgres-tls`) | separate, transactional |
+//! | PostgreSQL through tokio-postgres, or a managed one over TLS | `PostgresStore` (the crate `tower-idempotency-postgres`, its feature `tls`) | separate, transactional |
 //! | already on sqlx with PostgreSQL | `SqlxPostgresStore` (`sqlx-postgres`) | separate, transactional |
 //! | MySQL 8 or MariaDB | `MySqlStore` (`mysql`) | separate, transactional |
 //! | a fleet whose data lives elsewhere: Redis, one server or a cluster | `RedisStore` (the crate `tower-idempotency-redis`) | separate |
@@ -96,35 +96,14 @@ use std::time::Duration;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
-#[cfg(any(
-    feature = "sqlite",
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-sqlite",
-    feature = "mysql"
-))]
-mod extractor;
-#[cfg(any(
-    feature = "sqlite",
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-sqlite",
-    feature = "mysql"
-))]
-pub(crate) use extractor::transaction_extractor;
-
 mod clock;
 mod decide;
 mod error;
 mod inspect;
-pub(crate) mod kit;
+pub mod kit;
 mod memory;
 #[cfg(feature = "mysql")]
 mod mysql;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-mod pg_sql;
-#[cfg(feature = "postgres")]
-mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 #[cfg(any(feature = "sqlite", feature = "sqlx-sqlite"))]
@@ -145,8 +124,6 @@ pub use inspect::{Inspect, RecordCounts, RecordSummary};
 pub use memory::MemoryStore;
 #[cfg(feature = "mysql")]
 pub use mysql::{MySqlStore, MySqlStoreBuilder, MySqlTransaction, MySqlTransactionConnection};
-#[cfg(feature = "postgres")]
-pub use postgres::{PostgresStore, PostgresStoreBuilder, PostgresTransaction, TransactionClient};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{
     GroupCommitStats, SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous,

@@ -219,7 +219,9 @@ impl Outbox {
     /// [`StoreError::Unavailable`] when no connection can be had or the
     /// table cannot be created.
     #[cfg(feature = "postgres")]
-    pub async fn postgres(store: &tower_idempotency::PostgresStore) -> Result<Outbox, StoreError> {
+    pub async fn postgres(
+        store: &tower_idempotency_postgres::PostgresStore,
+    ) -> Result<Outbox, StoreError> {
         let exec = postgres::PostgresExec(store.pool().clone());
         Outbox::over(exec, sql::OutboxSql::postgres()).await
     }

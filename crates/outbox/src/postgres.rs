@@ -31,7 +31,7 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<(), tokio_po
 
 /// Adds `message` to the outbox through `client`, the connection of the
 /// request's transaction (`&*tx.client().await?` of a
-/// [`PostgresTransaction`](tower_idempotency::store::PostgresTransaction)): it commits
+/// [`PostgresTransaction`](tower_idempotency_postgres::PostgresTransaction)): it commits
 /// with the handler's writes and the idempotency record, or rolls back with
 /// them.
 ///

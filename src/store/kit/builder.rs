@@ -10,10 +10,14 @@ use std::time::Duration;
 use crate::store::Clock;
 
 /// A builder's shared settings.
-pub(crate) struct Settings {
-    pub(crate) table: String,
-    pub(crate) max_hold: Duration,
-    pub(crate) offset: Option<Arc<dyn Clock>>,
+pub struct Settings {
+    /// The table's name, checked when the store opens
+    /// ([`check_table_name`](crate::store::kit::table::check_table_name)).
+    pub table: String,
+    /// The longest a transactional request holds its transaction.
+    pub max_hold: Duration,
+    /// A test clock whose reading (ms) is added to the server's clock.
+    pub offset: Option<Arc<dyn Clock>>,
 }
 
 impl Default for Settings {
@@ -29,7 +33,7 @@ impl Default for Settings {
 
 impl Settings {
     /// What the opened store keeps of them.
-    pub(crate) fn limits(&self) -> Limits {
+    pub fn limits(&self) -> Limits {
         Limits {
             offset: self.offset.clone(),
             max_hold: self.max_hold,
@@ -40,23 +44,23 @@ impl Settings {
 
 /// What a two-phase store keeps of its settings, shared by its clones.
 #[derive(Clone)]
-pub(crate) struct Limits {
+pub struct Limits {
     offset: Option<Arc<dyn Clock>>,
     /// The longest a transactional request holds its transaction.
-    pub(crate) max_hold: Duration,
+    pub max_hold: Duration,
     /// Transactions rolled back past their max hold time.
-    pub(crate) held_too_long: Arc<AtomicU64>,
+    pub held_too_long: Arc<AtomicU64>,
 }
 
 impl Limits {
     /// The test clock's offset, in milliseconds, added to the server's
     /// clock (0 in production).
-    pub(crate) fn offset_ms(&self) -> i64 {
+    pub fn offset_ms(&self) -> i64 {
         self.offset.as_ref().map_or(0, |c| c.now_ms())
     }
 
     /// Transactions rolled back past their max hold time so far.
-    pub(crate) fn held_too_long(&self) -> u64 {
+    pub fn held_too_long(&self) -> u64 {
         self.held_too_long.load(Relaxed)
     }
 }
@@ -65,7 +69,9 @@ impl Limits {
 /// they set;
 /// `$transaction` is the store's transaction type, whose docs say what
 /// happens past the max hold time.
-macro_rules! sql_builder_settings {
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __sql_builder_settings {
     ($builder:ty, $transaction:ident) => {
         impl $builder {
             /// The table (default `idempotency_records`): 1 to 48 ASCII
@@ -88,15 +94,16 @@ macro_rules! sql_builder_settings {
                 self
             }
 
-            /// For tests of leases and TTLs: a [`Clock`](crate::store::Clock)
+            /// For tests of leases and TTLs: a `Clock`
             /// whose reading, in milliseconds, is added to the database
             /// server's clock, which judges leases and TTLs on this store.
             #[cfg(feature = "test-util")]
-            pub fn clock_offset(mut self, offset: impl crate::store::Clock) -> Self {
+            pub fn clock_offset(mut self, offset: impl $crate::store::Clock) -> Self {
                 self.settings.offset = Some(std::sync::Arc::new(offset));
                 self
             }
         }
     };
 }
-pub(crate) use sql_builder_settings;
+#[doc(inline)]
+pub use crate::__sql_builder_settings as sql_builder_settings;

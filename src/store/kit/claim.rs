@@ -1,9 +1,9 @@
 //! The claim of a SQL store, written once: inside the store's transaction
 //! and after its lock step, insert first (the primary key decides who is
 //! first), read the record only when the insert met one, judge it by
-//! [`decide`], and take it over or refuse. A store supplies [`ClaimSteps`]:
+//! the store's state machine (`decide`), and take it over or refuse. A store supplies [`ClaimSteps`]:
 //! its three statements. `SqliteStore` (rusqlite, on its writer thread)
-//! and `MemoryStore` decide with [`decide`] too, in code of their own.
+//! and `MemoryStore` decide with `decide` too, in code of their own.
 
 use std::future::Future;
 use std::time::Duration;
@@ -14,33 +14,42 @@ use crate::store::{
 };
 
 /// The record an insert met, as read under the store's lock.
-pub(crate) struct Met {
-    pub(crate) fingerprint: Vec<u8>,
-    pub(crate) completed: bool,
+pub struct Met {
+    /// The record's fingerprint (32 bytes of SHA-256 where it is sound).
+    pub fingerprint: Vec<u8>,
+    /// Completed (`true`) or in flight.
+    pub completed: bool,
     /// Unix ms.
-    pub(crate) lease_until: i64,
+    pub lease_until: i64,
     /// Unix ms.
-    pub(crate) expires_at: i64,
+    pub expires_at: i64,
     /// The stored response, encoded (`None` while in flight).
-    pub(crate) response: Option<Vec<u8>>,
+    pub response: Option<Vec<u8>>,
     /// The store's clock read again with the record, where the lock is the
     /// record's own row lock (MySQL): the claim is judged at this instant.
-    pub(crate) now: Option<i64>,
+    pub now: Option<i64>,
 }
 
 /// What a claim did: acquired the record, or refused, with a stored
 /// response not yet decoded (so that it can be decoded outside a lock).
 #[derive(Debug)]
-pub(crate) enum Found {
-    Acquired { taken_over: bool },
+pub enum Found {
+    /// The claim holds the key.
+    Acquired {
+        /// It replaced an in-flight record whose lease had ended.
+        taken_over: bool,
+    },
+    /// The record has another fingerprint: 422.
     Mismatch,
+    /// The record is in flight, its lease ending after this: 409.
     InFlight(Duration),
+    /// The record is completed: its encoded response, to replay.
     Completed(Vec<u8>),
 }
 
 impl Found {
-    #[cfg_attr(not(any(feature = "mysql", feature = "sqlx-sqlite")), allow(dead_code))]
-    pub(crate) fn is_acquired(&self) -> bool {
+    /// Whether the claim holds the key.
+    pub fn is_acquired(&self) -> bool {
         matches!(self, Found::Acquired { .. })
     }
 
@@ -50,7 +59,7 @@ impl Found {
     /// # Errors
     ///
     /// [`StoreError::Corrupt`] for a stored response that does not decode.
-    pub(crate) fn decode(self) -> Result<Result<bool, Refusal>, StoreError> {
+    pub fn decode(self) -> Result<Result<bool, Refusal>, StoreError> {
         Ok(Err(match self {
             Found::Acquired { taken_over } => return Ok(Ok(taken_over)),
             Found::Mismatch => Refusal::Mismatch,
@@ -60,7 +69,7 @@ impl Found {
     }
 
     /// As [`Found::decode`], as a [`Claim`].
-    pub(crate) fn into_claim(self) -> Result<Claim, StoreError> {
+    pub fn into_claim(self) -> Result<Claim, StoreError> {
         Ok(match self.decode()? {
             Ok(taken_over) => Claim::Acquired { taken_over },
             Err(refusal) => Claim::Refused(refusal),
@@ -73,13 +82,14 @@ impl Found {
 /// # Errors
 ///
 /// [`StoreError::Corrupt`] when it does not decode.
-pub(crate) fn decode_stored(blob: &[u8]) -> Result<StoredResponse, StoreError> {
+pub fn decode_stored(blob: &[u8]) -> Result<StoredResponse, StoreError> {
     StoredResponse::decode(blob).map_err(|e| StoreError::Corrupt(e.to_string()))
 }
 
 /// A SQL store's statements for one claim, run inside its transaction after
 /// its lock step.
-pub(crate) trait ClaimSteps: Send {
+pub trait ClaimSteps: Send {
+    /// The driver's error (or [`StoreError`]).
     type Error: Send;
 
     /// Inserts the in-flight record for `req` unless one exists: `true`
@@ -112,7 +122,7 @@ pub(crate) trait ClaimSteps: Send {
 /// The claim (the table in the module docs of [`crate::store`]) through
 /// `steps`, whose transaction holds the store's lock on the key; `now` is
 /// the store's clock read after that lock was taken (unix ms).
-pub(crate) async fn claim_in<S: ClaimSteps>(
+pub async fn claim_in<S: ClaimSteps>(
     steps: &mut S,
     req: &ClaimRequest,
     now: i64,

@@ -13,14 +13,15 @@ const EXPIRED: u8 = 2;
 
 /// One transaction's race between the layer and the max-hold timer. The
 /// first of [`Fate::end`] and [`Fate::expire`] wins; the loser sees it.
-pub(crate) struct Fate {
+pub struct Fate {
     state: AtomicU8,
     /// The max hold time, or the lease if shorter.
-    pub(crate) hold: Duration,
+    pub hold: Duration,
 }
 
 impl Fate {
-    pub(crate) fn new(hold: Duration) -> Fate {
+    /// An open transaction held at most `hold`.
+    pub fn new(hold: Duration) -> Fate {
         Fate {
             state: AtomicU8::new(OPEN),
             hold,
@@ -29,7 +30,7 @@ impl Fate {
 
     /// The layer ends the transaction; `false` when the max hold time
     /// passed first.
-    pub(crate) fn end(&self) -> bool {
+    pub fn end(&self) -> bool {
         match self.state.compare_exchange(OPEN, ENDING, SeqCst, SeqCst) {
             Ok(_) => true,
             Err(state) => state == ENDING,
@@ -37,14 +38,14 @@ impl Fate {
     }
 
     /// The timer ends it; `false` when the layer got there first.
-    pub(crate) fn expire(&self) -> bool {
+    pub fn expire(&self) -> bool {
         self.state
             .compare_exchange(OPEN, EXPIRED, SeqCst, SeqCst)
             .is_ok()
     }
 
     /// Whether the timer won.
-    pub(crate) fn expired(&self) -> bool {
+    pub fn expired(&self) -> bool {
         self.state.load(SeqCst) == EXPIRED
     }
 }

@@ -1,39 +1,38 @@
-//! The store kit: what several stores share, written once. A store supplies
-//! only what really differs (its SQL, its lock step, how it stops a
-//! statement); the lifecycle around it lives here.
+//! The store kit: what several stores share, written once, public so that a
+//! store in a crate of its own (`tower-idempotency-postgres`, or one written
+//! elsewhere) supplies only what really differs: its SQL, its lock step,
+//! how it stops a statement. The rules around them live here.
 //!
-//! * `claim.rs`: the claim of a SQL store (insert first, judge the record
-//!   an insert met, take it over or refuse); the store supplies its
-//!   statements.
-//! * `fate.rs`: who ends a transaction, the layer or the max-hold timer.
-//! * `release.rs`: giving a claimed key back, and the guard that does so
-//!   when a request is cancelled between the claim and the hand-over.
-//! * `two_phase.rs`: transactional mode in two phases (the claim commits
-//!   first, then the handler's writes and the completion commit together),
-//!   for PostgreSQL and MySQL/MariaDB.
-//! * `table.rs`: the rule for a configurable table name; `builder.rs`: the
-//!   settings of the SQL stores' builders that go with it (`table`,
-//!   `max_hold`, `clock_offset`).
+//! * [`claim`]: the claim of a SQL store (insert first, judge the record an
+//!   insert met, take it over or refuse); the store supplies its statements
+//!   as [`claim::ClaimSteps`].
+//! * [`two_phase`]: transactional mode in two phases (the claim commits
+//!   first, then the handler's writes and the completion commit together);
+//!   the store supplies [`two_phase::TwoPhase`], and
+//!   [`two_phase_store!`](crate::store::kit::two_phase::two_phase_store)
+//!   writes its `TransactionalStore` impl.
+//! * [`fate`]: who ends a transaction, the layer or the max-hold timer.
+//! * [`release`]: giving a claimed key back, and the guard that does so when
+//!   a request is cancelled between the claim and the hand-over.
+//! * [`table`]: the rule for a configurable table name; [`builder`]: the
+//!   builder settings that go with it (`table`, `max_hold`, `clock_offset`).
+//! * [`pg_sql`]: PostgreSQL's statements, schema and advisory lock keys,
+//!   shared by every PostgreSQL store so that they exclude each other on one
+//!   key.
+//! * [`transaction_extractor!`]: a store's transaction type as an axum
+//!   extractor.
+//!
+//! The kit follows the crate's version: a change to it is a change of the
+//! store crates released with it. A store written elsewhere checks itself
+//! with `test_util::store_suite!` (feature `test-util`).
 
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "mysql"))]
-pub(crate) mod builder;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "mysql",
-    feature = "sqlx-sqlite"
-))]
-pub(crate) mod claim;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "mysql",
-    feature = "sqlx-sqlite"
-))]
-pub(crate) mod fate;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "mysql"))]
-pub(crate) mod release;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "mysql"))]
-pub(crate) mod table;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "mysql"))]
-pub(crate) mod two_phase;
+pub mod builder;
+pub mod claim;
+mod extractor;
+pub mod fate;
+pub mod pg_sql;
+pub mod release;
+pub mod table;
+pub mod two_phase;
+#[doc(inline)]
+pub use crate::__transaction_extractor as transaction_extractor;

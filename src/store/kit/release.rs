@@ -6,12 +6,7 @@ use crate::store::{FencingToken, RecordId, Store};
 /// [`Store::release`], logged when it fails: then the key stays in flight
 /// until its lease ends. `what` names the key in the log (`"an abandoned
 /// key"`).
-pub(crate) async fn release_logged<S: Store>(
-    store: &S,
-    id: RecordId,
-    token: FencingToken,
-    what: &str,
-) {
+pub async fn release_logged<S: Store>(store: &S, id: RecordId, token: FencingToken, what: &str) {
     if let Err(e) = store.release(id, token).await {
         tracing::error!(error = %e, "releasing {what} failed; it stays in flight until its lease ends");
     }
@@ -20,15 +15,17 @@ pub(crate) async fn release_logged<S: Store>(
 /// Releases a claim when dropped armed (a cancelled or failed step between
 /// the claim and the hand-over), from a spawned task. Without a Tokio
 /// runtime the key waits for its lease.
-pub(crate) struct ReleaseOnDrop<S: Store>(Option<(S, RecordId, FencingToken)>);
+pub struct ReleaseOnDrop<S: Store>(Option<(S, RecordId, FencingToken)>);
 
 impl<S: Store> ReleaseOnDrop<S> {
-    pub(crate) fn new(store: S, id: RecordId, token: FencingToken) -> Self {
+    /// Armed: dropped before [`ReleaseOnDrop::disarm`], it releases `id`
+    /// if the record still carries `token`.
+    pub fn new(store: S, id: RecordId, token: FencingToken) -> Self {
         ReleaseOnDrop(Some((store, id, token)))
     }
 
     /// The claim was handed on: dropping the guard does nothing.
-    pub(crate) fn disarm(mut self) {
+    pub fn disarm(mut self) {
         self.0 = None;
     }
 }

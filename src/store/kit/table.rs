@@ -7,7 +7,7 @@ use crate::store::StoreError;
 /// The longest table name accepted, in bytes: the index named
 /// `{table}_expires_at` then stays within PostgreSQL's 63 bytes and MySQL's
 /// 64 characters for an identifier.
-pub(crate) const MAX_TABLE_NAME: usize = 48;
+pub const MAX_TABLE_NAME: usize = 48;
 
 /// `Ok` for 1 to [`MAX_TABLE_NAME`] ASCII letters, digits and underscores,
 /// not starting with a digit: a name every supported database accepts
@@ -16,7 +16,7 @@ pub(crate) const MAX_TABLE_NAME: usize = 48;
 /// # Errors
 ///
 /// [`StoreError::Config`] naming the table and the rule.
-pub(crate) fn check_table_name(table: &str) -> Result<(), StoreError> {
+pub fn check_table_name(table: &str) -> Result<(), StoreError> {
     let valid = !table.is_empty()
         && table.len() <= MAX_TABLE_NAME
         && !table.starts_with(|c: char| c.is_ascii_digit())

@@ -29,7 +29,7 @@ use crate::store::{
 };
 
 /// What a store supplies to run transactional mode in two phases.
-pub(crate) trait TwoPhase: Store {
+pub trait TwoPhase: Store {
     /// The driver's open transaction. Dropped before it ended cleanly (a
     /// cancelled commit, a failed statement), it must leave nothing that a
     /// later request could commit: close its connection, or have the pool
@@ -92,7 +92,7 @@ pub(crate) trait TwoPhase: Store {
 
 /// An open phase-two transaction: the inside of each store's public
 /// transaction handle. Clones share it.
-pub(crate) struct Held<D: TwoPhase> {
+pub struct Held<D: TwoPhase> {
     open: Arc<Mutex<Option<Open<D>>>>,
     /// Who ends it: the layer, or the max-hold timer.
     fate: Arc<Fate>,
@@ -159,7 +159,7 @@ impl<D: TwoPhase> Held<D> {
     /// # Errors
     ///
     /// [`StoreError::Unavailable`] once the transaction has ended.
-    pub(crate) async fn lock<'a, T: ?Sized + 'a>(
+    pub async fn lock<'a, T: ?Sized + 'a>(
         &'a self,
         map: impl FnOnce(&mut D::Tx) -> &mut T,
     ) -> Result<MappedMutexGuard<'a, T>, StoreError> {
@@ -173,7 +173,7 @@ impl<D: TwoPhase> Held<D> {
 
     /// Resolves once the transaction has ended: committed, rolled back, or
     /// rolled back past its max hold time (then the key is free again).
-    pub(crate) async fn closed(&self) {
+    pub async fn closed(&self) {
         let mut ended = self.ended.clone();
         while ended.changed().await.is_ok() {}
     }
@@ -194,7 +194,7 @@ impl<D: TwoPhase> Held<D> {
 
 /// [`TransactionalStore::claim_in_transaction`](crate::store::TransactionalStore::claim_in_transaction):
 /// phase one, then phase two's transaction and its max-hold timer.
-pub(crate) async fn claim<D: TwoPhase>(
+pub async fn claim<D: TwoPhase>(
     store: &D,
     req: ClaimRequest,
 ) -> Result<TransactionClaim<Held<D>>, StoreError> {
@@ -279,7 +279,7 @@ impl<D: TwoPhase> Drop for AnswerGuard<D> {
 /// [`TransactionalStore::commit`](crate::store::TransactionalStore::commit):
 /// the completion, fenced by the token, then `COMMIT`. Anything short of
 /// that rolls back and gives the key back.
-pub(crate) async fn commit<D: TwoPhase>(
+pub async fn commit<D: TwoPhase>(
     store: &D,
     held: &Held<D>,
     response: StoredResponse,
@@ -321,12 +321,12 @@ pub(crate) async fn commit<D: TwoPhase>(
 }
 
 /// [`TransactionalStore::rollback`](crate::store::TransactionalStore::rollback).
-pub(crate) fn rollback<D: TwoPhase>(store: &D, held: &Held<D>) {
+pub fn rollback<D: TwoPhase>(store: &D, held: &Held<D>) {
     drop(spawn_rollback(store, held));
 }
 
 /// [`TransactionalStore::roll_back_and_wait`](crate::store::TransactionalStore::roll_back_and_wait).
-pub(crate) async fn roll_back_and_wait<D: TwoPhase>(store: &D, held: &Held<D>) {
+pub async fn roll_back_and_wait<D: TwoPhase>(store: &D, held: &Held<D>) {
     if let Some(task) = spawn_rollback(store, held) {
         // The task goes on if this future is dropped: the key is still
         // given back.
@@ -423,7 +423,9 @@ async fn end_past<D: TwoPhase>(store: D, held: Held<D>, cancel: D::Cancel) {
 /// Implements [`TransactionalStore`](crate::store::TransactionalStore) for
 /// `$store` through this module, with `$handle` (a struct whose `held`
 /// field is a [`Held`]) as its transaction, plus the handle's `Debug`.
-macro_rules! two_phase_store {
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __two_phase_store {
     ($store:ty, $handle:ident) => {
         impl $crate::store::TransactionalStore for $store {
             type Transaction = $handle;
@@ -474,7 +476,8 @@ macro_rules! two_phase_store {
             }
         }
 
-        $crate::store::transaction_extractor!($handle);
+        $crate::store::kit::transaction_extractor!($handle);
     };
 }
-pub(crate) use two_phase_store;
+#[doc(inline)]
+pub use crate::__two_phase_store as two_phase_store;

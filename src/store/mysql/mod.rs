@@ -47,7 +47,7 @@ pub use transaction::{MySqlTransaction, MySqlTransactionConnection};
 ///   Handlers in transactional mode run at this level too, as on
 ///   PostgreSQL's default.
 /// * Transactional mode ([`crate::mode::Transactional`]) runs in two phases
-///   as [`PostgresStore`](crate::store) does: the claim commits at once, so
+///   as `PostgresStore` does: the claim commits at once, so
 ///   every server sees the key in flight with its fingerprint; then the
 ///   handler's writes and the record's completion share one transaction
 ///   ([`MySqlTransaction`]) that commits only while the record still carries

@@ -291,4 +291,4 @@ impl axum_core::response::IntoResponse for TransactionError {
     }
 }
 
-crate::store::transaction_extractor!(SqliteTransaction);
+crate::store::kit::transaction_extractor!(SqliteTransaction);

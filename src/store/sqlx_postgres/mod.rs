@@ -2,7 +2,7 @@
 //! `sqlx-postgres`, sqlx 0.9).
 //!
 //! * `sql.rs`: the statements and the schema, the same as `PostgresStore`'s
-//!   (feature `postgres`), so both stores can share one table.
+//!   (`tower-idempotency-postgres`), so both stores can share one table.
 //! * `transaction.rs`: [`SqlxPostgresTransaction`], its connection guard
 //!   [`SqlxPostgresConnection`], the handler's error [`SqlxPostgresError`]
 //!   and the steps on which the store kit runs
@@ -42,8 +42,8 @@ pub use transaction::{SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresTra
 /// Records in a PostgreSQL table, reached through the application's own
 /// [`sqlx::PgPool`]; leases and TTLs judged by the database server's clock.
 ///
-/// The same records, statements and rules as `PostgresStore` (feature
-/// `postgres`, tokio-postgres), over sqlx instead:
+/// The same records, statements and rules as `PostgresStore` (the crate
+/// `tower-idempotency-postgres`, tokio-postgres), over sqlx instead:
 ///
 /// * A claim first reads the record with one plain `SELECT` (no lock): a
 ///   completed record within its TTL is answered from it, so replays of one
@@ -330,7 +330,7 @@ impl Store for SqlxPostgresStore {
         // transaction rolls back (sqlx queues the ROLLBACK on the connection
         // before the pool hands it out again).
         // Read first: a completed record is answered by one plain SELECT,
-        // without the lock (see `store::pg_sql`).
+        // without the lock (see `store::kit::pg_sql`).
         let row = query(&self.sql.completed)
             .bind(&req.scope)
             .bind(&req.key)
@@ -341,7 +341,7 @@ impl Store for SqlxPostgresStore {
         if let Some(row) = row {
             let fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
             let blob: Option<Vec<u8>> = row.try_get(1).map_err(unavailable)?;
-            return super::pg_sql::answer_completed(&fingerprint, blob, &req);
+            return super::kit::pg_sql::answer_completed(&fingerprint, blob, &req);
         }
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         let now: i64 = sqlx::query_scalar(self.sql.lock_now.clone())

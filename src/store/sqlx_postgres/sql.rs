@@ -1,13 +1,13 @@
 //! The statements of [`SqlxPostgresStore`](super::SqlxPostgresStore) as
 //! sqlx keeps them. Text, schema and advisory lock keys are
-//! `store::pg_sql`'s, shared with `PostgresStore` (feature `postgres`).
+//! `store::kit::pg_sql`'s, shared with `PostgresStore` (`tower-idempotency-postgres`).
 
 use std::sync::Arc;
 
 use sqlx::postgres::{PgArguments, Postgres};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
-pub(super) use crate::store::pg_sql::{PgSql, advisory_key, schema};
+pub(super) use crate::store::kit::pg_sql::{PgSql, advisory_key, schema};
 
 /// The statements, with the table name in them: PostgreSQL's one set.
 pub(super) type Sql = PgSql<SqlStr>;

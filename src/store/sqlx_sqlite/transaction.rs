@@ -358,4 +358,4 @@ impl SqlxSqliteStore {
     }
 }
 
-crate::store::transaction_extractor!(SqlxSqliteTransaction);
+crate::store::kit::transaction_extractor!(SqlxSqliteTransaction);

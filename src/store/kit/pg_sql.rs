@@ -1,5 +1,5 @@
-//! SQL text shared by the two PostgreSQL stores (`PostgresStore`, feature
-//! `postgres`; `SqlxPostgresStore`, feature `sqlx-postgres`): every
+//! SQL text shared by the two PostgreSQL stores (`PostgresStore`, the crate
+//! `tower-idempotency-postgres`; `SqlxPostgresStore`, feature `sqlx-postgres`): every
 //! statement ([`PgSql`]), the schema and the advisory lock keys, written
 //! once, so the two stores read and write the same records and exclude each
 //! other on the same keys. Below, the reasoning behind the read-first replay
@@ -7,7 +7,7 @@
 //!
 //! # Read first: replays take no lock
 //!
-//! A claim first runs [`completed`], one plain `SELECT` outside any
+//! A claim first runs the `completed` statement, one plain `SELECT` outside any
 //! transaction: no advisory lock, no row lock. If it finds a completed
 //! record whose TTL has not ended (judged on the server's clock in the same
 //! statement), the claim answers at once: the stored response for the same
@@ -30,7 +30,7 @@
 //! # The claim's commit does not wait for the WAL flush
 //!
 //! The claim's transaction runs with `synchronous_commit = off` (set by
-//! [`lock_now`] with `set_config(..., true)`, i.e. `SET LOCAL`: it ends with
+//! the `lock_now` statement with `set_config(..., true)`, i.e. `SET LOCAL`: it ends with
 //! the transaction, and the pooled connection goes back to the server's
 //! setting). Its commit is visible to every session at once; only its
 //! durability is deferred (PostgreSQL's WAL writer flushes it within
@@ -55,34 +55,43 @@
 //! a synchronous commit waits for the standby to have all WAL before it,
 //! claim included) runs at once instead of waiting for the lease.
 
-use super::{Claim, ClaimRequest, Refusal, StoreError};
 use crate::fingerprint::Hasher;
 use crate::response::StoredResponse;
+use crate::store::{Claim, ClaimRequest, Refusal, StoreError};
 
 /// The statements of a PostgreSQL store, with the table name in them, each
 /// as the driver keeps a statement (`S`: `String` for tokio-postgres,
 /// `sqlx::SqlStr` for sqlx).
-pub(crate) struct PgSql<S> {
-    pub(crate) table: String,
+pub struct PgSql<S> {
+    /// The table's name, as given.
+    pub table: String,
     /// The key's advisory lock, then the server's clock (unix ms) plus `$2`.
-    pub(crate) lock_now: S,
+    pub lock_now: S,
     /// The read-first replay.
-    pub(crate) completed: S,
-    pub(crate) insert: S,
-    pub(crate) select: S,
-    pub(crate) take_over: S,
-    pub(crate) complete: S,
-    pub(crate) release: S,
-    pub(crate) purge: S,
-    pub(crate) stuck: S,
-    pub(crate) counts: S,
+    pub completed: S,
+    /// The claim's `INSERT ... ON CONFLICT DO NOTHING`.
+    pub insert: S,
+    /// The record an insert met, under the lock.
+    pub select: S,
+    /// A take-over of an expired lease or TTL.
+    pub take_over: S,
+    /// The completion, fenced by the token.
+    pub complete: S,
+    /// The release, fenced by the token.
+    pub release: S,
+    /// The purge of records past their TTL.
+    pub purge: S,
+    /// [`Inspect::stuck`](crate::store::Inspect::stuck).
+    pub stuck: S,
+    /// [`Inspect::counts`](crate::store::Inspect::counts).
+    pub counts: S,
 }
 
 impl<S> PgSql<S> {
     /// The statements for `table` (checked by
     /// [`check_table_name`](crate::store::kit::table::check_table_name)),
     /// each made into an `S` by `statement`.
-    pub(crate) fn new(table: &str, statement: impl Fn(String) -> S) -> PgSql<S> {
+    pub fn new(table: &str, statement: impl Fn(String) -> S) -> PgSql<S> {
         PgSql {
             table: table.to_owned(),
             lock_now: statement(lock_now()),
@@ -141,7 +150,7 @@ impl<S> PgSql<S> {
 
 /// The table and its index, created if missing (several statements: run
 /// as a batch, not prepared).
-pub(crate) fn schema(table: &str) -> String {
+pub fn schema(table: &str) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS {table} (
             scope       TEXT   NOT NULL,
@@ -161,7 +170,7 @@ pub(crate) fn schema(table: &str) -> String {
 /// The advisory lock key of a record: 64 bits of SHA-256 over table, scope
 /// and key, framed so no two records share an input. `("migrate", "")`
 /// guards the schema's creation.
-pub(crate) fn advisory_key(table: &str, scope: &str, key: &str) -> i64 {
+pub fn advisory_key(table: &str, scope: &str, key: &str) -> i64 {
     let mut hasher = Hasher::new("tower-idempotency/pg-lock/v1");
     hasher
         .part(table.as_bytes())
@@ -208,7 +217,7 @@ fn completed(table: &str) -> String {
 /// # Errors
 ///
 /// [`StoreError::Corrupt`] for a stored response that does not decode.
-pub(crate) fn answer_completed(
+pub fn answer_completed(
     fingerprint: &[u8],
     response: Option<Vec<u8>>,
     req: &ClaimRequest,

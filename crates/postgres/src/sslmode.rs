@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::store::StoreError;
+use tower_idempotency::store::StoreError;
 
 /// libpq's `sslmode`. Absent means `prefer`, as in libpq.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,7 +48,7 @@ impl SslMode {
     }
 
     /// Whether the mode refuses a connection without TLS.
-    #[cfg(not(feature = "postgres-tls"))]
+    #[cfg(not(feature = "tls"))]
     pub(super) fn needs_tls(self) -> bool {
         matches!(
             self,

@@ -1,25 +1,32 @@
 //! The axum extractor of every store's transaction type, as one macro.
 
-/// Makes a store's transaction type an axum extractor: `T` answers a request
+/// Makes a store's transaction type (`Clone`, put in the request's
+/// extensions by the layer) an axum extractor: `T` answers a request
 /// without one with a 500 problem (the handler would otherwise write outside
 /// the idempotency transaction), and logs the misconfiguration once per
 /// process and type; `Option<T>` is `None` for requests that passed through
 /// without a key.
-macro_rules! transaction_extractor {
+///
+/// The impls are compiled when the crate that invokes the macro has a
+/// feature named `axum`, which must enable this crate's `axum` feature
+/// (`axum = ["tower-idempotency/axum"]`).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __transaction_extractor {
     ($transaction:ty) => {
         /// Extracts the request's transaction in a handler behind a
-        /// [`crate::IdempotencyLayer::transactional`] layer. A request without
+        /// `IdempotencyLayer::transactional` layer. A request without
         /// one (a route whose layer is not `.transactional()`, or has no
         /// `require_key(true)`) is answered with a 500 problem saying so, and
         /// the first such request of the process is logged at error level.
         /// The compiler cannot catch this: the extractor does not see the
         /// layer's type.
         #[cfg(feature = "axum")]
-        impl<S: Sync> axum_core::extract::FromRequestParts<S> for $transaction {
-            type Rejection = http::Response<axum_core::body::Body>;
+        impl<S: Sync> $crate::__private::axum_core::extract::FromRequestParts<S> for $transaction {
+            type Rejection = $crate::__private::http::Response<$crate::__private::axum_core::body::Body>;
 
             async fn from_request_parts(
-                parts: &mut http::request::Parts,
+                parts: &mut $crate::__private::http::request::Parts,
                 _state: &S,
             ) -> Result<Self, Self::Rejection> {
                 static LOGGED: std::sync::Once = std::sync::Once::new();
@@ -28,7 +35,7 @@ macro_rules! transaction_extractor {
                     .get::<$transaction>()
                     .cloned()
                     .ok_or_else(|| {
-                        $crate::extract::misconfigured(
+                        $crate::__private::misconfigured(
                             &LOGGED,
                             concat!(
                                 "this handler takes a ",
@@ -42,11 +49,11 @@ macro_rules! transaction_extractor {
 
         /// `Option<_>`: `None` for requests that passed through without a key.
         #[cfg(feature = "axum")]
-        impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for $transaction {
+        impl<S: Sync> $crate::__private::axum_core::extract::OptionalFromRequestParts<S> for $transaction {
             type Rejection = std::convert::Infallible;
 
             async fn from_request_parts(
-                parts: &mut http::request::Parts,
+                parts: &mut $crate::__private::http::request::Parts,
                 _state: &S,
             ) -> Result<Option<Self>, Self::Rejection> {
                 Ok(parts.extensions.get::<$transaction>().cloned())
@@ -54,4 +61,3 @@ macro_rules! transaction_extractor {
         }
     };
 }
-pub(crate) use transaction_extractor;

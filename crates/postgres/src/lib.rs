@@ -1,12 +1,18 @@
-//! PostgreSQL, for fleets of app servers sharing one database (feature
-//! `postgres`).
+#![doc = include_str!("../README.md")]
 //!
-//! * `transaction.rs`: [`PostgresTransaction`] and the
-//!   [`TransactionalStore`](crate::store::TransactionalStore) impl
-//!   (transactional mode, on the store kit's two phases).
-//! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
-//! * `connect.rs`: the URL's libpq TLS parameters and start-up errors;
-//!   `tls.rs`: the rustls connector (feature `postgres-tls`).
+//! # Source map
+//!
+//! `lib.rs` holds [`PostgresStore`], its builder and its [`Store`] methods
+//! (on the core's store kit: `kit::claim`, `kit::pg_sql`);
+//! `transaction.rs` [`PostgresTransaction`] and transactional mode (the
+//! kit's two phases); `inspect.rs` [`Inspect`](tower_idempotency::store::Inspect)
+//! in SQL; `connect.rs` the URL's libpq TLS parameters and start-up errors;
+//! `sslmode.rs` `sslmode` and `sslrootcert`; `tls.rs` the rustls connector
+//! (feature `tls`).
+
+#![deny(unsafe_code, unreachable_pub)]
+#![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,20 +20,30 @@ use std::time::Duration;
 use deadpool_postgres::{GenericClient, Object, Pool};
 use tokio_postgres::Statement;
 
-use super::kit::claim::{ClaimSteps, Met, claim_in};
-use super::pg_sql::{PgSql, advisory_key, answer_completed, schema};
-use super::{Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError};
-use crate::response::StoredResponse;
-use crate::store::kit::builder::{Limits, Settings};
+use tower_idempotency::response::StoredResponse;
+use tower_idempotency::store::kit::builder::{Limits, Settings};
+use tower_idempotency::store::kit::claim::{ClaimSteps, Met, claim_in};
+use tower_idempotency::store::kit::pg_sql::{PgSql, advisory_key, answer_completed, schema};
+use tower_idempotency::store::{
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError,
+};
 
 mod connect;
 mod inspect;
 mod sslmode;
-#[cfg(feature = "postgres-tls")]
+#[cfg(feature = "tls")]
 mod tls;
 mod transaction;
 
+/// The tokio-postgres this crate is built with, for the statements a handler
+/// runs through [`PostgresTransaction::client`].
+pub use tokio_postgres;
 pub use transaction::{PostgresTransaction, TransactionClient};
+
+/// The long form: setup, TLS, failover and partitions, with examples that
+/// compile.
+#[doc = include_str!("../docs/guide.md")]
+pub mod guide {}
 
 /// Records in a PostgreSQL table; leases and TTLs judged by the database
 /// server's clock.
@@ -41,7 +57,7 @@ pub use transaction::{PostgresTransaction, TransactionClient};
 ///   every app server. That transaction commits with `synchronous_commit =
 ///   off` (visible at once, made durable by the next durable commit); why
 ///   that loses no effect is in `docs/contract.md` §8.
-/// * Transactional mode ([`crate::mode::Transactional`]) runs in two phases,
+/// * Transactional mode ([`Transactional`](tower_idempotency::mode::Transactional)) runs in two phases,
 ///   as brandur's "atomic phases": the claim commits at once (so every server
 ///   sees the key in flight, with its fingerprint: a duplicate gets 409 or
 ///   422 without waiting on anything), then the handler's writes and the
@@ -64,7 +80,8 @@ pub use transaction::{PostgresTransaction, TransactionClient};
 /// # Example
 ///
 /// ```no_run
-/// use tower_idempotency::{IdempotencyLayer, PostgresStore, scope::GlobalScope};
+/// use tower_idempotency::{IdempotencyLayer, scope::GlobalScope};
+/// use tower_idempotency_postgres::PostgresStore;
 ///
 /// # async fn run() -> Result<(), tower_idempotency::StoreError> {
 /// let store = PostgresStore::open("postgres://app@db.internal/app").await?;
@@ -112,7 +129,10 @@ async fn cached<C: GenericClient>(client: &C, sql: &str) -> Result<Statement, St
     client.prepare_cached(sql).await.map_err(unavailable)
 }
 
-crate::store::kit::builder::sql_builder_settings!(PostgresStoreBuilder, PostgresTransaction);
+tower_idempotency::store::kit::builder::sql_builder_settings!(
+    PostgresStoreBuilder,
+    PostgresTransaction
+);
 
 impl PostgresStoreBuilder {
     /// Connections kept (default 16). In transactional mode each request
@@ -140,18 +160,18 @@ impl PostgresStoreBuilder {
     /// [`StoreError::Config`] for a URL that does not parse, a table name
     /// outside the rule of [`PostgresStoreBuilder::table`], or a URL that
     /// asks for TLS (`sslmode=require|verify-ca|verify-full`, `sslrootcert`)
-    /// in a build without the `postgres-tls` feature;
+    /// in a build without the `tls` feature;
     /// [`StoreError::Unavailable`] for a server that cannot be reached or a
     /// TLS handshake that fails, with the cause in words (unknown CA, host
     /// name mismatch, server without TLS).
     ///
     /// The URL takes libpq's parameters: `sslmode` and `sslrootcert` as
-    /// libpq reads them (see the `postgres-tls` feature), several
+    /// libpq reads them (see the `tls` feature), several
     /// `host:port` pairs with `target_session_attrs=read-write` (the pool
     /// connects only to the primary, and after a failover to the new one),
     /// `connect_timeout`, `keepalives_idle`, `tcp_user_timeout`, ...
     pub async fn open(self) -> Result<PostgresStore, StoreError> {
-        crate::store::kit::table::check_table_name(&self.settings.table)?;
+        tower_idempotency::store::kit::table::check_table_name(&self.settings.table)?;
         let target = connect::parse(&self.url)?;
         let manager = connect::manager(&target)?;
         let pool = Pool::builder(manager)

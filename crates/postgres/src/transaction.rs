@@ -9,9 +9,9 @@ use deadpool_postgres::Object;
 use tokio_postgres::{CancelToken, NoTls};
 
 use super::{PostgresStore, cached, unavailable};
-use crate::response::StoredResponse;
-use crate::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
-use crate::store::{FencingToken, RecordId, StoreError, duration_ms};
+use tower_idempotency::response::StoredResponse;
+use tower_idempotency::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
+use tower_idempotency::store::{FencingToken, RecordId, StoreError, duration_ms};
 
 /// An open PostgreSQL transaction in which the layer has claimed the
 /// request's key. The handler runs its own statements on it through
@@ -45,7 +45,7 @@ use crate::store::{FencingToken, RecordId, StoreError, duration_ms};
 /// ```no_run
 /// use axum::http::StatusCode;
 /// use axum::response::{IntoResponse, Response};
-/// use tower_idempotency::store::PostgresTransaction;
+/// use tower_idempotency_postgres::PostgresTransaction;
 ///
 /// // `accounts` is the application's own table, in the store's database.
 /// async fn credit(tx: PostgresTransaction) -> Result<String, Response> {
@@ -72,7 +72,10 @@ pub struct PostgresTransaction {
 /// transaction ended cleanly (a cancelled commit, a failed `BEGIN`), it is
 /// taken out of the pool and closed, so the server rolls the transaction back
 /// and no later request can ever commit it.
-pub(crate) struct PgTx(Option<Object>);
+// `pub` because it is the associated `Tx` of a public trait's impl (the
+// kit's `TwoPhase`); it is not nameable outside this crate.
+#[allow(unreachable_pub)]
+pub struct PgTx(Option<Object>);
 
 impl PgTx {
     fn client(&self) -> &Object {

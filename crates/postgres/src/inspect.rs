@@ -1,8 +1,8 @@
 //! [`Inspect`] for [`PostgresStore`]: stuck records and counts, in SQL.
 
 use super::{PostgresStore, unavailable};
-use crate::fingerprint::Fingerprint;
-use crate::store::{Inspect, RecordCounts, RecordSummary, StoreError};
+use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::store::{Inspect, RecordCounts, RecordSummary, StoreError};
 
 /// One statement each: one snapshot of the table, judged at one reading of
 /// the server's clock. No index serves the lease: both scan the table.

@@ -9,9 +9,9 @@
 //! ```no_run
 //! # async fn run() -> Result<(), tower_idempotency::StoreError> {
 //! // TLS with the chain checked against the provider's CA and the host name
-//! // checked against the certificate (needs the `postgres-tls` feature).
+//! // checked against the certificate (needs the `tls` feature).
 //! let url = "postgres://app@db.example.com/app?sslmode=verify-full&sslrootcert=/etc/ca.pem";
-//! let store = tower_idempotency::PostgresStore::open(url).await?;
+//! let store = tower_idempotency_postgres::PostgresStore::open(url).await?;
 //! # Ok(()) }
 //! ```
 
@@ -21,7 +21,7 @@ use std::str::FromStr;
 use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
 
 use super::sslmode::{RootCert, SslMode};
-use crate::store::StoreError;
+use tower_idempotency::store::StoreError;
 
 /// A URL taken apart: what tokio-postgres reads, and the TLS parameters.
 pub(super) struct Target {
@@ -124,17 +124,17 @@ pub(super) fn manager(target: &Target) -> Result<Manager, StoreError> {
             manager_config,
         ));
     }
-    #[cfg(feature = "postgres-tls")]
+    #[cfg(feature = "tls")]
     {
         let connector = super::tls::connector(target.mode, &target.root_cert)?;
         Ok(Manager::from_config(config, connector, manager_config))
     }
-    #[cfg(not(feature = "postgres-tls"))]
+    #[cfg(not(feature = "tls"))]
     {
         if target.mode.needs_tls() || target.root_cert != RootCert::Unset {
             return Err(StoreError::config(format!(
                 "the URL asks for TLS (sslmode={}{}), but this build has no PostgreSQL TLS: \
-                 enable the `postgres-tls` feature of tower-idempotency",
+                 enable the `tls` feature of tower-idempotency",
                 target.mode.name(),
                 if target.root_cert == RootCert::Unset {
                     ""
@@ -159,9 +159,9 @@ pub(super) fn manager(target: &Target) -> Result<Manager, StoreError> {
 pub(super) fn startup_error(target: &Target, e: deadpool_postgres::PoolError) -> StoreError {
     let chain = error_chain(&e);
     let joined = chain.join(": ");
-    #[cfg(feature = "postgres-tls")]
+    #[cfg(feature = "tls")]
     let cause = super::tls::cause(&e, target.mode);
-    #[cfg(not(feature = "postgres-tls"))]
+    #[cfg(not(feature = "tls"))]
     let cause: Option<String> = None;
     let cause = cause.or_else(|| {
         joined.contains("server does not support TLS").then(|| {
@@ -239,7 +239,7 @@ mod tests {
         }
     }
 
-    #[cfg(not(feature = "postgres-tls"))]
+    #[cfg(not(feature = "tls"))]
     #[test]
     fn without_the_feature_a_url_asking_for_tls_is_refused() {
         for url in [
@@ -251,7 +251,7 @@ mod tests {
             let Err(StoreError::Config(e)) = manager(&parse(url).unwrap()) else {
                 panic!("{url} must be refused");
             };
-            assert!(e.to_string().contains("`postgres-tls` feature"), "{e}");
+            assert!(e.to_string().contains("`tls` feature"), "{e}");
         }
         assert!(manager(&parse("postgres://u@h/db?sslmode=prefer").unwrap()).is_ok());
     }

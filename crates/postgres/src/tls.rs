@@ -1,4 +1,4 @@
-//! TLS for [`PostgresStore`](super::PostgresStore) (feature `postgres-tls`):
+//! TLS for [`PostgresStore`](super::PostgresStore) (feature `tls`):
 //! rustls with the ring provider, through tokio-postgres-rustls.
 //!
 //! What is checked follows libpq's `sslmode` (PostgreSQL manual, "SSL
@@ -20,7 +20,7 @@
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), tower_idempotency::StoreError> {
-//! let store = tower_idempotency::PostgresStore::open(
+//! let store = tower_idempotency_postgres::PostgresStore::open(
 //!     "postgres://app@db.example.com/app?sslmode=verify-full&sslrootcert=/etc/ssl/db-ca.pem",
 //! )
 //! .await?;
@@ -40,7 +40,7 @@ use rustls::{
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::sslmode::{RootCert, SslMode};
-use crate::store::StoreError;
+use tower_idempotency::store::StoreError;
 
 /// The connector for `mode` and `root_cert`.
 ///
