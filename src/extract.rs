@@ -26,7 +26,7 @@ pub fn misconfigured(logged: &'static Once, detail: &'static str) -> Response<Bo
 
 /// A 500 `application/problem+json` answer (`type` `about:blank`) with
 /// `detail`.
-pub(crate) fn internal_error(detail: &str) -> Response<Body> {
+pub fn internal_error(detail: &str) -> Response<Body> {
     let body = format!(
         r#"{{"type":"about:blank","title":"Internal Server Error","status":500,"detail":{}}}"#,
         serde_json::Value::from(detail)

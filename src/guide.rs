@@ -13,18 +13,6 @@ pub mod configuration {}
 #[doc = include_str!("../docs/guide/stores.md")]
 pub mod stores {}
 
-#[cfg(feature = "sqlx-postgres")]
-#[doc = include_str!("../docs/guide/sqlx.md")]
-pub mod sqlx {}
-
-#[cfg(feature = "sqlx-sqlite")]
-#[doc = include_str!("../docs/guide/sqlx_sqlite.md")]
-pub mod sqlx_sqlite {}
-
-#[cfg(feature = "mysql")]
-#[doc = include_str!("../docs/guide/mysql.md")]
-pub mod mysql {}
-
 #[doc = include_str!("../docs/guide/operations.md")]
 pub mod operations {}
 

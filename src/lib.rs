@@ -129,7 +129,7 @@ pub use body::{RequestBody, ResponseBody};
 #[doc(hidden)]
 #[cfg(feature = "axum")]
 pub mod __private {
-    pub use crate::extract::misconfigured;
+    pub use crate::extract::{internal_error, misconfigured};
     pub use axum_core;
     pub use http;
 }
@@ -151,17 +151,7 @@ pub use response::{StoredBody, StoredResponse};
 #[cfg(feature = "sqlite")]
 pub use rusqlite;
 pub use service::{Idempotency, ResponseFuture};
-/// The sqlx this crate is built with (0.9), for the statements a handler
-/// runs through [`store::MySqlTransaction::connection`].
-#[cfg(feature = "mysql")]
-pub use sqlx;
-#[cfg(feature = "mysql")]
-pub use store::MySqlStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-#[cfg(feature = "sqlx-postgres")]
-pub use store::SqlxPostgresStore;
-#[cfg(feature = "sqlx-sqlite")]
-pub use store::SqlxSqliteStore;
 pub use store::{DEFAULT_LEASE, DEFAULT_TTL};
 pub use store::{MemoryStore, Store, StoreError};

@@ -857,7 +857,7 @@ async fn sqlite(clock: &ManualClock) -> (SqliteStore, tempfile::TempDir) {
 #[cfg(feature = "sqlx-sqlite")]
 async fn sqlx_sqlite(
     clock: &ManualClock,
-) -> (tower_idempotency::store::SqlxSqliteStore, tempfile::TempDir) {
+) -> (tower_idempotency_sqlx::SqlxSqliteStore, tempfile::TempDir) {
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
     let dir = tempfile::tempdir().unwrap();
     let options = SqliteConnectOptions::new()
@@ -866,7 +866,7 @@ async fn sqlx_sqlite(
         .journal_mode(SqliteJournalMode::Wal)
         .synchronous(SqliteSynchronous::Normal);
     let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
-    let store = tower_idempotency::store::SqlxSqliteStore::builder(pool)
+    let store = tower_idempotency_sqlx::SqlxSqliteStore::builder(pool)
         .clock(clock.clone())
         .open()
         .await
@@ -935,7 +935,8 @@ mod pg {
 #[cfg(feature = "mysql")]
 mod my {
     use super::*;
-    use tower_idempotency::{MySqlStore, sqlx};
+    use tower_idempotency_sqlx::MySqlStore;
+    use tower_idempotency_sqlx::sqlx;
 
     fn url() -> String {
         crate::common::services::mysql_url()
@@ -977,7 +978,7 @@ mod my {
 #[cfg(feature = "sqlx-postgres")]
 mod sqlx_pg {
     use super::*;
-    use tower_idempotency::SqlxPostgresStore;
+    use tower_idempotency_sqlx::SqlxPostgresStore;
 
     fn url() -> String {
         crate::common::services::postgres_url()

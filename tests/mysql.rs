@@ -21,11 +21,13 @@ use common::{Harness, send, serve};
 use tokio::sync::Barrier;
 use tower_idempotency::problem::types;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency::sqlx;
-use tower_idempotency::store::{FencingToken, MySqlTransaction};
+use tower_idempotency::store::FencingToken;
 use tower_idempotency::test_util::suite::two_handles_one_winner;
 use tower_idempotency::test_util::{ClockOffset, ManualClock, store_suite};
-use tower_idempotency::{IdempotencyLayer, MySqlStore, StoreError};
+use tower_idempotency::{IdempotencyLayer, StoreError};
+use tower_idempotency_sqlx::MySqlStore;
+use tower_idempotency_sqlx::MySqlTransaction;
+use tower_idempotency_sqlx::sqlx;
 
 fn url() -> String {
     crate::common::services::mysql_url()
@@ -168,7 +170,7 @@ struct Db {
 }
 
 impl Db {
-    async fn new(builder: impl FnOnce(&str) -> tower_idempotency::store::MySqlStoreBuilder) -> Db {
+    async fn new(builder: impl FnOnce(&str) -> tower_idempotency_sqlx::MySqlStoreBuilder) -> Db {
         let table = unique("idem_tx");
         let drop = DropTables(vec![table.clone(), format!("{table}_credits")]);
         let store = builder(&table)

@@ -20,11 +20,13 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use common::{Harness, Raw, send, serve};
+use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency::sqlx::{self, AssertSqlSafe};
-use tower_idempotency::store::{FencingToken, MySqlTransaction};
-use tower_idempotency::{IdempotencyLayer, MySqlStore};
+use tower_idempotency::store::FencingToken;
+use tower_idempotency_sqlx::MySqlStore;
+use tower_idempotency_sqlx::MySqlTransaction;
+use tower_idempotency_sqlx::sqlx::{self, AssertSqlSafe};
 
 fn url() -> String {
     crate::common::services::mysql_url()

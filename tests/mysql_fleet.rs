@@ -16,7 +16,7 @@ mod common;
 use std::path::PathBuf;
 
 use fleet_support::{a_dead_servers_claim_is_taken_over, racing_servers_apply_once};
-use tower_idempotency::sqlx;
+use tower_idempotency_sqlx::sqlx;
 
 fn url() -> String {
     crate::common::services::mysql_url()

@@ -16,9 +16,11 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use sqlx::{AssertSqlSafe, Connection, Executor};
 use tokio::sync::mpsc;
+use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency::store::{FencingToken, MySqlTransaction};
-use tower_idempotency::{IdempotencyLayer, MySqlStore};
+use tower_idempotency::store::FencingToken;
+use tower_idempotency_sqlx::MySqlStore;
+use tower_idempotency_sqlx::MySqlTransaction;
 
 fn url() -> String {
     crate::common::services::mysql_url()

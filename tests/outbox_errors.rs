@@ -15,10 +15,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tower_idempotency::MySqlStore;
 use tower_idempotency::store::FencingToken;
 use tower_idempotency_outbox::{Delivery, Message, Outbox, Outcome, View, from_fn};
 use tower_idempotency_postgres::PostgresStore;
+use tower_idempotency_sqlx::MySqlStore;
 
 fn pg_url() -> String {
     crate::common::services::postgres_url()

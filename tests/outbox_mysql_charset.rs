@@ -12,9 +12,9 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tower_idempotency::MySqlStore;
 use tower_idempotency::store::FencingToken;
 use tower_idempotency_outbox::{self as outbox, Delivery, Message, Outbox, Outcome, View, from_fn};
+use tower_idempotency_sqlx::MySqlStore;
 
 fn url() -> String {
     crate::common::services::mysql_url()

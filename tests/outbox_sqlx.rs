@@ -74,7 +74,7 @@ macro_rules! outbox_suite {
                 tx: Transaction,
                 claimed: ClaimedKey,
                 headers: HeaderMap,
-            ) -> Result<Response, tower_idempotency::store::SqlxError> {
+            ) -> Result<Response, tower_idempotency_sqlx::SqlxError> {
                 let body = format!("{{\"order\":\"{}\"}}", claimed.key());
                 let m = Message::new(&claimed, 0, "orders", "application/json", body)?;
                 let mut conn = tx.connection().await?;
@@ -334,9 +334,9 @@ fn table() -> String {
 
 #[cfg(feature = "mysql")]
 mod mysql {
-    use tower_idempotency::MySqlStore;
-    pub(crate) use tower_idempotency::store::MySqlTransaction as Transaction;
     use tower_idempotency_outbox::Outbox;
+    use tower_idempotency_sqlx::MySqlStore;
+    pub(crate) use tower_idempotency_sqlx::MySqlTransaction as Transaction;
 
     fn url() -> String {
         crate::common::services::mysql_url()
@@ -386,9 +386,9 @@ mod mysql {
 
 #[cfg(feature = "sqlx-postgres")]
 mod sqlx_postgres {
-    use tower_idempotency::SqlxPostgresStore;
-    pub(crate) use tower_idempotency::store::SqlxPostgresTransaction as Transaction;
     use tower_idempotency_outbox::Outbox;
+    use tower_idempotency_sqlx::SqlxPostgresStore;
+    pub(crate) use tower_idempotency_sqlx::SqlxPostgresTransaction as Transaction;
 
     fn url() -> String {
         crate::common::services::postgres_url()
@@ -442,9 +442,9 @@ mod sqlx_postgres {
 #[cfg(feature = "sqlx-sqlite")]
 mod sqlx_sqlite {
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-    use tower_idempotency::SqlxSqliteStore;
-    pub(crate) use tower_idempotency::store::SqlxSqliteTransaction as Transaction;
     use tower_idempotency_outbox::Outbox;
+    use tower_idempotency_sqlx::SqlxSqliteStore;
+    pub(crate) use tower_idempotency_sqlx::SqlxSqliteTransaction as Transaction;
 
     pub(crate) struct Backend {
         pub(crate) store: SqlxSqliteStore,

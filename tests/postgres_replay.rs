@@ -9,11 +9,11 @@ mod common;
 
 use std::time::Duration;
 
-use tower_idempotency::SqlxPostgresStore;
 use tower_idempotency::fingerprint::{Fingerprint, Hasher};
 use tower_idempotency::store::{Claim, ClaimRequest, FencingToken, RecordId, Refusal, Store};
 use tower_idempotency::test_util::{ClockOffset, ManualClock, START_MS, response};
 use tower_idempotency_postgres::PostgresStore;
+use tower_idempotency_sqlx::SqlxPostgresStore;
 
 fn url() -> String {
     crate::common::services::postgres_url()

@@ -9,10 +9,11 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-use tower_idempotency::store::{FencingToken, SqlxPostgresStore};
+use tower_idempotency::store::FencingToken;
 use tower_idempotency::test_util::suite::two_handles_one_winner;
 use tower_idempotency::test_util::{ClockOffset, ManualClock, START_MS, store_suite};
 use tower_idempotency::{StoreError, store::Store};
+use tower_idempotency_sqlx::SqlxPostgresStore;
 
 /// Where the tests connect: `TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local
 /// server's `test` database (as every PostgreSQL test of this crate).

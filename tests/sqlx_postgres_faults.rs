@@ -29,7 +29,8 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
-use tower_idempotency::store::{FencingToken, SqlxPostgresStore, SqlxPostgresTransaction};
+use tower_idempotency::store::FencingToken;
+use tower_idempotency_sqlx::{SqlxPostgresStore, SqlxPostgresTransaction};
 
 fn url() -> String {
     crate::common::services::postgres_url()

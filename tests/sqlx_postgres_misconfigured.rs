@@ -18,7 +18,7 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency::store::{SqlxPostgresStore, SqlxPostgresTransaction};
+use tower_idempotency_sqlx::{SqlxPostgresStore, SqlxPostgresTransaction};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 

@@ -27,7 +27,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc};
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency::store::{FencingToken, SqlxPostgresStore, SqlxPostgresTransaction};
+use tower_idempotency::store::FencingToken;
+use tower_idempotency_sqlx::{SqlxPostgresStore, SqlxPostgresTransaction};
 
 fn url() -> String {
     crate::common::services::postgres_url()

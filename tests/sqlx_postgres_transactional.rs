@@ -22,9 +22,8 @@ use tokio::sync::Barrier;
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency::store::{
-    FencingToken, SqlxPostgresError, SqlxPostgresStore, SqlxPostgresTransaction,
-};
+use tower_idempotency::store::FencingToken;
+use tower_idempotency_sqlx::{SqlxPostgresError, SqlxPostgresStore, SqlxPostgresTransaction};
 
 fn url() -> String {
     crate::common::services::postgres_url()
@@ -45,8 +44,8 @@ impl Db {
 
     async fn with(
         options: impl FnOnce(
-            tower_idempotency::store::SqlxPostgresStoreBuilder,
-        ) -> tower_idempotency::store::SqlxPostgresStoreBuilder,
+            tower_idempotency_sqlx::SqlxPostgresStoreBuilder,
+        ) -> tower_idempotency_sqlx::SqlxPostgresStoreBuilder,
     ) -> Db {
         let pool = PgPoolOptions::new()
             .max_connections(8)

@@ -22,13 +22,12 @@ use tokio::sync::Barrier;
 use tower::ServiceExt;
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
-use tower_idempotency::store::{
-    Inspect, RecordCounts, SqlxSqliteError, SqlxSqliteStore, SqlxSqliteTransaction,
-};
+use tower_idempotency::store::{Inspect, RecordCounts};
 use tower_idempotency::test_util::suite::{
     inspect_is_exact_on_a_manual_clock, two_handles_one_winner,
 };
 use tower_idempotency::test_util::{ManualClock, START_MS, store_suite};
+use tower_idempotency_sqlx::{SqlxSqliteError, SqlxSqliteStore, SqlxSqliteTransaction};
 
 /// A WAL pool on `path` with this busy timeout.
 async fn pool(path: &Path, busy: Duration) -> SqlitePool {

@@ -25,8 +25,8 @@ use common::{Harness, serve};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
-use tower_idempotency::store::{SqlxSqliteError, SqlxSqliteStore, SqlxSqliteTransaction};
 use tower_idempotency::test_util::ManualClock;
+use tower_idempotency_sqlx::{SqlxSqliteError, SqlxSqliteStore, SqlxSqliteTransaction};
 
 const START_MS: i64 = 1_700_000_000_000;
 /// A lock held longer than this fails the store call.
@@ -80,6 +80,11 @@ impl Db {
     /// Serves `/charge` behind a layer over a new pool and store on the
     /// file; with `max_pages`, every connection caps the file's size.
     async fn app(&self, mode: Mode, max_pages: Option<i64>) -> SocketAddr {
+        self.app_on(mode, max_pages, 4).await
+    }
+
+    /// As [`Db::app`], over a pool of `connections`.
+    async fn app_on(&self, mode: Mode, max_pages: Option<i64>, connections: u32) -> SocketAddr {
         let mut options = SqliteConnectOptions::new()
             .filename(&self.path)
             .create_if_missing(true)
@@ -89,7 +94,7 @@ impl Db {
             options = options.pragma("max_page_count", pages.to_string());
         }
         let pool = SqlitePoolOptions::new()
-            .max_connections(4)
+            .max_connections(connections)
             .connect_with(options)
             .await
             .unwrap();
@@ -270,6 +275,31 @@ async fn disk_full_at_commit_transactional() {
     assert_eq!(first.body, vec![b'x'; 65536]);
     assert_replay_of(&request(addr, "k", LARGE).await, &first);
     assert_eq!((db.h.runs(), db.effects()), (3, 1));
+}
+
+/// The same over a pool of one connection, so that each retry gets the
+/// connection the failed completion used. SQLite ended that transaction by
+/// itself (SQLITE_FULL) while sqlx still counted it open; before the store
+/// reconciled the two at its rollback, the connection went back to the pool
+/// counted inside a transaction and every later claim on it failed at its
+/// BEGIN: the second request got 503 without running (1 run, not 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_full_at_commit_leaves_the_connection_usable() {
+    const LARGE: &[(&str, &[u8])] = &[("x-size", b"65536")];
+    let db = Db::new();
+    db.app(Mode::Transactional, None).await;
+    let addr = db
+        .app_on(Mode::Transactional, Some(db.page_count()), 1)
+        .await;
+    for runs in 1..=3 {
+        assert_unavailable(&request(addr, "k", LARGE).await);
+        assert_eq!(db.h.runs(), runs);
+    }
+    // The same pool and connection, a response that fits: it runs and replays.
+    let small = request(addr, "small", &[]).await;
+    assert_ran(&small, 4);
+    assert_replay_of(&request(addr, "small", &[]).await, &small);
+    assert_eq!((db.h.runs(), db.effects()), (4, 1));
 }
 
 /// A completed record whose response is garbage: 503, neither replayed nor

@@ -150,7 +150,7 @@ async fn postgres_a_fenced_commit_never_replays_nor_releases() {
 #[cfg(feature = "sqlx-postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlx_postgres_a_fenced_commit_never_replays_nor_releases() {
-    use tower_idempotency::SqlxPostgresStore;
+    use tower_idempotency_sqlx::SqlxPostgresStore;
     let pool = sqlx::PgPool::connect(&pg_url()).await.unwrap();
     let table = format!("idem_brk_{:016x}", FencingToken::random().0);
     let first = SqlxPostgresStore::builder(pool.clone())
@@ -175,7 +175,7 @@ async fn sqlx_postgres_a_fenced_commit_never_replays_nor_releases() {
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_a_fenced_commit_never_replays_nor_releases() {
-    use tower_idempotency::MySqlStore;
+    use tower_idempotency_sqlx::MySqlStore;
     let table = format!("idem_brk_{:016x}", FencingToken::random().0);
     let first = MySqlStore::builder(&mysql_url())
         .table(&table)

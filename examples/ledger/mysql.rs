@@ -4,8 +4,8 @@
 
 use sqlx::mysql::MySqlQueryResult;
 use sqlx::{AssertSqlSafe, Executor, MySql, SqlSafeStr};
-use tower_idempotency::MySqlStore;
-use tower_idempotency::store::MySqlTransaction;
+use tower_idempotency_sqlx::MySqlStore;
+use tower_idempotency_sqlx::MySqlTransaction;
 
 use crate::db::{BoxError, Done, Json, LedgerError, Write, apply, schema};
 use crate::sqlx::{Dialect, Sqlx, SqlxDb};

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use sqlx::Postgres;
 use sqlx::postgres::PgPoolOptions;
-use tower_idempotency::SqlxPostgresStore;
-use tower_idempotency::store::SqlxPostgresTransaction;
+use tower_idempotency_sqlx::SqlxPostgresStore;
+use tower_idempotency_sqlx::SqlxPostgresTransaction;
 
 use crate::db::{BoxError, Json, LedgerError, Write, apply, schema};
 use crate::sqlx::{Dialect, Sqlx, SqlxDb};

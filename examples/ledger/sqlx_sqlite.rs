@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Pool, Sqlite};
-use tower_idempotency::store::{SqlxSqliteStore, SqlxSqliteTransaction};
+use tower_idempotency_sqlx::{SqlxSqliteStore, SqlxSqliteTransaction};
 
 use crate::db::{BoxError, Json, LedgerError, Write, apply, schema};
 use crate::sqlx::{Dialect, Sqlx, SqlxDb};

@@ -5,10 +5,10 @@
 //! | your service | store (feature) | modes |
 //! |---|---|---|
 //! | one process, SQLite file | `SqliteStore` (`sqlite`, default) | separate, transactional |
-//! | already on sqlx with SQLite | `SqlxSqliteStore` (`sqlx-sqlite`) | separate, transactional |
+//! | already on sqlx with SQLite | `SqlxSqliteStore` (the crate `tower-idempotency-sqlx`, its feature `sqlite`) | separate, transactional |
 //! | PostgreSQL through tokio-postgres, or a managed one over TLS | `PostgresStore` (the crate `tower-idempotency-postgres`, its feature `tls`) | separate, transactional |
-//! | already on sqlx with PostgreSQL | `SqlxPostgresStore` (`sqlx-postgres`) | separate, transactional |
-//! | MySQL 8 or MariaDB | `MySqlStore` (`mysql`) | separate, transactional |
+//! | already on sqlx with PostgreSQL | `SqlxPostgresStore` (`tower-idempotency-sqlx`, feature `postgres`) | separate, transactional |
+//! | MySQL 8 or MariaDB | `MySqlStore` (`tower-idempotency-sqlx`, feature `mysql`) | separate, transactional |
 //! | a fleet whose data lives elsewhere: Redis, one server or a cluster | `RedisStore` (the crate `tower-idempotency-redis`) | separate |
 //! | tests, a single process that may forget on restart | [`MemoryStore`] | separate |
 //!
@@ -102,18 +102,8 @@ mod error;
 mod inspect;
 pub mod kit;
 mod memory;
-#[cfg(feature = "mysql")]
-mod mysql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-#[cfg(any(feature = "sqlite", feature = "sqlx-sqlite"))]
-mod sqlite_sql;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite", feature = "mysql"))]
-mod sqlx_error;
-#[cfg(feature = "sqlx-postgres")]
-mod sqlx_postgres;
-#[cfg(feature = "sqlx-sqlite")]
-mod sqlx_sqlite;
 
 pub use crate::fencing::FencingToken;
 pub use clock::duration_ms;
@@ -122,24 +112,10 @@ pub(crate) use decide::{Decision, Existing, Kind, decide, retry_after_secs};
 pub use error::StoreError;
 pub use inspect::{Inspect, RecordCounts, RecordSummary};
 pub use memory::MemoryStore;
-#[cfg(feature = "mysql")]
-pub use mysql::{MySqlStore, MySqlStoreBuilder, MySqlTransaction, MySqlTransactionConnection};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{
     GroupCommitStats, SqliteStore, SqliteStoreBuilder, SqliteTransaction, Synchronous,
     TransactionError,
-};
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite", feature = "mysql"))]
-pub use sqlx_error::SqlxError;
-#[cfg(feature = "sqlx-postgres")]
-pub use sqlx_postgres::{
-    SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresStore, SqlxPostgresStoreBuilder,
-    SqlxPostgresTransaction,
-};
-#[cfg(feature = "sqlx-sqlite")]
-pub use sqlx_sqlite::{
-    SqlxSqliteConnection, SqlxSqliteError, SqlxSqliteStore, SqlxSqliteStoreBuilder,
-    SqlxSqliteTransaction,
 };
 
 /// The default lease: how long an in-flight claim holds, 60 seconds.

@@ -2,7 +2,8 @@
 //! rusqlite store: both stores, one SQLite library.
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use tower_idempotency::{SqliteStore, SqlxSqliteStore, Store};
+use tower_idempotency::{SqliteStore, Store};
+use tower_idempotency_sqlx::SqlxSqliteStore;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -236,7 +236,7 @@ impl Outbox {
     /// table cannot be created.
     #[cfg(feature = "sqlx-postgres")]
     pub async fn sqlx_postgres(
-        store: &tower_idempotency::SqlxPostgresStore,
+        store: &tower_idempotency_sqlx::SqlxPostgresStore,
     ) -> Result<Outbox, StoreError> {
         let exec = sqlx::SqlxExec(store.pool().clone());
         Outbox::over(exec, sql::OutboxSql::postgres()).await
@@ -252,7 +252,7 @@ impl Outbox {
     /// table cannot be created.
     #[cfg(feature = "sqlx-sqlite")]
     pub async fn sqlx_sqlite(
-        store: &tower_idempotency::SqlxSqliteStore,
+        store: &tower_idempotency_sqlx::SqlxSqliteStore,
     ) -> Result<Outbox, StoreError> {
         let exec = sqlx::SqlxExec(store.pool().clone());
         Outbox::over(exec, sql::OutboxSql::sqlite()).await
@@ -266,7 +266,7 @@ impl Outbox {
     /// [`StoreError::Unavailable`] when no connection can be had or the
     /// table cannot be created.
     #[cfg(feature = "mysql")]
-    pub async fn mysql(store: &tower_idempotency::MySqlStore) -> Result<Outbox, StoreError> {
+    pub async fn mysql(store: &tower_idempotency_sqlx::MySqlStore) -> Result<Outbox, StoreError> {
         let exec = sqlx::SqlxExec(store.pool().clone());
         Outbox::over(exec, sql::OutboxSql::mysql()).await
     }

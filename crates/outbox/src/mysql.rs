@@ -1,11 +1,12 @@
 //! The outbox on MySQL 8 and MariaDB 10.6+: [`enqueue`] through the
-//! request's [`MySqlTransaction`](tower_idempotency::store::MySqlTransaction), and the
+//! request's [`MySqlTransaction`](tower_idempotency_sqlx::MySqlTransaction), and the
 //! relay's queue over the store's pool.
 //!
 //! ```no_run
 //! use tower_idempotency::key::ClaimedKey;
 //! use tower_idempotency_outbox::{self as outbox, Message};
-//! use tower_idempotency::store::{MySqlTransaction, StoreError};
+//! use tower_idempotency::store::StoreError;
+//! use tower_idempotency_sqlx::MySqlTransaction;
 //!
 //! async fn order(tx: MySqlTransaction, claimed: ClaimedKey) -> Result<(), StoreError> {
 //!     let event = Message::new(&claimed, 0, "http://billing.internal/events",

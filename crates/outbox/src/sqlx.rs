@@ -11,7 +11,7 @@
 //! # #[cfg(feature = "sqlx-postgres")] mod example {
 //! use tower_idempotency::key::ClaimedKey;
 //! use tower_idempotency_outbox::{self as outbox, Message};
-//! use tower_idempotency::store::{SqlxPostgresError, SqlxPostgresTransaction};
+//! use tower_idempotency_sqlx::{SqlxPostgresError, SqlxPostgresTransaction};
 //!
 //! async fn order(tx: SqlxPostgresTransaction, claimed: ClaimedKey) -> Result<&'static str, SqlxPostgresError> {
 //!     // Message 0 of this request: a retry enqueues the same key.
@@ -45,11 +45,11 @@ pub(crate) trait Dialect: Database {
     fn rows_affected(done: &Self::QueryResult) -> u64;
 }
 
-/// A handler on a sqlx store returns [`SqlxError`](tower_idempotency::store::SqlxError):
+/// A handler on a sqlx store returns [`SqlxError`](tower_idempotency_sqlx::SqlxError):
 /// `?` on [`Message::new`] gives its `Invalid` variant, a logged 500.
-impl From<crate::MessageError> for tower_idempotency::store::SqlxError {
+impl From<crate::MessageError> for tower_idempotency_sqlx::SqlxError {
     fn from(e: crate::MessageError) -> Self {
-        tower_idempotency::store::SqlxError::invalid(e)
+        tower_idempotency_sqlx::SqlxError::invalid(e)
     }
 }
 
@@ -155,15 +155,15 @@ macro_rules! outbox_guard {
 
 outbox_guard!(
     "sqlx-postgres",
-    tower_idempotency::store::SqlxPostgresConnection<'_>
+    tower_idempotency_sqlx::SqlxPostgresConnection<'_>
 );
 outbox_guard!(
     "sqlx-sqlite",
-    tower_idempotency::store::SqlxSqliteConnection<'_>
+    tower_idempotency_sqlx::SqlxSqliteConnection<'_>
 );
 outbox_guard!(
     "mysql",
-    tower_idempotency::store::MySqlTransactionConnection<'_>
+    tower_idempotency_sqlx::MySqlTransactionConnection<'_>
 );
 outbox_guard!("sqlx-postgres", sqlx::Transaction<'_, sqlx::Postgres>);
 outbox_guard!("sqlx-sqlite", sqlx::Transaction<'_, sqlx::Sqlite>);

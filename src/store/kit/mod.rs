@@ -18,7 +18,8 @@
 //!   builder settings that go with it (`table`, `max_hold`, `clock_offset`).
 //! * [`pg_sql`]: PostgreSQL's statements, schema and advisory lock keys,
 //!   shared by every PostgreSQL store so that they exclude each other on one
-//!   key.
+//!   key; [`sqlite_sql`]: the schema every SQLite store shares, and its
+//!   migration.
 //! * [`transaction_extractor!`]: a store's transaction type as an axum
 //!   extractor.
 //!
@@ -32,6 +33,7 @@ mod extractor;
 pub mod fate;
 pub mod pg_sql;
 pub mod release;
+pub mod sqlite_sql;
 pub mod table;
 pub mod two_phase;
 #[doc(inline)]

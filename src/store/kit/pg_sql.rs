@@ -1,5 +1,5 @@
 //! SQL text shared by the two PostgreSQL stores (`PostgresStore`, the crate
-//! `tower-idempotency-postgres`; `SqlxPostgresStore`, feature `sqlx-postgres`): every
+//! `tower-idempotency-postgres`; `SqlxPostgresStore`, `tower-idempotency-sqlx`): every
 //! statement ([`PgSql`]), the schema and the advisory lock keys, written
 //! once, so the two stores read and write the same records and exclude each
 //! other on the same keys. Below, the reasoning behind the read-first replay

@@ -9,7 +9,7 @@ use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::TransactionBehavior;
 
 use super::{Limits, SqliteStore, blocking};
-use crate::store::sqlite_sql::{IS_WITHOUT_ROWID, SCHEMA_VERSION, migration};
+use crate::store::kit::sqlite_sql::{IS_WITHOUT_ROWID, SCHEMA_VERSION, migration};
 use crate::store::{Clock, StoreError, SystemClock, duration_ms};
 
 /// SQLite's `synchronous` setting: how often a commit waits for the disk.

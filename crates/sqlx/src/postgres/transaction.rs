@@ -9,11 +9,11 @@ use sqlx::{Connection, PgConnection, Postgres};
 
 use super::sql::checked;
 use super::{SqlxPostgresStore, unavailable};
-use crate::response::StoredResponse;
-use crate::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
-use crate::store::{Completion, FencingToken, RecordId, StoreError, duration_ms};
+use tower_idempotency::response::StoredResponse;
+use tower_idempotency::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
+use tower_idempotency::store::{Completion, FencingToken, RecordId, StoreError, duration_ms};
 
-pub use crate::store::sqlx_error::SqlxPostgresError;
+pub use crate::error::SqlxPostgresError;
 
 /// An open `sqlx::Transaction<'static, Postgres>` of the store's pool in
 /// which the layer has claimed the request's key. The handler runs its own
@@ -50,7 +50,7 @@ pub use crate::store::sqlx_error::SqlxPostgresError;
 /// # Example
 ///
 /// ```no_run
-/// use tower_idempotency::store::{SqlxPostgresError, SqlxPostgresTransaction};
+/// use tower_idempotency_sqlx::{SqlxPostgresError, SqlxPostgresTransaction};
 ///
 /// // `accounts` is the application's own table, in the store's database.
 /// // `SqlxPostgresError` answers as a problem (503 for the store, 500 for

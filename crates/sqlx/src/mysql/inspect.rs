@@ -3,8 +3,8 @@
 use sqlx::Row;
 
 use super::{MySqlStore, q, unavailable};
-use crate::fingerprint::Fingerprint;
-use crate::store::{Inspect, RecordCounts, RecordSummary, StoreError};
+use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::store::{Inspect, RecordCounts, RecordSummary, StoreError};
 
 /// One statement each: one reading of the server's clock (`NOW(6)` is fixed
 /// for a statement), and at `READ COMMITTED` one consistent read of the

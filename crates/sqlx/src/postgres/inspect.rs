@@ -4,8 +4,8 @@
 use sqlx::Row;
 
 use super::{SqlxPostgresStore, query, unavailable};
-use crate::fingerprint::Fingerprint;
-use crate::store::{Inspect, RecordCounts, RecordSummary, StoreError};
+use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::store::{Inspect, RecordCounts, RecordSummary, StoreError};
 
 /// One statement each: one snapshot of the table, judged at one reading of
 /// the server's clock. No index serves the lease: both scan the table.

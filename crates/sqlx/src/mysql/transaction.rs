@@ -9,9 +9,9 @@ use sqlx::mysql::{MySql, MySqlConnection};
 use sqlx::{AssertSqlSafe, Executor};
 
 use super::{MySqlStore, q, record_key, unavailable};
-use crate::response::StoredResponse;
-use crate::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
-use crate::store::{FencingToken, RecordId, StoreError};
+use tower_idempotency::response::StoredResponse;
+use tower_idempotency::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
+use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 
 /// An open MySQL/MariaDB transaction in which the layer has claimed the
 /// request's key. The handler runs its own statements on it through
@@ -52,12 +52,12 @@ use crate::store::{FencingToken, RecordId, StoreError};
 /// ```no_run
 /// use axum::http::StatusCode;
 /// use axum::response::{IntoResponse, Response};
-/// use tower_idempotency::store::MySqlTransaction;
+/// use tower_idempotency_sqlx::MySqlTransaction;
 ///
 /// // `accounts` is the application's own table, in the store's database.
 /// async fn credit(tx: MySqlTransaction) -> Result<String, Response> {
 ///     let mut conn = tx.connection().await.map_err(IntoResponse::into_response)?;
-///     tower_idempotency::sqlx::query("UPDATE accounts SET balance = balance + 5 WHERE id = 1")
+///     tower_idempotency_sqlx::sqlx::query("UPDATE accounts SET balance = balance + 5 WHERE id = 1")
 ///         .execute(&mut *conn)
 ///         .await
 ///         .map_err(|e| {

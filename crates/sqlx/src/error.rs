@@ -2,7 +2,7 @@
 //! (`SqlxPostgresStore`, `SqlxSqliteStore`, `MySqlStore`), so that each of
 //! its calls takes `?`.
 
-use crate::store::StoreError;
+use tower_idempotency::store::StoreError;
 
 /// The error of a handler that writes through a sqlx store's transaction
 /// (`SqlxPostgresTransaction`,
@@ -47,12 +47,12 @@ impl SqlxError {
     }
 }
 
-/// The error of a handler on [`SqlxPostgresStore`](crate::store::SqlxPostgresStore).
-#[cfg(feature = "sqlx-postgres")]
+/// The error of a handler on [`SqlxPostgresStore`](crate::SqlxPostgresStore).
+#[cfg(feature = "postgres")]
 pub type SqlxPostgresError = SqlxError;
 
-/// The error of a handler on [`SqlxSqliteStore`](crate::store::SqlxSqliteStore).
-#[cfg(feature = "sqlx-sqlite")]
+/// The error of a handler on [`SqlxSqliteStore`](crate::SqlxSqliteStore).
+#[cfg(feature = "sqlite")]
 pub type SqlxSqliteError = SqlxError;
 
 impl From<StoreError> for SqlxError {
@@ -93,18 +93,18 @@ impl axum_core::response::IntoResponse for SqlxError {
         match self {
             SqlxError::Store(e) => e.into_response(),
             SqlxError::Sql(e) => {
-                #[cfg(feature = "sqlx-sqlite")]
-                if let Some(busy) = crate::store::SqlxSqliteStore::explain_busy(&e) {
+                #[cfg(feature = "sqlite")]
+                if let Some(busy) = crate::SqlxSqliteStore::explain_busy(&e) {
                     return busy.into_response();
                 }
                 tracing::error!(error = %e, "a handler's SQL failed; answering 500");
-                crate::extract::internal_error(
+                tower_idempotency::__private::internal_error(
                     "a database statement failed while this request was processed",
                 )
             }
             SqlxError::Invalid(e) => {
                 tracing::error!(error = %e, "a handler built a value that is refused; answering 500");
-                crate::extract::internal_error(
+                tower_idempotency::__private::internal_error(
                     "a value built while this request was processed was refused",
                 )
             }

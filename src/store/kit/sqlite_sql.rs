@@ -1,5 +1,5 @@
 //! The SQLite schema both SQLite stores share (`SqliteStore`, feature
-//! `sqlite`; `SqlxSqliteStore`, feature `sqlx-sqlite`), so that either opens
+//! `sqlite`; `SqlxSqliteStore`, `tower-idempotency-sqlx`), so that either opens
 //! a file the other made, and its migration.
 //!
 //! # Version 2: a rowid table
@@ -16,10 +16,10 @@
 //! of small cells, and a row's payload is read only when the row itself is.
 
 /// The version this crate writes, kept in `PRAGMA user_version`.
-pub(crate) const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// Creates the table and its index if they are missing.
-pub(crate) const SCHEMA: &str = "
+pub const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS idempotency_records (
     scope       TEXT    NOT NULL,
     key         TEXT    NOT NULL,
@@ -36,7 +36,7 @@ CREATE INDEX IF NOT EXISTS idempotency_records_expires_at ON idempotency_records
 
 /// Whether the table exists as version 1 made it (`WITHOUT ROWID`). One
 /// row, one column: 1 or 0. Its answer is [`migration`]'s argument.
-pub(crate) const IS_WITHOUT_ROWID: &str = "
+pub const IS_WITHOUT_ROWID: &str = "
 SELECT count(*) FROM sqlite_master
 WHERE type = 'table' AND name = 'idempotency_records' AND sql LIKE '%WITHOUT ROWID%'";
 
@@ -44,7 +44,7 @@ WHERE type = 'table' AND name = 'idempotency_records' AND sql LIKE '%WITHOUT ROW
 /// write transaction: [`SCHEMA`], after which `user_version` is set; before
 /// it, for a `WITHOUT ROWID` table, the old table is renamed, and after it
 /// every record is copied into the new one and the old table dropped.
-pub(crate) fn migration(without_rowid: bool) -> String {
+pub fn migration(without_rowid: bool) -> String {
     let version = format!("PRAGMA user_version = {SCHEMA_VERSION};");
     if !without_rowid {
         return format!("{SCHEMA}{version}");

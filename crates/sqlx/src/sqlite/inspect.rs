@@ -3,8 +3,8 @@
 use sqlx::Row;
 
 use super::SqlxSqliteStore;
-use crate::fingerprint::Fingerprint;
-use crate::store::{Inspect, RecordCounts, RecordSummary, StoreError};
+use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::store::{Inspect, RecordCounts, RecordSummary, StoreError};
 
 /// One `SELECT` each on a pooled connection, so every answer is one snapshot
 /// of the database (WAL readers never wait for the writer). No index serves

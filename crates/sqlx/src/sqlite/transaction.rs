@@ -9,14 +9,14 @@ use sqlx::{Sqlite, SqliteConnection};
 
 use super::SqlxSqliteStore;
 use super::claim::{claim_in, complete_in};
-use crate::response::StoredResponse;
-use crate::store::{
+use tower_idempotency::response::StoredResponse;
+use tower_idempotency::store::{
     ClaimRequest, Completion, FencingToken, StoreError, TransactionClaim, TransactionalStore,
 };
 
 mod hold;
 
-pub use crate::store::sqlx_error::SqlxSqliteError;
+pub use crate::error::SqlxSqliteError;
 use hold::{Fate, OpenCount};
 
 /// An open SQLite write transaction (`BEGIN IMMEDIATE`) on one of the
@@ -67,7 +67,7 @@ use hold::{Fate, OpenCount};
 /// # Example
 ///
 /// ```
-/// use tower_idempotency::store::{SqlxSqliteError, SqlxSqliteTransaction};
+/// use tower_idempotency_sqlx::{SqlxSqliteError, SqlxSqliteTransaction};
 ///
 /// // An axum handler behind `IdempotencyLayer::new(store, scope).transactional()`.
 /// // `SqlxSqliteError` answers as a problem (503 or 500), so `?` is enough.
@@ -111,8 +111,24 @@ impl Open {
     /// Rolls back and waits for SQLite's answer; then `closed` resolves.
     async fn roll_back(self) {
         let Open {
-            tx, ended, count, ..
+            mut tx,
+            ended,
+            count,
+            ..
         } = self;
+        // SQLite ends a transaction by itself on some errors (SQLITE_FULL,
+        // SQLITE_IOERR, ...) while sqlx still counts it open; its ROLLBACK
+        // would then fail and the connection would go back to the pool
+        // counted inside a transaction, so that every later BEGIN on it fails
+        // (503 for each request that gets it). A savepoint first nests in a
+        // transaction still open, or opens a deferred one (no lock) where
+        // SQLite ended it: the ROLLBACK below ends either.
+        if let Err(e) = sqlx::raw_sql("SAVEPOINT tower_idempotency_rollback")
+            .execute(&mut *tx)
+            .await
+        {
+            tracing::debug!(error = %e, "a savepoint before the rollback failed");
+        }
         if let Err(e) = tx.rollback().await {
             // The connection goes back to the pool, which rolls back what
             // is left open before handing it out again.
@@ -358,4 +374,4 @@ impl SqlxSqliteStore {
     }
 }
 
-crate::store::kit::transaction_extractor!(SqlxSqliteTransaction);
+tower_idempotency::store::kit::transaction_extractor!(SqlxSqliteTransaction);

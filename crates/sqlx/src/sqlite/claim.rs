@@ -5,11 +5,11 @@
 
 use sqlx::{Row, SqliteConnection};
 
-pub(super) use crate::store::kit::claim::Found;
-use crate::store::kit::claim::{ClaimSteps, Met};
-use crate::store::{ClaimRequest, Completion, FencingToken};
+pub(super) use tower_idempotency::store::kit::claim::Found;
+use tower_idempotency::store::kit::claim::{ClaimSteps, Met};
+use tower_idempotency::store::{ClaimRequest, Completion, FencingToken};
 
-/// The claim (the table in the module docs of [`crate::store`]) on `conn`,
+/// The claim (the table in the module docs of [`tower_idempotency::store`]) on `conn`,
 /// which must be inside a `BEGIN IMMEDIATE` transaction: it holds SQLite's
 /// write lock, so what it reads is what it decides on.
 pub(super) async fn claim_in(
@@ -17,7 +17,7 @@ pub(super) async fn claim_in(
     req: &ClaimRequest,
     now: i64,
 ) -> Result<Found, sqlx::Error> {
-    crate::store::kit::claim::claim_in(&mut Steps(conn), req, now).await
+    tower_idempotency::store::kit::claim::claim_in(&mut Steps(conn), req, now).await
 }
 
 /// The claim's statements on a connection holding the write lock.

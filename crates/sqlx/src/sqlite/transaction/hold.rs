@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use crate::store::StoreError;
-pub(super) use crate::store::kit::fate::Fate;
+use tower_idempotency::store::StoreError;
+pub(super) use tower_idempotency::store::kit::fate::Fate;
 
 use super::super::Counters;
 

@@ -6,14 +6,15 @@
 //! * `transaction.rs`: [`SqlxPostgresTransaction`], its connection guard
 //!   [`SqlxPostgresConnection`], the handler's error [`SqlxPostgresError`]
 //!   and the steps on which the store kit runs
-//!   [`TransactionalStore`](crate::store::TransactionalStore) in two phases.
-//! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
+//!   [`TransactionalStore`](tower_idempotency::store::TransactionalStore) in two phases.
+//! * `inspect.rs`: [`Inspect`](tower_idempotency::store::Inspect) in SQL.
 //!
 //! # Example
 //!
 //! ```no_run
 //! use sqlx::PgPool;
-//! use tower_idempotency::{IdempotencyLayer, SqlxPostgresStore, scope::GlobalScope};
+//! use tower_idempotency::{IdempotencyLayer, scope::GlobalScope};
+//! use tower_idempotency_sqlx::SqlxPostgresStore;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = PgPool::connect("postgres://app@db.internal/app").await?;
@@ -27,16 +28,18 @@ use std::sync::Arc;
 
 use sqlx::{PgConnection, PgPool, Row};
 
-use super::{Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError};
-use crate::response::StoredResponse;
-use crate::store::kit::builder::{Limits, Settings};
+use tower_idempotency::response::StoredResponse;
+use tower_idempotency::store::kit::builder::{Limits, Settings};
+use tower_idempotency::store::{
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError,
+};
 
 mod inspect;
 mod sql;
 mod transaction;
 
-use crate::store::kit::claim::{ClaimSteps, Met, claim_in};
 use sql::{Sql, advisory_key, checked, query, schema};
+use tower_idempotency::store::kit::claim::{ClaimSteps, Met, claim_in};
 pub use transaction::{SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresTransaction};
 
 /// Records in a PostgreSQL table, reached through the application's own
@@ -54,7 +57,7 @@ pub use transaction::{SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresTra
 ///   server. The lock key, the table and its columns are `PostgresStore`'s:
 ///   the two stores may share a table, e.g. while a fleet moves from one to
 ///   the other.
-/// * Transactional mode ([`crate::mode::Transactional`]) runs in two phases:
+/// * Transactional mode ([`tower_idempotency::mode::Transactional`]) runs in two phases:
 ///   the claim commits at once (so every server sees the key in flight, with
 ///   its fingerprint: a duplicate gets 409 or 422 without waiting on
 ///   anything), then the handler's writes and the record's completion share
@@ -85,7 +88,7 @@ pub use transaction::{SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresTra
 /// ```no_run
 /// use std::time::Duration;
 /// use sqlx::postgres::PgPoolOptions;
-/// use tower_idempotency::SqlxPostgresStore;
+/// use tower_idempotency_sqlx::SqlxPostgresStore;
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let pool = PgPoolOptions::new()
@@ -138,7 +141,7 @@ pub(super) fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>
     StoreError::unavailable(e)
 }
 
-crate::store::kit::builder::sql_builder_settings!(
+tower_idempotency::store::kit::builder::sql_builder_settings!(
     SqlxPostgresStoreBuilder,
     SqlxPostgresTransaction
 );
@@ -156,7 +159,7 @@ impl SqlxPostgresStoreBuilder {
     /// (a server that cannot be reached) or the statements fail (e.g. a role
     /// without `CREATE` on the schema).
     pub async fn open(self) -> Result<SqlxPostgresStore, StoreError> {
-        crate::store::kit::table::check_table_name(&self.settings.table)?;
+        tower_idempotency::store::kit::table::check_table_name(&self.settings.table)?;
         let sql = Sql::new(&self.settings.table, checked);
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         // Two servers starting at once would race on CREATE TABLE.
@@ -341,7 +344,11 @@ impl Store for SqlxPostgresStore {
         if let Some(row) = row {
             let fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
             let blob: Option<Vec<u8>> = row.try_get(1).map_err(unavailable)?;
-            return super::kit::pg_sql::answer_completed(&fingerprint, blob, &req);
+            return tower_idempotency::store::kit::pg_sql::answer_completed(
+                &fingerprint,
+                blob,
+                &req,
+            );
         }
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         let now: i64 = sqlx::query_scalar(self.sql.lock_now.clone())

@@ -3,8 +3,8 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Router, routing::post};
 use sqlx::PgPool;
 use tower_idempotency::policy::DoNotStore;
-use tower_idempotency::store::{SqlxPostgresError, SqlxPostgresTransaction};
-use tower_idempotency::{IdempotencyLayer, SqlxPostgresStore, scope};
+use tower_idempotency::{IdempotencyLayer, scope};
+use tower_idempotency_sqlx::{SqlxPostgresError, SqlxPostgresStore, SqlxPostgresTransaction};
 
 // POST /credits, the amount as the body. The transaction extractor comes first,
 // the body last (axum's rule: the extractor that reads the body is the last one).

@@ -6,7 +6,7 @@
 //! * `claim.rs`: the claim's and the completion's SQL.
 //! * `transaction.rs`: [`SqlxSqliteTransaction`], the handler's handle on the
 //!   request's write transaction, and transactional mode.
-//! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
+//! * `inspect.rs`: [`Inspect`](tower_idempotency::store::Inspect) in SQL.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -14,9 +14,9 @@ use std::time::Duration;
 
 use sqlx::{Row, Sqlite, SqlitePool};
 
-use crate::response::StoredResponse;
-use crate::store::sqlite_sql::{IS_WITHOUT_ROWID, SCHEMA_VERSION, migration};
-use crate::store::{
+use tower_idempotency::response::StoredResponse;
+use tower_idempotency::store::kit::sqlite_sql::{IS_WITHOUT_ROWID, SCHEMA_VERSION, migration};
+use tower_idempotency::store::{
     Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError, SystemClock,
 };
 
@@ -27,8 +27,8 @@ mod transaction;
 pub use transaction::{SqlxSqliteConnection, SqlxSqliteError, SqlxSqliteTransaction};
 
 /// Records in the SQLite database of the app's own [`sqlx::SqlitePool`],
-/// in both modes: [`Separate`](crate::mode::Separate), and
-/// [`Transactional`](crate::mode::Transactional) where the handler writes
+/// in both modes: [`Separate`](tower_idempotency::mode::Separate), and
+/// [`Transactional`](tower_idempotency::mode::Transactional) where the handler writes
 /// through the request's [`SqlxSqliteTransaction`].
 ///
 /// * The claim is an `INSERT ... ON CONFLICT DO NOTHING` inside a
@@ -88,7 +88,7 @@ pub use transaction::{SqlxSqliteConnection, SqlxSqliteError, SqlxSqliteTransacti
 /// use std::time::Duration;
 /// use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 /// use tower_idempotency::{IdempotencyLayer, Store, scope};
-/// use tower_idempotency::store::SqlxSqliteStore;
+/// use tower_idempotency_sqlx::SqlxSqliteStore;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # let dir = tempfile::tempdir()?;

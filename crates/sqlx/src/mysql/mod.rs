@@ -2,9 +2,9 @@
 //! (feature `mysql`, over sqlx's MySQL driver).
 //!
 //! * `transaction.rs`: [`MySqlTransaction`] and the
-//!   [`TransactionalStore`](crate::store::TransactionalStore) impl
+//!   [`TransactionalStore`](tower_idempotency::store::TransactionalStore) impl
 //!   (transactional mode, on the store kit's two phases).
-//! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL; `sql.rs`: the
+//! * `inspect.rs`: [`Inspect`](tower_idempotency::store::Inspect) in SQL; `sql.rs`: the
 //!   statements and the schema.
 
 use std::str::FromStr;
@@ -14,17 +14,19 @@ use std::time::Duration;
 use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, Executor, Row};
 
-use super::{Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError};
-use crate::fingerprint::Hasher;
-use crate::response::StoredResponse;
-use crate::store::kit::builder::{Limits, Settings};
+use tower_idempotency::fingerprint::Hasher;
+use tower_idempotency::response::StoredResponse;
+use tower_idempotency::store::kit::builder::{Limits, Settings};
+use tower_idempotency::store::{
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError,
+};
 
 mod inspect;
 mod sql;
 mod transaction;
 
-use super::kit::claim::{ClaimSteps, Found, Met, claim_in};
 use sql::{Sql, q};
+use tower_idempotency::store::kit::claim::{ClaimSteps, Found, Met, claim_in};
 
 pub use transaction::{MySqlTransaction, MySqlTransactionConnection};
 
@@ -46,7 +48,7 @@ pub use transaction::{MySqlTransaction, MySqlTransactionConnection};
 ///   purges), which make unrelated keys wait on each other and deadlock.
 ///   Handlers in transactional mode run at this level too, as on
 ///   PostgreSQL's default.
-/// * Transactional mode ([`crate::mode::Transactional`]) runs in two phases
+/// * Transactional mode ([`tower_idempotency::mode::Transactional`]) runs in two phases
 ///   as `PostgresStore` does: the claim commits at once, so
 ///   every server sees the key in flight with its fingerprint; then the
 ///   handler's writes and the record's completion share one transaction
@@ -66,7 +68,8 @@ pub use transaction::{MySqlTransaction, MySqlTransactionConnection};
 /// # Example
 ///
 /// ```no_run
-/// use tower_idempotency::{IdempotencyLayer, MySqlStore, scope::GlobalScope};
+/// use tower_idempotency::{IdempotencyLayer, scope::GlobalScope};
+/// use tower_idempotency_sqlx::MySqlStore;
 ///
 /// # async fn run() -> Result<(), tower_idempotency::StoreError> {
 /// let store = MySqlStore::open("mysql://app@db.internal:3306/app").await?;
@@ -117,7 +120,7 @@ fn record_key(scope: &str, key: &str) -> Vec<u8> {
     hasher.finish().0.to_vec()
 }
 
-crate::store::kit::builder::sql_builder_settings!(MySqlStoreBuilder, MySqlTransaction);
+tower_idempotency::store::kit::builder::sql_builder_settings!(MySqlStoreBuilder, MySqlTransaction);
 
 impl MySqlStoreBuilder {
     /// Connections kept (default 16). In transactional mode each request
@@ -144,7 +147,7 @@ impl MySqlStoreBuilder {
     /// table that is not InnoDB; [`StoreError::Unavailable`] for a server
     /// that cannot be reached.
     pub async fn open(self) -> Result<MySqlStore, StoreError> {
-        crate::store::kit::table::check_table_name(&self.settings.table)?;
+        tower_idempotency::store::kit::table::check_table_name(&self.settings.table)?;
         let options = MySqlConnectOptions::from_str(&self.url)
             .map_err(StoreError::config)?
             .timezone(Some("+00:00".to_owned()));
