@@ -158,7 +158,8 @@ fn architecture_lists_every_source_file() {
             assert!(named, "docs/architecture.md does not name {relative}");
         }
     }
-    assert!(files > 50, "{files} files under src/");
+    // The core alone holds 49 (the published `.crate`); with the crates, more.
+    assert!(files >= 45, "{files} files under src/");
     // And names none that is gone.
     for named in map.split('`').filter(|s| {
         (s.starts_with("src/") || (s.starts_with("crates/") && crates.is_dir())) && !s.contains('*')
