@@ -5,10 +5,9 @@
 use sqlx::mysql::MySqlQueryResult;
 use sqlx::{AssertSqlSafe, Executor, MySql, SqlSafeStr};
 use tower_idempotency_sqlx::MySqlStore;
-use tower_idempotency_sqlx::MySqlTransaction;
 
-use crate::db::{BoxError, Done, Json, LedgerError, Write, apply, schema};
-use crate::sqlx::{Dialect, Sqlx, SqlxDb};
+use crate::db::{BoxError, Done, schema};
+use crate::sqlx::{Dialect, SqlxDb};
 
 /// Opens the store (its pool holds the ledger's tables too); it serves the
 /// records when `records` (no `--key-store`).
@@ -64,10 +63,5 @@ impl Dialect for MySql {
             rows: result.rows_affected(),
             id: result.last_insert_id() as i64,
         }
-    }
-
-    async fn in_request(tx: &MySqlTransaction, write: Write) -> Result<Json, LedgerError> {
-        let mut conn = tx.connection().await?;
-        apply(&mut Sqlx::<MySql>(&mut conn), write).await
     }
 }

@@ -9,6 +9,7 @@ use sqlx::{Database, Encode, Executor, FromRow, IntoArguments, Pool, SqlSafeStr,
 #[cfg(feature = "outbox")]
 use tower_idempotency::store::StoreError;
 use tower_idempotency::store::{Inspect, TransactionalStore};
+use tower_idempotency_sqlx::SqlxTransaction;
 
 #[cfg(feature = "outbox")]
 use crate::db::BoxError;
@@ -16,9 +17,10 @@ use crate::db::{ACCOUNT, Account, Conn, Done, Json, Ledger, LedgerError, Param, 
 #[cfg(feature = "outbox")]
 use crate::notify::Message;
 
-/// What the ledger needs to know of one sqlx database.
-pub trait Dialect: Database {
-    type Store: TransactionalStore + Inspect;
+/// What the ledger needs to know of one sqlx database, beyond what the
+/// store crate's own `Dialect` says (its transaction type).
+pub trait Dialect: tower_idempotency_sqlx::Dialect {
+    type Store: TransactionalStore<Transaction = SqlxTransaction<Self>> + Inspect;
 
     /// Whether `INSERT` and `UPDATE` take `RETURNING`.
     const RETURNING: bool = true;
@@ -40,12 +42,6 @@ pub trait Dialect: Database {
     ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self>, sqlx::Error>> + Send {
         pool.begin()
     }
-
-    /// Runs `write` on the request's idempotency transaction.
-    fn in_request(
-        tx: &<Self::Store as TransactionalStore>::Transaction,
-        write: Write,
-    ) -> impl Future<Output = Result<Json, LedgerError>> + Send;
 
     /// `--notify-url`: the outbox in this database, over the store's pool.
     #[cfg(feature = "outbox")]
@@ -96,11 +92,11 @@ where
         Ok(json)
     }
 
-    fn in_request(
-        tx: &<DB::Store as TransactionalStore>::Transaction,
-        write: Write,
-    ) -> impl Future<Output = Result<Json, LedgerError>> + Send {
-        DB::in_request(tx, write)
+    /// Never through the pool: on SQLite it would wait for the very write
+    /// lock this request's transaction holds.
+    async fn in_request(tx: &SqlxTransaction<DB>, write: Write) -> Result<Json, LedgerError> {
+        let mut conn = tx.connection().await?;
+        apply(&mut Sqlx::<DB>(&mut conn), write).await
     }
 
     #[cfg(feature = "outbox")]

@@ -9,10 +9,9 @@ use std::time::Duration;
 use sqlx::Postgres;
 use sqlx::postgres::PgPoolOptions;
 use tower_idempotency_sqlx::SqlxPostgresStore;
-use tower_idempotency_sqlx::SqlxPostgresTransaction;
 
-use crate::db::{BoxError, Json, LedgerError, Write, apply, schema};
-use crate::sqlx::{Dialect, Sqlx, SqlxDb};
+use crate::db::{BoxError, schema};
+use crate::sqlx::{Dialect, SqlxDb};
 
 /// One `PgPool` (16 connections, as the tokio-postgres store's pool; a
 /// caller waits at most 5 s for one); the store serves the records when
@@ -50,10 +49,5 @@ impl Dialect for Postgres {
         message: &'a crate::notify::Message,
     ) -> impl std::future::Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
         tower_idempotency_outbox::sqlx::enqueue(conn, message)
-    }
-
-    async fn in_request(tx: &SqlxPostgresTransaction, write: Write) -> Result<Json, LedgerError> {
-        let mut conn = tx.connection().await?;
-        apply(&mut Sqlx::<Postgres>(&mut conn), write).await
     }
 }

@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Pool, Sqlite};
-use tower_idempotency_sqlx::{SqlxSqliteStore, SqlxSqliteTransaction};
+use tower_idempotency_sqlx::SqlxSqliteStore;
 
-use crate::db::{BoxError, Json, LedgerError, Write, apply, schema};
-use crate::sqlx::{Dialect, Sqlx, SqlxDb};
+use crate::db::{BoxError, schema};
+use crate::sqlx::{Dialect, SqlxDb};
 
 /// The pool as `SqlxSqliteStore` wants it: WAL (readers never wait for the
 /// writer), a 5 s busy timeout, `synchronous=FULL`, foreign keys on. The
@@ -66,11 +66,5 @@ impl Dialect for Sqlite {
         pool: &Pool<Sqlite>,
     ) -> impl Future<Output = Result<sqlx::Transaction<'static, Sqlite>, sqlx::Error>> + Send {
         pool.begin_with("BEGIN IMMEDIATE")
-    }
-
-    /// Never through the pool, which would wait for this very lock.
-    async fn in_request(tx: &SqlxSqliteTransaction, write: Write) -> Result<Json, LedgerError> {
-        let mut conn = tx.connection().await?;
-        apply(&mut Sqlx::<Sqlite>(&mut conn), write).await
     }
 }

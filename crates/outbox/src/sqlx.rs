@@ -155,15 +155,15 @@ macro_rules! outbox_guard {
 
 outbox_guard!(
     "sqlx-postgres",
-    tower_idempotency_sqlx::SqlxPostgresConnection<'_>
+    tower_idempotency_sqlx::SqlxConnection<'_, sqlx::Postgres>
 );
 outbox_guard!(
     "sqlx-sqlite",
-    tower_idempotency_sqlx::SqlxSqliteConnection<'_>
+    tower_idempotency_sqlx::SqlxConnection<'_, sqlx::Sqlite>
 );
 outbox_guard!(
     "mysql",
-    tower_idempotency_sqlx::MySqlTransactionConnection<'_>
+    tower_idempotency_sqlx::SqlxConnection<'_, sqlx::MySql>
 );
 outbox_guard!("sqlx-postgres", sqlx::Transaction<'_, sqlx::Postgres>);
 outbox_guard!("sqlx-sqlite", sqlx::Transaction<'_, sqlx::Sqlite>);
@@ -171,9 +171,8 @@ outbox_guard!("mysql", sqlx::Transaction<'_, sqlx::MySql>);
 
 /// Adds `message` to the outbox through `conn`, the connection of the
 /// request's transaction (`&mut *tx.connection().await?` of a
-/// `SqlxPostgresTransaction`,
-/// `SqlxSqliteTransaction` or
-/// `MySqlTransaction`): it commits with
+/// `tower_idempotency_sqlx::SqlxTransaction` on any of its databases): it
+/// commits with
 /// the handler's writes and the idempotency record, or rolls back with
 /// them.
 ///

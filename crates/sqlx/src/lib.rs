@@ -2,6 +2,8 @@
 //!
 //! # Source map
 //!
+//! `transaction.rs` holds [`SqlxTransaction`], the handler's transaction on
+//! every store here, and [`Dialect`], what each database supplies to it;
 //! `error.rs` holds [`SqlxError`], the handler's error on every store here;
 //! `postgres/`, `sqlite/` and `mysql/` one store each: its `mod.rs` the store,
 //! its builder and its `Store` methods, `transaction.rs` its transaction
@@ -23,23 +25,21 @@ mod mysql;
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+mod transaction;
 
 pub use error::SqlxError;
 #[cfg(feature = "mysql")]
-pub use mysql::{MySqlStore, MySqlStoreBuilder, MySqlTransaction, MySqlTransactionConnection};
+pub use mysql::{MySqlStore, MySqlStoreBuilder, MySqlTransaction};
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresStore, SqlxPostgresStoreBuilder,
-    SqlxPostgresTransaction,
+    SqlxPostgresError, SqlxPostgresStore, SqlxPostgresStoreBuilder, SqlxPostgresTransaction,
 };
 #[cfg(feature = "sqlite")]
-pub use sqlite::{
-    SqlxSqliteConnection, SqlxSqliteError, SqlxSqliteStore, SqlxSqliteStoreBuilder,
-    SqlxSqliteTransaction,
-};
+pub use sqlite::{SqlxSqliteError, SqlxSqliteStore, SqlxSqliteStoreBuilder, SqlxSqliteTransaction};
 /// The sqlx this crate is built with (0.9), for the statements a handler
 /// runs through a transaction's `connection()`.
 pub use sqlx;
+pub use transaction::{Dialect, SqlxConnection, SqlxTransaction};
 
 /// The long form, one page a database, with examples that compile.
 pub mod guide {

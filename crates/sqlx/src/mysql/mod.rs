@@ -28,7 +28,7 @@ mod transaction;
 use sql::{Sql, q};
 use tower_idempotency::store::kit::claim::{ClaimSteps, Found, Met, claim_in};
 
-pub use transaction::{MySqlTransaction, MySqlTransactionConnection};
+pub use transaction::MySqlTransaction;
 
 /// Records in a MySQL or MariaDB (InnoDB) table; leases and TTLs judged by
 /// the database server's clock (`NOW(6)`, read in UTC).

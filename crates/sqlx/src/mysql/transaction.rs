@@ -1,5 +1,5 @@
-//! Transactional mode on MySQL/MariaDB: [`MySqlTransaction`], the
-//! handler's connection inside the request's transaction, and the
+//! Transactional mode on MySQL/MariaDB: [`MySqlTransaction`] (the crate's
+//! [`SqlxTransaction`] on MySQL) and the
 //! [`TwoPhase`] steps on which the store kit runs transactional mode.
 
 use std::sync::atomic::AtomicU64;
@@ -10,17 +10,15 @@ use sqlx::{AssertSqlSafe, Executor};
 
 use super::{MySqlStore, q, record_key, unavailable};
 use tower_idempotency::response::StoredResponse;
-use tower_idempotency::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
+use tower_idempotency::store::kit::two_phase::{TwoPhase, two_phase_store};
+
+use crate::transaction::SqlxTransaction;
 use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 
-/// An open MySQL/MariaDB transaction in which the layer has claimed the
-/// request's key. The handler runs its own statements on it through
-/// [`MySqlTransaction::connection`]; the layer commits them with the record
-/// and the stored response, or rolls everything back.
-///
-/// It reaches the handler as a request extension
-/// (`req.extensions().get::<MySqlTransaction>()`) and, with the `axum`
-/// feature, as an extractor.
+/// [`SqlxTransaction`] on MySQL/MariaDB: an open transaction of the
+/// store's pool in which the layer has claimed the request's key, reached
+/// through [`SqlxTransaction::connection`] (a [`SqlxConnection`](crate::SqlxConnection) that derefs
+/// to [`sqlx::MySqlConnection`]).
 ///
 /// # Errors inside the transaction
 ///
@@ -38,8 +36,8 @@ use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 /// [`MySqlStoreBuilder::max_hold`](super::MySqlStoreBuilder::max_hold)
 /// (default 30 s) or the layer's lease, whichever is shorter. Past it the
 /// store stops a statement still running on it (`KILL QUERY`), rolls it
-/// back, gives the key back; [`MySqlTransaction::closed`] resolves, later
-/// [`MySqlTransaction::connection`] calls fail with
+/// back, gives the key back; [`SqlxTransaction::closed`] resolves, later
+/// [`SqlxTransaction::connection`] calls fail with
 /// [`StoreError::Unavailable`], and the layer answers 503. As a backstop
 /// (a handler keeps the connection borrowed without running anything, or
 /// this app server is cut off from the database) the session's
@@ -50,70 +48,22 @@ use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 /// # Example
 ///
 /// ```no_run
-/// use axum::http::StatusCode;
-/// use axum::response::{IntoResponse, Response};
-/// use tower_idempotency_sqlx::MySqlTransaction;
+/// use tower_idempotency_sqlx::{MySqlTransaction, SqlxError};
 ///
 /// // `accounts` is the application's own table, in the store's database.
-/// async fn credit(tx: MySqlTransaction) -> Result<String, Response> {
-///     let mut conn = tx.connection().await.map_err(IntoResponse::into_response)?;
-///     tower_idempotency_sqlx::sqlx::query("UPDATE accounts SET balance = balance + 5 WHERE id = 1")
+/// // `SqlxError` answers as a problem (503 for the store, 500 for the SQL,
+/// // which is logged and not sent), so `?` is enough.
+/// async fn credit(tx: MySqlTransaction) -> Result<&'static str, SqlxError> {
+///     let mut conn = tx.connection().await?;
+///     sqlx::query("UPDATE accounts SET balance = balance + 5 WHERE id = 1")
 ///         .execute(&mut *conn)
-///         .await
-///         .map_err(|e| {
-///             tracing::error!(error = %e, "crediting failed");
-///             StatusCode::INTERNAL_SERVER_ERROR.into_response()
-///         })?;
-///     Ok("credited".into())
+///         .await?;
+///     Ok("credited")
 /// }
 /// ```
-#[derive(Clone)]
-pub struct MySqlTransaction {
-    held: Held<MySqlStore>,
-}
+pub type MySqlTransaction = SqlxTransaction<MySql>;
 
-/// The connection of an open [`MySqlTransaction`]; derefs (mutably) to
-/// sqlx's [`MySqlConnection`], so `&mut *conn` is an executor. Statements
-/// run inside the transaction; do not `COMMIT` or `ROLLBACK` (the layer
-/// does).
-pub struct MySqlTransactionConnection<'a> {
-    guard: tokio::sync::MappedMutexGuard<'a, sqlx::Transaction<'static, MySql>>,
-}
-
-impl std::ops::Deref for MySqlTransactionConnection<'_> {
-    type Target = MySqlConnection;
-
-    fn deref(&self) -> &MySqlConnection {
-        &self.guard
-    }
-}
-
-impl std::ops::DerefMut for MySqlTransactionConnection<'_> {
-    fn deref_mut(&mut self) -> &mut MySqlConnection {
-        &mut self.guard
-    }
-}
-
-impl MySqlTransaction {
-    /// The transaction's connection, for the handler's statements. Calls
-    /// from clones of this handle take turns.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError::Unavailable`] when the transaction has already ended
-    /// (committed, rolled back, or rolled back past its max hold time).
-    pub async fn connection(&self) -> Result<MySqlTransactionConnection<'_>, StoreError> {
-        let guard = self.held.lock(|tx| tx).await?;
-        Ok(MySqlTransactionConnection { guard })
-    }
-
-    /// Resolves once the transaction has ended: committed, rolled back, or
-    /// rolled back by the store past its max hold time (then the key has
-    /// been given back too).
-    pub async fn closed(&self) {
-        self.held.closed().await;
-    }
-}
+crate::transaction::two_phase_dialect!(MySql, MySqlStore);
 
 /// The session's `wait_timeout` back to the server's default, before the
 /// transaction ends (a `SET` is not transactional). A failure is left to

@@ -3,9 +3,8 @@
 //!
 //! * `sql.rs`: the statements and the schema, the same as `PostgresStore`'s
 //!   (`tower-idempotency-postgres`), so both stores can share one table.
-//! * `transaction.rs`: [`SqlxPostgresTransaction`], its connection guard
-//!   [`SqlxPostgresConnection`], the handler's error [`SqlxPostgresError`]
-//!   and the steps on which the store kit runs
+//! * `transaction.rs`: [`SqlxPostgresTransaction`] (the crate's
+//!   [`SqlxTransaction`](crate::SqlxTransaction) on PostgreSQL) and the steps on which the store kit runs
 //!   [`TransactionalStore`](tower_idempotency::store::TransactionalStore) in two phases.
 //! * `inspect.rs`: [`Inspect`](tower_idempotency::store::Inspect) in SQL.
 //!
@@ -40,7 +39,7 @@ mod transaction;
 
 use sql::{Sql, advisory_key, checked, query, schema};
 use tower_idempotency::store::kit::claim::{ClaimSteps, Met, claim_in};
-pub use transaction::{SqlxPostgresConnection, SqlxPostgresError, SqlxPostgresTransaction};
+pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 
 /// Records in a PostgreSQL table, reached through the application's own
 /// [`sqlx::PgPool`]; leases and TTLs judged by the database server's clock.

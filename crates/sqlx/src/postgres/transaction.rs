@@ -1,5 +1,5 @@
-//! Transactional mode on PostgreSQL through sqlx: [`SqlxPostgresTransaction`],
-//! the handler's connection inside the request's transaction, and the
+//! Transactional mode on PostgreSQL through sqlx: [`SqlxPostgresTransaction`]
+//! (the crate's [`SqlxTransaction`] on PostgreSQL) and the
 //! [`TwoPhase`] steps on which the store kit runs transactional mode.
 
 use std::sync::atomic::AtomicU64;
@@ -10,23 +10,16 @@ use sqlx::{Connection, PgConnection, Postgres};
 use super::sql::checked;
 use super::{SqlxPostgresStore, unavailable};
 use tower_idempotency::response::StoredResponse;
-use tower_idempotency::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
+use tower_idempotency::store::kit::two_phase::{TwoPhase, two_phase_store};
 use tower_idempotency::store::{Completion, FencingToken, RecordId, StoreError, duration_ms};
 
 pub use crate::error::SqlxPostgresError;
+use crate::transaction::SqlxTransaction;
 
-/// An open `sqlx::Transaction<'static, Postgres>` of the store's pool in
-/// which the layer has claimed the request's key. The handler runs its own
-/// statements in it through [`SqlxPostgresTransaction::connection`]; the layer
-/// commits them with the record and the stored response, or rolls
-/// everything back.
-///
-/// It reaches the handler as a request extension
-/// (`req.extensions().get::<SqlxPostgresTransaction>()`) and, with the
-/// `axum` feature, as an extractor. A route whose layer is not
-/// `.transactional()` (or lacks `require_key(true)`) answers a handler that
-/// takes it with a 500 problem saying so, logged once per process;
-/// `Option<SqlxPostgresTransaction>` is `None` instead.
+/// [`SqlxTransaction`] on PostgreSQL: an open `sqlx::Transaction<'static,
+/// Postgres>` of the store's pool in which the layer has claimed the
+/// request's key, reached through [`SqlxTransaction::connection`] (a
+/// [`SqlxConnection`](crate::SqlxConnection) that derefs to [`sqlx::PgConnection`]).
 ///
 /// # Max hold time
 ///
@@ -38,11 +31,11 @@ pub use crate::error::SqlxPostgresError;
 /// fenced). Past that, the store cancels a statement still running on it
 /// (`pg_cancel_backend`, from a connection of its own), rolls it back, gives
 /// the key back and the connection to the pool;
-/// [`SqlxPostgresTransaction::closed`] resolves, the handler's later
-/// [`SqlxPostgresTransaction::connection`] calls fail with
+/// [`SqlxTransaction::closed`] resolves, the handler's later
+/// [`SqlxTransaction::connection`] calls fail with
 /// [`StoreError::Unavailable`], and the layer answers the request 503 with
 /// `Retry-After` (or passes on a response its policy does not store). A
-/// handler that keeps a [`SqlxPostgresConnection`] without running a
+/// handler that keeps a [`SqlxConnection`](crate::SqlxConnection) without running a
 /// statement delays that rollback until it lets go; as a backstop the
 /// transaction sets PostgreSQL's `idle_in_transaction_session_timeout` to
 /// the hold time plus 1 s, after which the server ends the session.
@@ -65,62 +58,9 @@ pub use crate::error::SqlxPostgresError;
 ///     Ok(format!("balance {balance}"))
 /// }
 /// ```
-#[derive(Clone)]
-pub struct SqlxPostgresTransaction {
-    held: Held<SqlxPostgresStore>,
-}
+pub type SqlxPostgresTransaction = SqlxTransaction<Postgres>;
 
-/// The connection of an open [`SqlxPostgresTransaction`]: derefs to
-/// [`sqlx::PgConnection`], so `&mut *conn` is an executor, as with a
-/// `sqlx::Transaction`. Statements run inside the transaction; do not
-/// `COMMIT` or `ROLLBACK` (the layer does).
-pub struct SqlxPostgresConnection<'a> {
-    guard: tokio::sync::MappedMutexGuard<'a, PgConnection>,
-}
-
-impl std::fmt::Debug for SqlxPostgresConnection<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqlxPostgresConnection")
-            .finish_non_exhaustive()
-    }
-}
-
-impl std::ops::Deref for SqlxPostgresConnection<'_> {
-    type Target = PgConnection;
-
-    fn deref(&self) -> &PgConnection {
-        &self.guard
-    }
-}
-
-impl std::ops::DerefMut for SqlxPostgresConnection<'_> {
-    fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.guard
-    }
-}
-
-impl SqlxPostgresTransaction {
-    /// The transaction's connection, for the handler's statements
-    /// (`.execute(&mut *conn)`). Calls from clones of this handle take
-    /// turns: the next waits until the previous connection is dropped.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError::Unavailable`] when the transaction has already ended
-    /// (committed, rolled back, or rolled back past its max hold time).
-    pub async fn connection(&self) -> Result<SqlxPostgresConnection<'_>, StoreError> {
-        let guard = self.held.lock(|tx| &mut **tx).await?;
-        Ok(SqlxPostgresConnection { guard })
-    }
-
-    /// Resolves once the transaction has ended: committed, rolled back, or
-    /// rolled back by the store past its max hold time (see "Max hold
-    /// time"; then the key has been given back too). A handler doing long
-    /// work can `select!` on it to stop early.
-    pub async fn closed(&self) {
-        self.held.closed().await;
-    }
-}
+crate::transaction::two_phase_dialect!(Postgres, SqlxPostgresStore);
 
 impl TwoPhase for SqlxPostgresStore {
     /// Dropped before it ended cleanly, a `sqlx::Transaction` queues a

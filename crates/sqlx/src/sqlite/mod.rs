@@ -24,7 +24,7 @@ mod claim;
 mod inspect;
 mod transaction;
 
-pub use transaction::{SqlxSqliteConnection, SqlxSqliteError, SqlxSqliteTransaction};
+pub use transaction::{SqlxSqliteError, SqlxSqliteTransaction};
 
 /// Records in the SQLite database of the app's own [`sqlx::SqlitePool`],
 /// in both modes: [`Separate`](tower_idempotency::mode::Separate), and

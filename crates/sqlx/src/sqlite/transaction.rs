@@ -5,7 +5,9 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
+use sqlx::sqlite::SqliteQueryResult;
 use sqlx::{Sqlite, SqliteConnection};
+use tokio::sync::{MappedMutexGuard, MutexGuard};
 
 use super::SqlxSqliteStore;
 use super::claim::{claim_in, complete_in};
@@ -17,12 +19,15 @@ use tower_idempotency::store::{
 mod hold;
 
 pub use crate::error::SqlxSqliteError;
+use crate::transaction::{Dialect, Sealed, SqlxTransaction};
 use hold::{Fate, OpenCount};
 
-/// An open SQLite write transaction (`BEGIN IMMEDIATE`) on one of the
+/// [`SqlxTransaction`] on SQLite: an open write transaction
+/// (`BEGIN IMMEDIATE`) on one of the
 /// app's pooled connections, in which the layer has claimed the request's
 /// key. The handler runs its own statements in it through
-/// [`SqlxSqliteTransaction::connection`]; the layer then completes the
+/// [`SqlxTransaction::connection`] (a [`SqlxConnection`](crate::SqlxConnection)
+/// that derefs to [`sqlx::SqliteConnection`]); the layer then completes the
 /// record with the response in the same transaction and commits: the
 /// handler's writes, the record and the stored response commit together, or
 /// not at all. A response the policy does not store, an error, a panic or a
@@ -52,8 +57,8 @@ use hold::{Fate, OpenCount};
 /// [`SqlxSqliteStoreBuilder::max_hold`](super::SqlxSqliteStoreBuilder::max_hold)
 /// (default 30 s) or the layer's lease, whichever is shorter. Past that, the
 /// store rolls it back (the handler's writes and the claim),
-/// [`SqlxSqliteTransaction::closed`] resolves, later
-/// [`SqlxSqliteTransaction::connection`] calls fail with
+/// [`SqlxTransaction::closed`] resolves, later
+/// [`SqlxTransaction::connection`] calls fail with
 /// [`StoreError::Unavailable`], and the layer answers 503 with
 /// `Retry-After`. A statement that is running is not interrupted: the
 /// rollback waits until the handler lets go of the connection.
@@ -81,12 +86,11 @@ use hold::{Fate, OpenCount};
 ///     Ok(format!("balance {balance}"))
 /// }
 /// ```
-#[derive(Clone)]
-pub struct SqlxSqliteTransaction {
-    shared: Arc<Shared>,
-}
+pub type SqlxSqliteTransaction = SqlxTransaction<Sqlite>;
 
-struct Shared {
+/// The inside of a [`SqlxSqliteTransaction`], shared by its clones.
+#[allow(unreachable_pub)] // `Dialect::Held` of `Sqlite`, a hidden item
+pub struct Shared {
     open: tokio::sync::Mutex<Option<Open>>,
     /// Who ends it: the layer, or the max-hold timer.
     fate: Fate,
@@ -146,26 +150,29 @@ impl std::fmt::Debug for SqlxSqliteTransaction {
     }
 }
 
-/// The connection of an open [`SqlxSqliteTransaction`]; derefs to
-/// [`sqlx::SqliteConnection`], inside the transaction. Run statements with
-/// `.execute(&mut *conn)`; do not `COMMIT` or `ROLLBACK` (the layer does).
-/// Savepoints of its own (`conn.begin()`) are fine. While it is held, the
-/// max-hold rollback and other clones of the handle wait.
-pub struct SqlxSqliteConnection<'a> {
-    guard: tokio::sync::MappedMutexGuard<'a, sqlx::Transaction<'static, Sqlite>>,
-}
+impl Sealed for Sqlite {}
 
-impl std::ops::Deref for SqlxSqliteConnection<'_> {
-    type Target = SqliteConnection;
+impl Dialect for Sqlite {
+    type Held = Arc<Shared>;
 
-    fn deref(&self) -> &SqliteConnection {
-        &self.guard
+    async fn lock(
+        held: &Arc<Shared>,
+    ) -> Result<MappedMutexGuard<'_, SqliteConnection>, StoreError> {
+        let guard = held.open.lock().await;
+        if held.fate.expired() {
+            return Err(held.over());
+        }
+        MutexGuard::try_map(guard, |open| open.as_mut().map(|o| &mut *o.tx))
+            .map_err(|_| held.over())
     }
-}
 
-impl std::ops::DerefMut for SqlxSqliteConnection<'_> {
-    fn deref_mut(&mut self) -> &mut SqliteConnection {
-        &mut self.guard
+    async fn closed(held: &Arc<Shared>) {
+        let mut ended = held.ended.clone();
+        while ended.changed().await.is_ok() {}
+    }
+
+    fn rows_affected(done: &SqliteQueryResult) -> u64 {
+        done.rows_affected()
     }
 }
 
@@ -173,47 +180,28 @@ fn transaction_over() -> StoreError {
     StoreError::unavailable("the idempotency transaction has already been committed or rolled back")
 }
 
-impl SqlxSqliteTransaction {
-    /// The transaction's connection, for the handler's statements. Calls
-    /// from clones of this handle take turns.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError::Unavailable`] when the transaction has already ended
-    /// (committed, rolled back, or rolled back past its max hold time).
-    pub async fn connection(&self) -> Result<SqlxSqliteConnection<'_>, StoreError> {
-        let guard = self.shared.open.lock().await;
-        if self.shared.fate.expired() {
-            return Err(self.over());
-        }
-        tokio::sync::MutexGuard::try_map(guard, |open| open.as_mut().map(|o| &mut o.tx))
-            .map(|guard| SqlxSqliteConnection { guard })
-            .map_err(|_| self.over())
-    }
-
-    /// Resolves once the transaction has ended: committed, rolled back, or
-    /// rolled back by the store past its max hold time. A handler doing long
-    /// work can `select!` on it to stop early.
-    pub async fn closed(&self) {
-        let mut ended = self.shared.ended.clone();
-        while ended.changed().await.is_ok() {}
-    }
-
+impl Shared {
     /// The error of a call after the transaction ended.
     fn over(&self) -> StoreError {
-        if self.shared.fate.expired() {
-            hold::held_too_long(self.shared.fate.hold)
+        if self.fate.expired() {
+            hold::held_too_long(self.fate.hold)
         } else {
             transaction_over()
         }
     }
+}
+
+impl SqlxSqliteTransaction {
+    fn over(&self) -> StoreError {
+        self.held.over()
+    }
 
     async fn take(&self) -> Option<Open> {
-        self.shared.open.lock().await.take()
+        self.held.open.lock().await.take()
     }
 
     fn stop_timer(&self) {
-        if let Some(timer) = self.shared.timer.lock().ok().and_then(|mut t| t.take()) {
+        if let Some(timer) = self.held.timer.lock().ok().and_then(|mut t| t.take()) {
             timer.abort();
         }
     }
@@ -255,7 +243,7 @@ impl TransactionalStore for SqlxSqliteStore {
             count,
         };
         let transaction = SqlxSqliteTransaction {
-            shared: Arc::new(Shared {
+            held: Arc::new(Shared {
                 open: tokio::sync::Mutex::new(Some(open)),
                 fate: Fate::new(hold),
                 ended: watch,
@@ -263,7 +251,7 @@ impl TransactionalStore for SqlxSqliteStore {
             }),
         };
         let timer = tokio::spawn(self.clone().end_past(transaction.clone()));
-        if let Ok(mut slot) = transaction.shared.timer.lock() {
+        if let Ok(mut slot) = transaction.held.timer.lock() {
             *slot = Some(timer.abort_handle());
         }
         Ok(TransactionClaim::Acquired {
@@ -279,7 +267,7 @@ impl TransactionalStore for SqlxSqliteStore {
     ) -> Result<Completion, StoreError> {
         let open = transaction.take().await.ok_or_else(|| transaction.over())?;
         transaction.stop_timer();
-        if !transaction.shared.fate.end() {
+        if !transaction.held.fate.end() {
             // The max hold time passed first: roll back, as its timer would.
             open.roll_back().await;
             return Err(transaction.over());
@@ -325,8 +313,8 @@ impl TransactionalStore for SqlxSqliteStore {
 
     fn rollback(&self, transaction: &SqlxSqliteTransaction) {
         transaction.stop_timer();
-        transaction.shared.fate.end();
-        match transaction.shared.open.try_lock() {
+        transaction.held.fate.end();
+        match transaction.held.open.try_lock() {
             // Dropping the sqlx transaction sends its ROLLBACK at once.
             Ok(mut open) => drop(open.take()),
             // The handler is using the connection: roll back once it lets go.
@@ -341,7 +329,7 @@ impl TransactionalStore for SqlxSqliteStore {
 
     async fn roll_back_and_wait(&self, transaction: &SqlxSqliteTransaction) {
         transaction.stop_timer();
-        transaction.shared.fate.end();
+        transaction.held.fate.end();
         if let Some(open) = transaction.take().await {
             open.roll_back().await;
         }
@@ -358,9 +346,9 @@ impl SqlxSqliteStore {
     /// let go of the connection, rolls the transaction back and lets
     /// `closed` resolve. Aborted when the layer ends the transaction first.
     async fn end_past(self, transaction: SqlxSqliteTransaction) {
-        let hold = transaction.shared.fate.hold;
+        let hold = transaction.held.fate.hold;
         tokio::time::sleep(hold).await;
-        if !transaction.shared.fate.expire() {
+        if !transaction.held.fate.expire() {
             return;
         }
         self.counters.held_too_long.fetch_add(1, Relaxed);
