@@ -30,9 +30,9 @@ echo "TOWER_IDEMPOTENCY_MYSQL_URL=$TOWER_IDEMPOTENCY_MYSQL_URL"
 # model) run in .ci/run's `cargo test --all-features`, against the same server.
 
 echo "== the ledger on MySQL: check_ledger.py in both modes"
-cargo build --release --example ledger --all-features
+cargo build --example ledger --all-features
 for mode in transactional separate; do
-    python3 ../shared/conformance/check_ledger.py --bin target/release/examples/ledger \
+    python3 ../shared/conformance/check_ledger.py --bin target/debug/examples/ledger \
         --db "$TOWER_IDEMPOTENCY_MYSQL_URL" --server-arg=--mode=$mode \
         || fail "check_ledger.py on MySQL, --mode=$mode"
 done

@@ -13,8 +13,8 @@ done
 : "${TOWER_IDEMPOTENCY_POSTGRES_URL:?outbox.sh: TOWER_IDEMPOTENCY_POSTGRES_URL must name the PostgreSQL test database}"
 mysqladmin -h 127.0.0.1 -u root ping >/dev/null || { echo "outbox.sh: MariaDB is not reachable on 127.0.0.1:3306" >&2; exit 1; }
 
-cargo build --release --example ledger --all-features
-bin=target/release/examples/ledger
+cargo build --example ledger --all-features
+bin=target/debug/examples/ledger
 
 for driver in rusqlite sqlx; do
     echo "== check_outbox.py (SQLite, --db-driver $driver)"

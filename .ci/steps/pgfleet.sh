@@ -59,9 +59,9 @@ runuser -u postgres -- "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 6
 
 url="postgres://postgres@localhost:$port/postgres?hostaddr=127.0.0.1&sslmode=verify-full&sslrootcert=$dir/ca.pem"
 
-echo "== pgfleet: the release ledger (every feature)"
-cargo build --release --example ledger --all-features
-ledger=target/release/examples/ledger
+echo "== pgfleet: the ledger (every feature)"
+cargo build --example ledger --all-features
+ledger=target/debug/examples/ledger
 
 echo "== pgfleet: a plain-text connection to the TLS-only cluster is refused at start-up"
 if out=$("$ledger" --db "postgres://postgres@localhost:$port/postgres?hostaddr=127.0.0.1&sslmode=disable" \

@@ -54,8 +54,8 @@ redis-cli --cluster create "${ports[@]/#/127.0.0.1:}" --cluster-replicas 0 --clu
 cluster_ok() { redis-cli -h 127.0.0.1 -p "$1" cluster info | grep -q '^cluster_state:ok'; }
 for port in "${ports[@]}"; do wait_for "cluster_state:ok on $port" cluster_ok "$port"; done
 
-cargo build --release --example ledger --all-features
-ledger=target/release/examples/ledger
+cargo build --example ledger --all-features
+ledger=target/debug/examples/ledger
 seeds=$(printf 'redis://127.0.0.1:%s,' "${ports[@]}")
 seeds=${seeds%,}
 echo "== ledger conformance: --key-store $seeds"

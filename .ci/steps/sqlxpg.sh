@@ -12,9 +12,9 @@ check=../shared/conformance/check_ledger.py
 command -v python3 >/dev/null || fail "python3 is required"
 pg_isready -q -d "$TOWER_IDEMPOTENCY_POSTGRES_URL" || fail "PostgreSQL at $TOWER_IDEMPOTENCY_POSTGRES_URL is not reachable"
 
-cargo build --release --example ledger --all-features
+cargo build --example ledger --all-features
 for mode in transactional separate; do
     echo "== ledger conformance: --db-driver sqlx --mode $mode"
-    python3 "$check" --bin target/release/examples/ledger --db "$TOWER_IDEMPOTENCY_POSTGRES_URL" \
+    python3 "$check" --bin target/debug/examples/ledger --db "$TOWER_IDEMPOTENCY_POSTGRES_URL" \
         --server-arg=--db-driver=sqlx "--server-arg=--mode=$mode"
 done

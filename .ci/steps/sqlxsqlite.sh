@@ -14,9 +14,9 @@ check=../shared/conformance/check_ledger.py
 # .ci/run's `cargo test --all-features`.
 
 step "the ledger on SqlxSqliteStore (--db-driver sqlx), both modes"
-cargo build --release --example ledger --all-features
+cargo build --example ledger --all-features
 for mode in transactional separate; do
-    python3 "$check" --bin target/release/examples/ledger \
+    python3 "$check" --bin target/debug/examples/ledger \
         --server-arg=--db-driver=sqlx --server-arg="--mode=$mode" \
         || fail "check_ledger.py with --db-driver=sqlx --mode=$mode"
 done
