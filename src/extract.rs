@@ -14,7 +14,7 @@ use crate::key::ClaimedKey;
 /// client's, so it is also logged at error level, once per process for each
 /// `logged` (one per extractor type): every request of that route would
 /// repeat it.
-pub fn misconfigured(logged: &'static Once, detail: &'static str) -> Response<Body> {
+pub fn misconfigured(logged: &'static Once, detail: &str) -> Response<Body> {
     logged.call_once(|| {
         tracing::error!(
             detail,

@@ -211,3 +211,11 @@ impl TwoPhase for PostgresStore {
 }
 
 two_phase_store!(PostgresStore, PostgresTransaction);
+tower_idempotency::store::kit::transaction_extractor!(PostgresTransaction);
+
+impl std::fmt::Debug for PostgresTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresTransaction")
+            .finish_non_exhaustive()
+    }
+}

@@ -5,14 +5,19 @@
 //!
 //! # Example
 //!
-//! One handler for every store of this crate: it writes through whichever
-//! database's transaction the layer opened.
+//! One axum handler for every store of this crate: it writes through
+//! whichever database's transaction the layer opened.
 //!
 //! ```
+//! # #[cfg(all(feature = "axum", feature = "postgres", feature = "sqlite"))]
+//! # mod example {
+//! use axum::{Router, routing::post};
+//! use tower_idempotency::{IdempotencyLayer, scope::GlobalScope};
+//! use tower_idempotency::store::TransactionalStore;
 //! use tower_idempotency_sqlx::{Dialect, SqlxError, SqlxTransaction};
 //!
 //! // `accounts` is the application's own table, in the store's database.
-//! async fn credit<DB: Dialect>(tx: SqlxTransaction<DB>) -> Result<u64, SqlxError>
+//! async fn credit<DB: Dialect>(tx: SqlxTransaction<DB>) -> Result<String, SqlxError>
 //! where
 //!     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
 //! {
@@ -20,8 +25,26 @@
 //!     let done = sqlx::raw_sql("UPDATE accounts SET balance = balance + 5 WHERE id = 1")
 //!         .execute(&mut *conn)
 //!         .await?;
-//!     Ok(DB::rows_affected(&done))
+//!     Ok(format!("{} account credited\n", DB::rows_affected(&done)))
 //! }
+//!
+//! /// The same routes on any sqlx store: `SqlxPostgresStore`,
+//! /// `SqlxSqliteStore` or `MySqlStore`.
+//! pub fn app<DB, S>(store: S) -> Router
+//! where
+//!     DB: Dialect,
+//!     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+//!     S: TransactionalStore<Transaction = SqlxTransaction<DB>> + Clone,
+//! {
+//!     Router::new().route("/credits", post(credit::<DB>)).route_layer(
+//!         IdempotencyLayer::new(store, GlobalScope).require_key(true).transactional(),
+//!     )
+//! }
+//!
+//! pub fn both(pg: tower_idempotency_sqlx::SqlxPostgresStore, lite: tower_idempotency_sqlx::SqlxSqliteStore) -> Router {
+//!     Router::new().nest("/pg", app(pg)).nest("/lite", app(lite))
+//! }
+//! # }
 //! ```
 
 use std::future::Future;
@@ -47,6 +70,10 @@ pub trait Dialect: sqlx::Database + sealed::Sealed {
     #[doc(hidden)]
     type Held: Clone + Send + Sync + 'static;
 
+    /// The transaction's name for this database, as errors say it.
+    #[doc(hidden)]
+    const TRANSACTION: &'static str;
+
     /// The transaction's connection, while it is open.
     #[doc(hidden)]
     fn lock(
@@ -63,12 +90,14 @@ pub trait Dialect: sqlx::Database + sealed::Sealed {
 
 /// Implements the sealed [`Dialect`] for a database whose store runs on the
 /// store kit's two phases (`Held` of the store).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 macro_rules! two_phase_dialect {
-    ($db:ty, $store:ty) => {
+    ($db:ty, $store:ty, $name:literal) => {
         impl $crate::transaction::Sealed for $db {}
 
         impl $crate::transaction::Dialect for $db {
             type Held = tower_idempotency::store::kit::two_phase::Held<$store>;
+            const TRANSACTION: &'static str = $name;
 
             async fn lock(
                 held: &Self::Held,
@@ -89,10 +118,10 @@ macro_rules! two_phase_dialect {
         }
     };
 }
-#[allow(unused_imports)]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use two_phase_dialect;
 
-#[allow(unused_imports)]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use sealed::Sealed;
 
 /// An open transaction of the store's pool in which the layer has claimed
@@ -124,6 +153,19 @@ pub(crate) use sealed::Sealed;
 pub struct SqlxTransaction<DB: Dialect> {
     pub(crate) held: DB::Held,
 }
+
+impl<DB: Dialect> std::fmt::Debug for SqlxTransaction<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(DB::TRANSACTION).finish_non_exhaustive()
+    }
+}
+
+// With the `axum` feature, an extractor on every database, so a handler
+// generic over `DB` is one too.
+tower_idempotency::store::kit::transaction_extractor!(
+    [DB: Dialect] SqlxTransaction<DB>,
+    DB::TRANSACTION
+);
 
 impl<DB: Dialect> Clone for SqlxTransaction<DB> {
     fn clone(&self) -> Self {

@@ -7,13 +7,19 @@
 /// process and type; `Option<T>` is `None` for requests that passed through
 /// without a key.
 ///
+/// `transaction_extractor!(MyTransaction)` for a concrete type;
+/// `transaction_extractor!([DB: Dialect] MyTransaction<DB>, name)` for a
+/// type generic over its database, where `name` (a `&str` expression, e.g.
+/// an associated constant of `DB`) is how the misconfiguration's answer
+/// names the type.
+///
 /// The impls are compiled when the crate that invokes the macro has a
 /// feature named `axum`, which must enable this crate's `axum` feature
 /// (`axum = ["tower-idempotency/axum"]`).
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __transaction_extractor {
-    ($transaction:ty) => {
+    ([$($generics:tt)*] $transaction:ty, $name:expr) => {
         /// Extracts the request's transaction in a handler behind a
         /// `IdempotencyLayer::transactional` layer. A request without
         /// one (a route whose layer is not `.transactional()`, or has no
@@ -22,7 +28,7 @@ macro_rules! __transaction_extractor {
         /// The compiler cannot catch this: the extractor does not see the
         /// layer's type.
         #[cfg(feature = "axum")]
-        impl<S: Sync> $crate::__private::axum_core::extract::FromRequestParts<S> for $transaction {
+        impl<S: Sync, $($generics)*> $crate::__private::axum_core::extract::FromRequestParts<S> for $transaction {
             type Rejection = $crate::__private::http::Response<$crate::__private::axum_core::body::Body>;
 
             async fn from_request_parts(
@@ -37,10 +43,9 @@ macro_rules! __transaction_extractor {
                     .ok_or_else(|| {
                         $crate::__private::misconfigured(
                             &LOGGED,
-                            concat!(
-                                "this handler takes a ",
-                                stringify!($transaction),
-                                ", and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)"
+                            &format!(
+                                "this handler takes a {}, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)",
+                                $name,
                             ),
                         )
                     })
@@ -49,7 +54,7 @@ macro_rules! __transaction_extractor {
 
         /// `Option<_>`: `None` for requests that passed through without a key.
         #[cfg(feature = "axum")]
-        impl<S: Sync> $crate::__private::axum_core::extract::OptionalFromRequestParts<S> for $transaction {
+        impl<S: Sync, $($generics)*> $crate::__private::axum_core::extract::OptionalFromRequestParts<S> for $transaction {
             type Rejection = std::convert::Infallible;
 
             async fn from_request_parts(
@@ -59,5 +64,8 @@ macro_rules! __transaction_extractor {
                 Ok(parts.extensions.get::<$transaction>().cloned())
             }
         }
+    };
+    ($transaction:ty) => {
+        $crate::__transaction_extractor!([] $transaction, stringify!($transaction));
     };
 }

@@ -422,7 +422,10 @@ async fn end_past<D: TwoPhase>(store: D, held: Held<D>, cancel: D::Cancel) {
 
 /// Implements [`TransactionalStore`](crate::store::TransactionalStore) for
 /// `$store` through this module, with `$handle` (a struct whose `held`
-/// field is a [`Held`]) as its transaction, plus the handle's `Debug`.
+/// field is a [`Held`]) as its transaction. The handle's `Debug` and its
+/// extractor ([`transaction_extractor!`](crate::store::kit::transaction_extractor))
+/// are the store crate's: a handle generic over its database implements
+/// them once for every database.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __two_phase_store {
@@ -469,14 +472,6 @@ macro_rules! __two_phase_store {
                 transaction.held.closed().await
             }
         }
-
-        impl std::fmt::Debug for $handle {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.debug_struct(stringify!($handle)).finish_non_exhaustive()
-            }
-        }
-
-        $crate::store::kit::transaction_extractor!($handle);
     };
 }
 #[doc(inline)]

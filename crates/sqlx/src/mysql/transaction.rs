@@ -63,7 +63,7 @@ use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 /// ```
 pub type MySqlTransaction = SqlxTransaction<MySql>;
 
-crate::transaction::two_phase_dialect!(MySql, MySqlStore);
+crate::transaction::two_phase_dialect!(MySql, MySqlStore, "MySqlTransaction");
 
 /// The session's `wait_timeout` back to the server's default, before the
 /// transaction ends (a `SET` is not transactional). A failure is left to

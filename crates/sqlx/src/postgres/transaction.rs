@@ -60,7 +60,7 @@ use crate::transaction::SqlxTransaction;
 /// ```
 pub type SqlxPostgresTransaction = SqlxTransaction<Postgres>;
 
-crate::transaction::two_phase_dialect!(Postgres, SqlxPostgresStore);
+crate::transaction::two_phase_dialect!(Postgres, SqlxPostgresStore, "SqlxPostgresTransaction");
 
 impl TwoPhase for SqlxPostgresStore {
     /// Dropped before it ended cleanly, a `sqlx::Transaction` queues a

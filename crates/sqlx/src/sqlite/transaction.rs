@@ -143,17 +143,11 @@ impl Open {
     }
 }
 
-impl std::fmt::Debug for SqlxSqliteTransaction {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqlxSqliteTransaction")
-            .finish_non_exhaustive()
-    }
-}
-
 impl Sealed for Sqlite {}
 
 impl Dialect for Sqlite {
     type Held = Arc<Shared>;
+    const TRANSACTION: &'static str = "SqlxSqliteTransaction";
 
     async fn lock(
         held: &Arc<Shared>,
@@ -361,5 +355,3 @@ impl SqlxSqliteStore {
         }
     }
 }
-
-tower_idempotency::store::kit::transaction_extractor!(SqlxSqliteTransaction);
