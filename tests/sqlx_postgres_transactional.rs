@@ -1,12 +1,13 @@
-//! Transactional mode on `SqlxPostgresStore` over real sockets: the
-//! handler's writes (through the request's `sqlx` transaction), the record
-//! and the response commit together, or none of them do. Needs PostgreSQL:
+//! Transactional mode on `SqlxPostgresStore` over real sockets, where
+//! PostgreSQL differs from the other sqlx stores (whose shared rules are
+//! `sqlx_transactional.rs`'s suite): a swallowed error leaves an aborted
+//! transaction that cannot commit, a cancelled commit never leaks its
+//! transaction, and a statement past the max hold is cancelled. Needs PostgreSQL:
 //! `TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database; a server
 //! that cannot be reached fails.
 
 mod common;
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -15,10 +16,9 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use common::{Harness, Raw, send, serve};
+use common::{Harness, send, serve};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
-use tokio::sync::Barrier;
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
 use tower_idempotency::scope::GlobalScope;
@@ -142,181 +142,6 @@ async fn credit(
         .into_response())
 }
 
-async fn start(db: &Db) -> (std::net::SocketAddr, Harness) {
-    let h = Harness::default();
-    let app = Router::new()
-        .route("/credits", post(credit))
-        .route_layer(IdempotencyLayer::new(db.store.clone(), GlobalScope).transactional())
-        .with_state(App {
-            h: h.clone(),
-            table: db.table.clone(),
-        });
-    (serve(app).await, h)
-}
-
-async fn post_credit(addr: std::net::SocketAddr, key: &[u8], extra: &[(&str, &[u8])]) -> Raw {
-    let mut headers: Vec<(&str, &[u8])> = vec![("idempotency-key", key)];
-    headers.extend_from_slice(extra);
-    send(addr, "POST", "/credits", &headers, b"{\"amount\":5}").await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn effect_record_and_response_commit_together() {
-    let db = Db::new().await;
-    let (addr, h) = start(&db).await;
-    let first = post_credit(addr, b"k", &[]).await;
-    assert_eq!(
-        (first.status, first.body.as_slice()),
-        (201, &b"run 1 balance 5"[..])
-    );
-    let again = post_credit(addr, b"k", &[]).await;
-    assert!(again.replayed(), "{again:?}");
-    assert_eq!(again.body, first.body);
-    assert_eq!(db.effects().await, (5, 1, 1));
-    assert_eq!(h.runs(), 1);
-
-    // A 500 is not stored: the credit rolls back with the claim.
-    let failed = post_credit(addr, b"f", &[("x-status", b"500")]).await;
-    assert_eq!(failed.status, 500);
-    assert_eq!(db.effects().await, (5, 1, 1), "rolled back");
-    let retry = post_credit(addr, b"f", &[]).await;
-    assert_eq!((retry.status, retry.replayed()), (201, false));
-    assert_eq!(retry.body, b"run 3 balance 10");
-    assert_eq!(db.effects().await, (10, 2, 2));
-    db.drop_tables().await;
-}
-
-/// 16 identical requests released together by a barrier while the winner is
-/// held in its handler: exactly one runs, the other 15 get 409 at once;
-/// after its commit, 16 more all replay it. The balance is credited once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn parallel_identical_requests_credit_once() {
-    const N: usize = 16;
-    let db = Db::new().await;
-    let (addr, h) = start(&db).await;
-    let mut entered = h.watch();
-    let barrier = Arc::new(Barrier::new(N));
-    let tasks: Vec<_> = (0..N)
-        .map(|_| {
-            let barrier = barrier.clone();
-            tokio::spawn(async move {
-                barrier.wait().await;
-                post_credit(addr, b"same", &[("x-gate", b"g")]).await
-            })
-        })
-        .collect();
-    assert_eq!(entered.recv().await.as_deref(), Some("g"));
-    // The winner waits at its gate: every other request is answered 409.
-    let mut pending = Vec::new();
-    let mut in_flight = 0;
-    for task in tasks {
-        if task.is_finished() {
-            let r = task.await.unwrap();
-            assert_eq!(r.assert_problem(409), types::IN_FLIGHT, "{r:?}");
-            in_flight += 1;
-        } else {
-            pending.push(task);
-        }
-    }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while pending.len() > 1 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the duplicates never answered"
-        );
-        let (finished, waiting): (Vec<_>, Vec<_>) =
-            pending.into_iter().partition(|t| t.is_finished());
-        for task in finished {
-            let r = task.await.unwrap();
-            assert_eq!(r.assert_problem(409), types::IN_FLIGHT, "{r:?}");
-            in_flight += 1;
-        }
-        pending = waiting;
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert_eq!(in_flight, N - 1);
-    assert_eq!(
-        db.effects().await,
-        (0, 0, 1),
-        "the credit is not committed yet"
-    );
-    h.open("g");
-    let first = pending.pop().unwrap().await.unwrap();
-    assert_eq!((first.status, first.replayed()), (201, false));
-    assert_eq!(first.body, b"run 1 balance 5");
-
-    let barrier = Arc::new(Barrier::new(N));
-    let repeats: Vec<_> = (0..N)
-        .map(|_| {
-            let barrier = barrier.clone();
-            tokio::spawn(async move {
-                barrier.wait().await;
-                post_credit(addr, b"same", &[]).await
-            })
-        })
-        .collect();
-    for task in repeats {
-        let r = task.await.unwrap();
-        assert!(r.replayed(), "{r:?}");
-        assert_eq!((r.status, r.body.as_slice()), (201, first.body.as_slice()));
-    }
-    assert_eq!(h.runs(), 1);
-    assert_eq!(db.effects().await, (5, 1, 1));
-    db.drop_tables().await;
-}
-
-/// 16 different keys at once: 16 credits, each with its record.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn parallel_distinct_keys_each_credit_once() {
-    const N: usize = 16;
-    let db = Db::new().await;
-    let (addr, h) = start(&db).await;
-    let barrier = Arc::new(Barrier::new(N));
-    let tasks: Vec<_> = (0..N)
-        .map(|i| {
-            let barrier = barrier.clone();
-            tokio::spawn(async move {
-                barrier.wait().await;
-                post_credit(addr, format!("k{i}").as_bytes(), &[]).await
-            })
-        })
-        .collect();
-    for task in tasks {
-        let r = task.await.unwrap();
-        assert_eq!((r.status, r.replayed()), (201, false), "{r:?}");
-    }
-    assert_eq!(h.runs(), N);
-    assert_eq!(db.effects().await, (5 * N as i64, N as i64, N as i64));
-    db.drop_tables().await;
-}
-
-/// A statement that fails answers through `?` as a 500 problem that does
-/// not echo the SQL error; nothing is kept and the key is given back, so
-/// the retry runs (and, fixed, commits once).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_statement_answers_500_and_keeps_nothing() {
-    let db = Db::new().await;
-    let (addr, h) = start(&db).await;
-    for _ in 0..2 {
-        let r = post_credit(addr, b"k", &[("x-sql-error", b"1")]).await;
-        assert_eq!(r.status, 500, "{r:?}");
-        assert_eq!(
-            r.header_str("content-type"),
-            Some("application/problem+json")
-        );
-        assert_eq!(
-            r.json()["detail"],
-            "a database statement failed while this request was processed"
-        );
-    }
-    assert_eq!(h.runs(), 0);
-    assert_eq!(db.effects().await, (0, 0, 0));
-    let fixed = post_credit(addr, b"k", &[]).await;
-    assert_eq!((fixed.status, fixed.replayed()), (201, false));
-    assert_eq!(db.effects().await, (5, 1, 1));
-    db.drop_tables().await;
-}
-
 /// A handler that swallows its statement's error (PostgreSQL aborted the
 /// transaction) answers 201, but the completion cannot run: 503, nothing
 /// kept, the key given back.
@@ -354,63 +179,6 @@ async fn a_failed_commit_answers_503_and_gives_the_key_back() {
         assert_eq!(r.header_str("retry-after"), Some("1"));
     }
     assert_eq!(db.effects().await, (0, 0, 0));
-    db.drop_tables().await;
-}
-
-/// A duplicate never waits on the first one's uncommitted row: 409 at once,
-/// 422 for another body, and the replay once the first has committed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_duplicate_gets_409_and_another_body_422_without_blocking() {
-    let db = Db::new().await;
-    let (addr, h) = start(&db).await;
-    let mut entered = h.watch();
-    let first = tokio::spawn(async move { post_credit(addr, b"k", &[("x-gate", b"g")]).await });
-    assert_eq!(entered.recv().await.as_deref(), Some("g"));
-    let busy = post_credit(addr, b"k", &[]).await;
-    assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
-    let retry_after: u64 = busy.header_str("retry-after").unwrap().parse().unwrap();
-    assert!((1..=60).contains(&retry_after), "{retry_after}");
-    let other = send(
-        addr,
-        "POST",
-        "/credits",
-        &[("idempotency-key", b"k")],
-        b"{\"amount\":6}",
-    )
-    .await;
-    assert_eq!(other.assert_problem(422), types::MISMATCH);
-    h.open("g");
-    assert_eq!(first.await.unwrap().status, 201);
-    assert!(post_credit(addr, b"k", &[]).await.replayed());
-    assert_eq!(h.runs(), 1);
-    assert_eq!(db.effects().await, (5, 1, 1));
-    db.drop_tables().await;
-}
-
-/// A client that goes away while the handler runs: everything rolls back
-/// and the key is given back, so the retry runs once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dropped_request_rolls_everything_back() {
-    let db = Db::new().await;
-    let (addr, h) = start(&db).await;
-    let mut entered = h.watch();
-    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = common::request_bytes(
-        "POST",
-        "/credits",
-        &[("idempotency-key", b"k"), ("x-gate", b"g")],
-        b"{\"amount\":5}",
-    );
-    tokio::io::AsyncWriteExt::write_all(&mut conn, &req)
-        .await
-        .unwrap();
-    assert_eq!(entered.recv().await.as_deref(), Some("g"));
-    drop(conn);
-    let post = || post_credit(addr, b"k", &[]);
-    let retry = common::until_not_in_flight(post, |r| r.status).await;
-    assert_eq!((retry.status, retry.replayed()), (201, false));
-    assert_eq!(retry.body, b"run 2 balance 5");
-    assert_eq!(db.effects().await, (5, 1, 1));
     db.drop_tables().await;
 }
 
@@ -483,74 +251,6 @@ async fn a_cancelled_commit_never_leaks_its_transaction() {
         (100, 20, 21),
         "the cancelled request's credit was committed"
     );
-    db.drop_tables().await;
-}
-
-/// A handler that holds its transaction past the max hold time (200 ms):
-/// the store rolls it back and gives the key back, the handler's later
-/// `acquire` fails naming the max hold time, and the request gets 503; the
-/// retry runs afresh.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503() {
-    let db = Db::with(|b| b.max_hold(Duration::from_millis(200))).await;
-    let t = db.table.clone();
-    let (handed, mut handed_rx) = tokio::sync::mpsc::channel(1);
-    let (late, mut late_rx) = tokio::sync::mpsc::channel(1);
-    let go_on = Arc::new(tokio::sync::Notify::new());
-    let wake = go_on.clone();
-    let h = Harness::default();
-    let runs = h.clone();
-    let app = Router::new()
-        .route(
-            "/held",
-            post(
-                move |tx: SqlxPostgresTransaction, headers: HeaderMap| async move {
-                    let insert = format!("INSERT INTO {t}_credits (amount) VALUES (5)");
-                    let mut conn = tx.connection().await.unwrap();
-                    sqlx::query(AssertSqlSafe(insert))
-                        .execute(&mut *conn)
-                        .await
-                        .unwrap();
-                    drop(conn);
-                    runs.runs.fetch_add(1, Ordering::SeqCst);
-                    if headers.contains_key("x-hold") {
-                        handed.send(tx.clone()).await.unwrap();
-                        wake.notified().await;
-                        let again = tx.connection().await.map(drop).map_err(|e| e.to_string());
-                        late.send(again).await.unwrap();
-                    }
-                    (StatusCode::CREATED, "held")
-                },
-            ),
-        )
-        .route_layer(IdempotencyLayer::new(db.store.clone(), GlobalScope).transactional());
-    let addr = serve(app).await;
-    let first = tokio::spawn(async move {
-        send(
-            addr,
-            "POST",
-            "/held",
-            &[("idempotency-key", b"k"), ("x-hold", b"1")],
-            b"{}",
-        )
-        .await
-    });
-    let tx = handed_rx.recv().await.unwrap();
-    tokio::time::timeout(Duration::from_secs(30), tx.closed())
-        .await
-        .expect("the store ends a transaction held past its max hold time");
-    assert_eq!(db.store.transactions_held_too_long(), 1);
-    assert_eq!(db.effects().await, (0, 0, 0));
-    go_on.notify_one();
-    let again = late_rx.recv().await.unwrap().unwrap_err();
-    assert!(again.contains("max hold time (200 ms)"), "{again}");
-    let first = first.await.unwrap();
-    assert_eq!(first.assert_problem(503), types::STORE_UNAVAILABLE);
-    assert_eq!(first.header_str("retry-after"), Some("1"));
-    let retry = send(addr, "POST", "/held", &[("idempotency-key", b"k")], b"{}").await;
-    assert_eq!((retry.status, retry.replayed()), (201, false));
-    assert_eq!(db.effects().await, (0, 1, 1));
-    assert_eq!(h.runs(), 2);
     db.drop_tables().await;
 }
 

@@ -1,9 +1,9 @@
 //! `SqlxSqliteStore` (feature `sqlx-sqlite`): the store contract suite on
-//! it, two stores (and a rusqlite `SqliteStore`) on one file, and both modes
-//! behind the layer with exact effects: parallel identical requests credit
-//! once, a handler error rolls back its effect and its record, a write
-//! around the transaction fails with SQLITE_BUSY named as such, the max
-//! hold time rolls back, and a misconfigured route answers 500.
+//! it, two stores (and a rusqlite `SqliteStore`) on one file, schema
+//! migration, and what SQLite alone does behind the layer: a write around
+//! the transaction fails with SQLITE_BUSY named as such, a misconfigured
+//! route answers 500, separate mode. Transactional mode's shared rules are
+//! `sqlx_transactional.rs`'s suite.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -18,7 +18,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use tokio::sync::Barrier;
 use tower::ServiceExt;
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
@@ -300,90 +299,6 @@ async fn send(router: &Router, key: &str, extra: &[(&str, &str)]) -> (StatusCode
     (status, replayed, body.to_vec())
 }
 
-/// 16 identical requests released together by a barrier: one runs and
-/// commits its credit with its record; the 15 others wait for the write
-/// lock, find the record completed and replay it byte for byte.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn parallel_identical_requests_credit_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let app = App::new(&dir.path().join("app.sqlite3"), Duration::from_secs(5)).await;
-    let store = SqlxSqliteStore::from_pool(app.pool.clone()).await.unwrap();
-    let router = transactional(&app, store.clone());
-    let barrier = Arc::new(Barrier::new(16));
-    let tasks: Vec<_> = (0..16)
-        .map(|_| {
-            let (router, barrier) = (router.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                send(&router, "k", &[]).await
-            })
-        })
-        .collect();
-    let mut answers = Vec::new();
-    for task in tasks {
-        answers.push(task.await.unwrap());
-    }
-    let first: Vec<_> = answers
-        .iter()
-        .filter(|(_, replayed, _)| !replayed)
-        .collect();
-    assert_eq!(first.len(), 1, "{answers:?}");
-    assert_eq!(first[0].0, StatusCode::CREATED);
-    assert_eq!(first[0].2, b"run 1, balance 5");
-    for (status, _, body) in &answers {
-        assert_eq!(
-            (*status, body.as_slice()),
-            (StatusCode::CREATED, &b"run 1, balance 5"[..])
-        );
-    }
-    assert_eq!(app.runs(), 1);
-    assert_eq!(app.credits().await, 1);
-    assert_eq!(app.balance().await, 5);
-    assert_eq!(
-        store.counts().await.unwrap(),
-        RecordCounts {
-            in_flight: 0,
-            stuck: 0,
-            completed: 1,
-            expired: 0
-        }
-    );
-}
-
-/// A 500 after the credit was written: the credit and the record roll back
-/// together, so the same key runs again at once and commits exactly once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handler_error_rolls_back_effect_and_record() {
-    let dir = tempfile::tempdir().unwrap();
-    let app = App::new(&dir.path().join("app.sqlite3"), Duration::from_secs(5)).await;
-    let store = SqlxSqliteStore::from_pool(app.pool.clone()).await.unwrap();
-    let router = transactional(&app, store.clone());
-    for run in 1..=2 {
-        let (status, replayed, _) = send(&router, "k", &[("x-fail", "after-effect")]).await;
-        assert_eq!(
-            (status, replayed),
-            (StatusCode::INTERNAL_SERVER_ERROR, false)
-        );
-        assert_eq!(app.runs(), run);
-        assert_eq!((app.credits().await, app.balance().await), (0, 0));
-        assert_eq!(store.counts().await.unwrap(), RecordCounts::default());
-    }
-    let first = send(&router, "k", &[]).await;
-    assert_eq!(
-        first,
-        (StatusCode::CREATED, false, b"run 3, balance 5".to_vec())
-    );
-    let again = send(&router, "k", &[]).await;
-    assert_eq!(
-        again,
-        (StatusCode::CREATED, true, b"run 3, balance 5".to_vec())
-    );
-    assert_eq!(
-        (app.runs(), app.credits().await, app.balance().await),
-        (3, 1, 5)
-    );
-}
-
 /// A handler that writes through the pool while its request holds the
 /// write lock waits the busy timeout for itself, gets SQLITE_BUSY, and is
 /// answered 503 (not stored): nothing of it commits, the key is free.
@@ -421,34 +336,6 @@ async fn a_write_around_the_transaction_fails_busy_and_rolls_back() {
     );
     assert!(SqlxSqliteStore::explain_busy(&sqlx::Error::RowNotFound).is_none());
     sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
-}
-
-/// Past the max hold time the store rolls the transaction back: the layer
-/// answers 503, the handler's later writes fail, nothing commits, the key
-/// is free.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_max_hold_time_rolls_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let app = App::new(&dir.path().join("app.sqlite3"), Duration::from_secs(5)).await;
-    let store = SqlxSqliteStore::builder(app.pool.clone())
-        .max_hold(Duration::from_millis(100))
-        .open()
-        .await
-        .unwrap();
-    let router = transactional(&app, store.clone());
-    let (status, replayed, _) = send(&router, "k", &[("x-wait", "closed")]).await;
-    assert_eq!((status, replayed), (StatusCode::SERVICE_UNAVAILABLE, false));
-    assert_eq!(store.transactions_held_too_long(), 1);
-    assert_eq!(
-        (app.runs(), app.credits().await, app.balance().await),
-        (1, 0, 0)
-    );
-    assert_eq!(store.counts().await.unwrap(), RecordCounts::default());
-    let (status, replayed, body) = send(&router, "k", &[]).await;
-    assert_eq!(
-        (status, replayed, body),
-        (StatusCode::CREATED, false, b"run 2, balance 5".to_vec())
-    );
 }
 
 /// The extractor on a route whose layer is not transactional: a 500 problem

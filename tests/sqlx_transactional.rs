@@ -1,0 +1,673 @@
+//! Transactional mode on every sqlx store (PostgreSQL, SQLite, MySQL or
+//! MariaDB): one suite, written once over `SqlxTransaction<DB>` and
+//! instantiated per database. Each test drives the layer over real sockets
+//! and checks the effects: the balance, the credit rows and the records.
+//!
+//! * The handler's writes, the record and the response commit together, or
+//!   none of them do: a 500, a failed statement, a dropped request and a
+//!   transaction held past its max hold time each leave nothing, and the
+//!   key is free for the retry.
+//! * Identical requests released together credit once; distinct keys
+//!   credit once each.
+//! * On the two-phase stores (PostgreSQL, MySQL) a repeat of a key in
+//!   flight gets 409 at once and another body 422, without waiting on the
+//!   first's transaction. On SQLite a repeat waits for the write lock and
+//!   then replays (`Backend::REPEATS_WAIT`).
+//!
+//! What differs between the databases stays in their own files:
+//! `sqlx_postgres_transactional.rs` (statement cancel, aborted transactions,
+//! cancelled commits), `mysql.rs` and `sqlx_sqlite.rs` (the one-writer rule).
+//!
+//! Needs the servers at `TOWER_IDEMPOTENCY_POSTGRES_URL` and
+//! `TOWER_IDEMPOTENCY_MYSQL_URL` (`tests/common/services.rs`), each under
+//! its store's feature; a server that cannot be reached fails its tests.
+
+#![cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite", feature = "mysql"))]
+
+mod common;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use common::{Harness, Raw, send, serve};
+use tokio::sync::Barrier;
+use tower_idempotency::IdempotencyLayer;
+use tower_idempotency::problem::types;
+use tower_idempotency::scope::GlobalScope;
+use tower_idempotency::store::{FencingToken, Inspect, TransactionalStore};
+use tower_idempotency_sqlx::sqlx;
+use tower_idempotency_sqlx::{Dialect, SqlxError, SqlxTransaction};
+
+type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// One database under the suite: a store on tables of its own, beside an
+/// account table (account 1 at balance 0) and a credit table named after
+/// it.
+trait Backend: Sized + Send + Sync + 'static {
+    type DB: Dialect;
+    type Store: TransactionalStore<Transaction = SqlxTransaction<Self::DB>> + Inspect + Clone;
+
+    /// Whether a repeat of a key in flight waits for the first to end
+    /// (SQLite's one write lock) rather than getting 409 at once.
+    const REPEATS_WAIT: bool;
+
+    /// The store with this max hold time, and its tables.
+    fn open(max_hold: Duration) -> impl Future<Output = Self> + Send;
+
+    fn store(&self) -> &Self::Store;
+
+    /// The prefix of the account and credit tables: `{prefix}_accounts`,
+    /// `{prefix}_credits`.
+    fn prefix(&self) -> &str;
+
+    /// Transactions the store rolled back past their max hold time.
+    fn held_too_long(&self) -> u64;
+
+    /// A number the database answers, on a connection of its own.
+    fn scalar(&self, sql: String) -> impl Future<Output = i64> + Send;
+
+    /// Runs one statement on the request's transaction.
+    fn execute(
+        conn: &mut <Self::DB as sqlx::Database>::Connection,
+        sql: String,
+    ) -> BoxFut<'_, Result<(), sqlx::Error>>;
+
+    /// Drops the tables; the test passed.
+    fn drop_tables(self) -> impl Future<Output = ()> + Send;
+}
+
+/// (balance of account 1, credit rows, idempotency records)
+async fn effects<B: Backend>(db: &B) -> (i64, i64, i64) {
+    let t = db.prefix();
+    let balance = db
+        .scalar(format!("SELECT balance FROM {t}_accounts WHERE id = 1"))
+        .await;
+    let credits = db.scalar(format!("SELECT COUNT(*) FROM {t}_credits")).await;
+    let c = db.store().counts().await.unwrap();
+    let records = c.in_flight + c.stuck + c.completed + c.expired;
+    (balance, credits, records as i64)
+}
+
+#[derive(Clone)]
+struct App {
+    h: Harness,
+    prefix: String,
+}
+
+/// Credits 5 to account 1 and records the credit, both through the
+/// request's transaction, with `?` on every call; counts the run, waits at
+/// its gate if asked, then answers `x-status` (default 201) with the run's
+/// number. With `x-sql-error` a statement fails after the writes; with
+/// `x-hold` the handler hands its transaction to the test, waits until the
+/// store has ended it, then tries to write again.
+async fn credit<B: Backend>(
+    State(app): State<App>,
+    tx: SqlxTransaction<B::DB>,
+    headers: HeaderMap,
+) -> Result<Response, SqlxError> {
+    let t = &app.prefix;
+    let mut conn = tx.connection().await?;
+    B::execute(
+        &mut conn,
+        format!("UPDATE {t}_accounts SET balance = balance + 5 WHERE id = 1"),
+    )
+    .await?;
+    B::execute(
+        &mut conn,
+        format!("INSERT INTO {t}_credits (amount) VALUES (5)"),
+    )
+    .await?;
+    if headers.contains_key("x-sql-error") {
+        B::execute(&mut conn, format!("SELECT * FROM {t}_no_such_table")).await?;
+    }
+    drop(conn);
+    let n = app.h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    app.h.wait_at_gate(&headers).await;
+    if headers.contains_key("x-hold") {
+        tx.closed().await;
+        let again = tx.connection().await.map(drop).map_err(|e| e.to_string());
+        let late = again.expect_err("a transaction the store ended gives no connection");
+        assert!(late.contains("max hold time (200 ms)"), "{late}");
+    }
+    let status = headers
+        .get("x-status")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .unwrap_or(201);
+    Ok((StatusCode::from_u16(status).unwrap(), format!("run {n}")).into_response())
+}
+
+async fn start<B: Backend>(db: &B) -> (std::net::SocketAddr, Harness) {
+    let h = Harness::default();
+    let app = Router::new()
+        .route("/credits", post(credit::<B>))
+        .route_layer(
+            IdempotencyLayer::new(db.store().clone(), GlobalScope)
+                .require_key(true)
+                .transactional(),
+        )
+        .with_state(App {
+            h: h.clone(),
+            prefix: db.prefix().to_owned(),
+        });
+    (serve(app).await, h)
+}
+
+async fn post_credit(addr: std::net::SocketAddr, key: &[u8], extra: &[(&str, &[u8])]) -> Raw {
+    let mut headers: Vec<(&str, &[u8])> = vec![("idempotency-key", key)];
+    headers.extend_from_slice(extra);
+    send(addr, "POST", "/credits", &headers, b"{\"amount\":5}").await
+}
+
+const DEFAULT_HOLD: Duration = Duration::from_secs(30);
+
+/// A credit commits with its record and is replayed byte for byte; a 500
+/// is not stored, so its credit rolls back with its claim and the retry
+/// runs once.
+async fn effect_record_and_response_commit_together<B: Backend>() {
+    let db = B::open(DEFAULT_HOLD).await;
+    let (addr, h) = start(&db).await;
+    let first = post_credit(addr, b"k", &[]).await;
+    assert_eq!((first.status, first.body.as_slice()), (201, &b"run 1"[..]));
+    let again = post_credit(addr, b"k", &[]).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!((again.status, again.body), (201, first.body));
+    assert_eq!(effects(&db).await, (5, 1, 1));
+    assert_eq!(h.runs(), 1);
+
+    let failed = post_credit(addr, b"f", &[("x-status", b"500")]).await;
+    assert_eq!((failed.status, failed.replayed()), (500, false));
+    assert_eq!(effects(&db).await, (5, 1, 1), "rolled back");
+    let retry = post_credit(addr, b"f", &[]).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!(retry.body, b"run 3");
+    assert_eq!(effects(&db).await, (10, 2, 2));
+    db.drop_tables().await;
+}
+
+/// 16 identical requests released together by a barrier, in 3 rounds of a
+/// key each: exactly one runs. Each other one is its replay, or (two-phase
+/// stores, while it is in flight) a 409; once it has committed, 16 more all
+/// replay it. Each key's credit is made once.
+async fn parallel_identical_requests_credit_once<B: Backend>() {
+    const N: usize = 16;
+    let db = B::open(DEFAULT_HOLD).await;
+    let (addr, h) = start(&db).await;
+    let together = |key: String| {
+        let barrier = Arc::new(Barrier::new(N));
+        (0..N)
+            .map(|_| {
+                let (barrier, key) = (barrier.clone(), key.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    post_credit(addr, key.as_bytes(), &[]).await
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+    for round in 1..=3 {
+        let key = format!("same-{round}");
+        let run = format!("run {round}");
+        let (mut runs, mut replays, mut in_flight) = (0, 0, 0);
+        for task in together(key.clone()) {
+            let r = task.await.unwrap();
+            match (r.status, r.replayed()) {
+                (201, false) => runs += 1,
+                (201, true) => replays += 1,
+                _ => {
+                    assert_eq!(r.assert_problem(409), types::IN_FLIGHT, "{r:?}");
+                    in_flight += 1;
+                    continue;
+                }
+            }
+            assert_eq!(r.body, run.as_bytes(), "round {round}");
+        }
+        assert_eq!((runs, replays + in_flight), (1, N - 1), "round {round}");
+        if B::REPEATS_WAIT {
+            assert_eq!(in_flight, 0, "a repeat on SQLite waits, then replays");
+        }
+        for task in together(key) {
+            let r = task.await.unwrap();
+            assert!(r.replayed(), "{r:?}");
+            assert_eq!((r.status, r.body.as_slice()), (201, run.as_bytes()));
+        }
+        let n = round as i64;
+        assert_eq!(effects(&db).await, (5 * n, n, n), "round {round}");
+    }
+    assert_eq!(h.runs(), 3);
+    db.drop_tables().await;
+}
+
+/// 16 different keys at once: 16 credits, each with its record.
+async fn parallel_distinct_keys_each_credit_once<B: Backend>() {
+    const N: usize = 16;
+    let db = B::open(DEFAULT_HOLD).await;
+    let (addr, h) = start(&db).await;
+    let barrier = Arc::new(Barrier::new(N));
+    let tasks: Vec<_> = (0..N)
+        .map(|i| {
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                post_credit(addr, format!("k{i}").as_bytes(), &[]).await
+            })
+        })
+        .collect();
+    for task in tasks {
+        let r = task.await.unwrap();
+        assert_eq!((r.status, r.replayed()), (201, false), "{r:?}");
+    }
+    assert_eq!(h.runs(), N);
+    assert_eq!(effects(&db).await, (5 * N as i64, N as i64, N as i64));
+    db.drop_tables().await;
+}
+
+/// A statement that fails answers through `?` as a 500 problem that does
+/// not echo the SQL error; nothing is kept and the key is given back, so
+/// the retry runs (and, fixed, commits once).
+async fn a_failed_statement_answers_500_and_keeps_nothing<B: Backend>() {
+    let db = B::open(DEFAULT_HOLD).await;
+    let (addr, h) = start(&db).await;
+    for _ in 0..2 {
+        let r = post_credit(addr, b"k", &[("x-sql-error", b"1")]).await;
+        assert_eq!(r.status, 500, "{r:?}");
+        assert_eq!(
+            r.header_str("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(
+            r.json()["detail"],
+            "a database statement failed while this request was processed"
+        );
+    }
+    assert_eq!(h.runs(), 0);
+    assert_eq!(effects(&db).await, (0, 0, 0));
+    let fixed = post_credit(addr, b"k", &[]).await;
+    assert_eq!((fixed.status, fixed.replayed()), (201, false));
+    assert_eq!(effects(&db).await, (5, 1, 1));
+    db.drop_tables().await;
+}
+
+/// A client that goes away while the handler runs: everything rolls back
+/// and the key is given back, so the retry runs once.
+async fn a_dropped_request_rolls_everything_back<B: Backend>() {
+    let db = B::open(DEFAULT_HOLD).await;
+    let (addr, h) = start(&db).await;
+    let mut entered = h.watch();
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = common::request_bytes(
+        "POST",
+        "/credits",
+        &[("idempotency-key", b"k"), ("x-gate", b"g")],
+        b"{\"amount\":5}",
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut conn, &req)
+        .await
+        .unwrap();
+    assert_eq!(entered.recv().await.as_deref(), Some("g"));
+    drop(conn);
+    let post = || post_credit(addr, b"k", &[]);
+    let retry = common::until_not_in_flight(post, |r| r.status).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!(retry.body, b"run 2");
+    assert_eq!(effects(&db).await, (5, 1, 1));
+    db.drop_tables().await;
+}
+
+/// A handler that holds its transaction past the max hold time (200 ms):
+/// the store rolls it back, counts it and gives the key back; the handler's
+/// later `connection()` fails naming the max hold time, and the request
+/// gets 503 with `Retry-After`. The retry runs afresh and commits once.
+async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503<B: Backend>() {
+    let db = B::open(Duration::from_millis(200)).await;
+    let (addr, h) = start(&db).await;
+    let first = post_credit(addr, b"k", &[("x-hold", b"1")]).await;
+    assert_eq!(first.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!(first.header_str("retry-after"), Some("1"));
+    assert_eq!(db.held_too_long(), 1);
+    assert_eq!(effects(&db).await, (0, 0, 0));
+    let retry = post_credit(addr, b"k", &[]).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    assert_eq!(retry.body, b"run 2");
+    assert_eq!(effects(&db).await, (5, 1, 1));
+    assert_eq!(h.runs(), 2);
+    db.drop_tables().await;
+}
+
+/// Two-phase stores: a duplicate never waits on the first one's
+/// uncommitted row: 409 at once with `Retry-After`, 422 for another body,
+/// and the replay once the first has committed.
+async fn a_duplicate_gets_409_and_another_body_422_without_blocking<B: Backend>() {
+    assert!(!B::REPEATS_WAIT);
+    let db = B::open(DEFAULT_HOLD).await;
+    let (addr, h) = start(&db).await;
+    let mut entered = h.watch();
+    let first = tokio::spawn(async move { post_credit(addr, b"k", &[("x-gate", b"g")]).await });
+    assert_eq!(entered.recv().await.as_deref(), Some("g"));
+    let busy = post_credit(addr, b"k", &[]).await;
+    assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
+    let retry_after: u64 = busy.header_str("retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry_after), "{retry_after}");
+    let other = send(
+        addr,
+        "POST",
+        "/credits",
+        &[("idempotency-key", b"k")],
+        b"{\"amount\":6}",
+    )
+    .await;
+    assert_eq!(other.assert_problem(422), types::MISMATCH);
+    assert_eq!(effects(&db).await, (0, 0, 1), "not committed yet");
+    h.open("g");
+    assert_eq!(first.await.unwrap().status, 201);
+    assert!(post_credit(addr, b"k", &[]).await.replayed());
+    assert_eq!(h.runs(), 1);
+    assert_eq!(effects(&db).await, (5, 1, 1));
+    db.drop_tables().await;
+}
+
+/// The suite's tests for backend `$b`, each a test of its own;
+/// `two_phase` adds those of the stores whose repeats never wait.
+macro_rules! suite {
+    (@tests $b:ty; $($name:ident,)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                crate::$name::<$b>().await
+            }
+        )*
+    };
+    ($b:ty, two_phase) => {
+        suite!($b);
+        suite!(@tests $b; a_duplicate_gets_409_and_another_body_422_without_blocking,);
+    };
+    ($b:ty) => {
+        suite!(@tests $b;
+            effect_record_and_response_commit_together,
+            parallel_identical_requests_credit_once,
+            parallel_distinct_keys_each_credit_once,
+            a_failed_statement_answers_500_and_keeps_nothing,
+            a_dropped_request_rolls_everything_back,
+            a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503,
+        );
+    };
+}
+
+/// A table name of the test's own.
+fn unique(prefix: &str) -> String {
+    format!("{prefix}_{:016x}", FencingToken::random().0)
+}
+
+#[cfg(feature = "sqlx-postgres")]
+mod postgres {
+    use super::*;
+    use sqlx::postgres::PgPoolOptions;
+    use sqlx::{AssertSqlSafe, PgPool, Postgres};
+    use tower_idempotency_sqlx::SqlxPostgresStore;
+
+    pub(crate) struct Pg {
+        pool: PgPool,
+        store: SqlxPostgresStore,
+        table: String,
+    }
+
+    impl Backend for Pg {
+        type DB = Postgres;
+        type Store = SqlxPostgresStore;
+        const REPEATS_WAIT: bool = false;
+
+        async fn open(max_hold: Duration) -> Pg {
+            let url = common::services::postgres_url();
+            let pool = PgPoolOptions::new()
+                .max_connections(8)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect(&url)
+                .await
+                .unwrap_or_else(|e| panic!("PostgreSQL at {url} is required: {e}"));
+            let table = unique("idem_sqlxtx");
+            let store = SqlxPostgresStore::builder(pool.clone())
+                .table(table.clone())
+                .max_hold(max_hold)
+                .open()
+                .await
+                .unwrap();
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "CREATE TABLE {table}_accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL);
+                 INSERT INTO {table}_accounts VALUES (1, 0);
+                 CREATE TABLE {table}_credits (id BIGSERIAL PRIMARY KEY, amount BIGINT NOT NULL);"
+            )))
+            .execute(&pool)
+            .await
+            .unwrap();
+            Pg { pool, store, table }
+        }
+
+        fn store(&self) -> &SqlxPostgresStore {
+            &self.store
+        }
+
+        fn prefix(&self) -> &str {
+            &self.table
+        }
+
+        fn held_too_long(&self) -> u64 {
+            self.store.transactions_held_too_long()
+        }
+
+        async fn scalar(&self, sql: String) -> i64 {
+            sqlx::query_scalar(AssertSqlSafe(sql))
+                .fetch_one(&self.pool)
+                .await
+                .unwrap()
+        }
+
+        fn execute(
+            conn: &mut sqlx::PgConnection,
+            sql: String,
+        ) -> BoxFut<'_, Result<(), sqlx::Error>> {
+            Box::pin(async move {
+                sqlx::raw_sql(AssertSqlSafe(sql))
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+        }
+
+        async fn drop_tables(self) {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "DROP TABLE {0}; DROP TABLE {0}_accounts; DROP TABLE {0}_credits",
+                self.table
+            )))
+            .execute(&self.pool)
+            .await
+            .unwrap();
+        }
+    }
+
+    suite!(Pg, two_phase);
+}
+
+#[cfg(feature = "mysql")]
+mod mysql {
+    use super::*;
+    use sqlx::{AssertSqlSafe, MySql};
+    use tower_idempotency_sqlx::MySqlStore;
+
+    pub(crate) struct My {
+        store: MySqlStore,
+        table: String,
+    }
+
+    impl Backend for My {
+        type DB = MySql;
+        type Store = MySqlStore;
+        const REPEATS_WAIT: bool = false;
+
+        async fn open(max_hold: Duration) -> My {
+            let url = common::services::mysql_url();
+            let table = unique("idem_sqlxtx");
+            let store = MySqlStore::builder(&url)
+                .table(table.clone())
+                .max_hold(max_hold)
+                .open()
+                .await
+                .unwrap_or_else(|e| panic!("MySQL/MariaDB at {url} is required: {e}"));
+            for statement in [
+                format!(
+                    "CREATE TABLE {table}_accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL) ENGINE=InnoDB"
+                ),
+                format!("INSERT INTO {table}_accounts VALUES (1, 0)"),
+                format!(
+                    "CREATE TABLE {table}_credits (id BIGINT AUTO_INCREMENT PRIMARY KEY, amount BIGINT NOT NULL) ENGINE=InnoDB"
+                ),
+            ] {
+                sqlx::raw_sql(AssertSqlSafe(statement))
+                    .execute(store.pool())
+                    .await
+                    .unwrap();
+            }
+            My { store, table }
+        }
+
+        fn store(&self) -> &MySqlStore {
+            &self.store
+        }
+
+        fn prefix(&self) -> &str {
+            &self.table
+        }
+
+        fn held_too_long(&self) -> u64 {
+            self.store.transactions_held_too_long()
+        }
+
+        async fn scalar(&self, sql: String) -> i64 {
+            // BIGINT and COUNT(*) alike, as a signed 64-bit number.
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT CAST(({sql}) AS SIGNED)")))
+                .fetch_one(self.store.pool())
+                .await
+                .unwrap()
+        }
+
+        fn execute(
+            conn: &mut sqlx::MySqlConnection,
+            sql: String,
+        ) -> BoxFut<'_, Result<(), sqlx::Error>> {
+            Box::pin(async move {
+                sqlx::raw_sql(AssertSqlSafe(sql))
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+        }
+
+        async fn drop_tables(self) {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "DROP TABLE {0}, {0}_accounts, {0}_credits",
+                self.table
+            )))
+            .execute(self.store.pool())
+            .await
+            .unwrap();
+        }
+    }
+
+    suite!(My, two_phase);
+}
+
+#[cfg(feature = "sqlx-sqlite")]
+mod sqlite {
+    use super::*;
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+    use sqlx::{AssertSqlSafe, Sqlite, SqlitePool};
+    use tower_idempotency_sqlx::SqlxSqliteStore;
+
+    /// A file of its own (WAL, a 5 s busy timeout, 8 connections): the
+    /// records and the app's tables share its write lock.
+    pub(crate) struct Lite {
+        pool: SqlitePool,
+        store: SqlxSqliteStore,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Backend for Lite {
+        type DB = Sqlite;
+        type Store = SqlxSqliteStore;
+        const REPEATS_WAIT: bool = true;
+
+        async fn open(max_hold: Duration) -> Lite {
+            let dir = tempfile::tempdir().unwrap();
+            let options = SqliteConnectOptions::new()
+                .filename(dir.path().join("app.sqlite3"))
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .busy_timeout(Duration::from_secs(5));
+            let pool = SqlitePoolOptions::new()
+                .max_connections(8)
+                .connect_with(options)
+                .await
+                .unwrap();
+            sqlx::raw_sql(
+                "CREATE TABLE app_accounts (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL);
+                 INSERT INTO app_accounts VALUES (1, 0);
+                 CREATE TABLE app_credits (id INTEGER PRIMARY KEY, amount INTEGER NOT NULL);",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            let store = SqlxSqliteStore::builder(pool.clone())
+                .max_hold(max_hold)
+                .open()
+                .await
+                .unwrap();
+            Lite {
+                pool,
+                store,
+                _dir: dir,
+            }
+        }
+
+        fn store(&self) -> &SqlxSqliteStore {
+            &self.store
+        }
+
+        fn prefix(&self) -> &str {
+            "app"
+        }
+
+        fn held_too_long(&self) -> u64 {
+            self.store.transactions_held_too_long()
+        }
+
+        async fn scalar(&self, sql: String) -> i64 {
+            sqlx::query_scalar(AssertSqlSafe(sql))
+                .fetch_one(&self.pool)
+                .await
+                .unwrap()
+        }
+
+        fn execute(
+            conn: &mut sqlx::SqliteConnection,
+            sql: String,
+        ) -> BoxFut<'_, Result<(), sqlx::Error>> {
+            Box::pin(async move {
+                sqlx::raw_sql(AssertSqlSafe(sql))
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+        }
+
+        /// The file goes with its temporary directory.
+        async fn drop_tables(self) {}
+    }
+
+    suite!(Lite);
+}
