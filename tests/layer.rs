@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::charge::user;
+
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -82,15 +84,6 @@ async fn panics(State(h): State<Harness>) -> Response {
         panic!("the first run of this handler panics");
     }
     (StatusCode::CREATED, "ok").into_response()
-}
-
-fn user(parts: &Parts) -> String {
-    parts
-        .headers
-        .get("x-user")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("anonymous")
-        .to_owned()
 }
 
 type Layer<St> = IdempotencyLayer<St, fn(&Parts) -> String>;

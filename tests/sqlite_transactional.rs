@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::charge::user;
+
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -173,15 +175,6 @@ impl Fixture {
         headers.extend_from_slice(extra);
         send(self.addr, "POST", "/items", &headers, b"{}").await
     }
-}
-
-fn user(parts: &Parts) -> String {
-    parts
-        .headers
-        .get("x-user")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("anonymous")
-        .to_owned()
 }
 
 #[tokio::test]

@@ -12,7 +12,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -20,11 +19,13 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, request::Parts};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderMap, request::Parts};
+use axum::response::Response;
 use axum::routing::post;
-use common::charge::{assert_ran, assert_replay_of, assert_unavailable, request};
-use common::{Harness, serve};
+use common::charge::{
+    assert_ran, assert_replay_of, assert_unavailable, charge, request, serve_separate, user,
+};
+use common::{Harness, run, serve};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 use tower_idempotency::IdempotencyLayer;
@@ -34,28 +35,6 @@ use tower_idempotency_sqlx::{SqlxPostgresStore, SqlxPostgresTransaction};
 
 fn url() -> String {
     crate::common::services::postgres_url()
-}
-
-/// The scope of every request: the `x-user` header.
-fn user(parts: &Parts) -> String {
-    parts
-        .headers
-        .get("x-user")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("anonymous")
-        .to_owned()
-}
-
-/// Counts the run, waits at its gate if asked, answers 201 `charge n`.
-async fn charge(State(h): State<Harness>, headers: HeaderMap) -> Response {
-    let n = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
-    h.wait_at_gate(&headers).await;
-    (
-        StatusCode::CREATED,
-        [("x-charge", n.to_string())],
-        format!("charge {n}"),
-    )
-        .into_response()
 }
 
 /// A pool of `size` on `url`. sqlx retries a refused connection until the
@@ -118,13 +97,6 @@ async fn terminate(pid: i32) {
             .unwrap();
     assert!(done, "backend {pid} not terminated");
     admin.close().await;
-}
-
-async fn serve_separate(store: SqlxPostgresStore, h: &Harness) -> SocketAddr {
-    let app = Router::new()
-        .route("/charge", post(charge))
-        .route_layer(IdempotencyLayer::new(store, |p: &Parts| user(p)));
-    serve(app.with_state(h.clone())).await
 }
 
 /// A completed record whose response is garbage: 503, no replay, no second
@@ -272,21 +244,6 @@ async fn connection_killed_transactional() {
     assert_eq!(h.runs(), 3);
     assert_eq!(query_i64(&pool, items).await, 2);
     drop_tables(&pool, &table).await;
-}
-
-/// Runs `program` to its end and fails the test, with its output, unless it
-/// succeeded.
-fn run(program: &str, args: &[&str]) {
-    let out = std::process::Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{program} is required: {e}"));
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// A PostgreSQL cluster of the test's own in a temporary directory, run as

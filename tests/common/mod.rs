@@ -245,3 +245,27 @@ where
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// A free TCP port on 127.0.0.1 (bound, read and let go).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs `program` to its end and fails the test, with its output, unless it
+/// succeeded.
+pub fn run(program: &str, args: &[&str]) {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{program} is required: {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
