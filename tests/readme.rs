@@ -4,7 +4,8 @@
 //! `ReadmeDoctests` in `src/lib.rs`, and the guides' through `src/guide.rs`).
 //! The README stays short and keeps the two commands `.ci/run` relies on;
 //! every guide is included into rustdoc; the contributors' file map names
-//! every source file.
+//! every source file; and every `[dependencies]` block a user copies names
+//! real features and every crate of the workspace its example uses.
 
 use std::path::Path;
 
@@ -177,4 +178,132 @@ fn quick_start_teaches_no_shared_fallback_scope() {
     assert!(!example.contains("\"anonymous\""));
     assert!(!example.contains("\"unauthenticated\""));
     assert!(!example.contains("GlobalScope"));
+}
+
+/// The text of a doc: a Markdown file, or the `//!` lines of a Rust file.
+fn doc_text(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap();
+    if path.extension().is_some_and(|e| e == "rs") {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("//!"))
+            .map(|l| l.strip_prefix(' ').unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join("\n")
+    } else {
+        text
+    }
+}
+
+/// The features a crate of this workspace declares, from its `Cargo.toml`
+/// (`None` where that crate is not beside this package, as in the
+/// published `.crate`).
+fn features_of(root: &Path, package: &str) -> Option<Vec<String>> {
+    let manifest = match package.strip_prefix("tower-idempotency-") {
+        Some(name) => root.join("crates").join(name).join("Cargo.toml"),
+        None => root.join("Cargo.toml"),
+    };
+    let text = std::fs::read_to_string(manifest).ok()?;
+    let section = &text[text.find("\n[features]\n")? + 12..];
+    let section = &section[..section.find("\n[").unwrap_or(section.len())];
+    Some(
+        section
+            .lines()
+            .filter_map(|l| Some(l.split_once(" = ")?.0.trim().to_owned()))
+            .filter(|name| !name.starts_with('#'))
+            .collect(),
+    )
+}
+
+/// Every `[dependencies]` block of the docs, as a new user copies it: each
+/// feature it asks of a crate of this workspace exists, and it lists every
+/// crate of this workspace that the Rust block after it uses.
+#[test]
+fn dependency_blocks_name_real_features_and_every_crate_used() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut docs = vec![root.join("README.md")];
+    let mut dirs = vec![root.join("docs")];
+    if let Ok(crates) = std::fs::read_dir(root.join("crates")) {
+        for krate in crates {
+            let krate = krate.unwrap().path();
+            docs.push(krate.join("README.md"));
+            docs.push(krate.join("src/lib.rs"));
+            dirs.push(krate.join("docs"));
+        }
+    }
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                docs.push(path);
+            }
+        }
+    }
+    let mut blocks = 0;
+    for doc in docs.iter().filter(|d| d.exists()) {
+        let text = doc_text(doc);
+        let name = doc.strip_prefix(root).unwrap().display();
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find("```toml\n") {
+            let block = &rest[at + 8..];
+            let end = block.find("```").expect("a closing fence");
+            let (toml, after) = (&block[..end], &block[end + 3..]);
+            rest = after;
+            if !toml.contains("[dependencies]") {
+                continue;
+            }
+            blocks += 1;
+            let mut listed = Vec::new();
+            for line in toml.lines() {
+                let Some((package, spec)) = line.split_once(" = ") else {
+                    continue;
+                };
+                let package = package.trim();
+                if !package.starts_with("tower-idempotency") {
+                    continue;
+                }
+                listed.push(package.to_owned());
+                let spec = spec.split('#').next().unwrap();
+                let Some(features) = spec.split_once("features = [") else {
+                    continue;
+                };
+                let features = &features.1[..features.1.find(']').unwrap()];
+                let Some(declared) = features_of(root, package) else {
+                    continue;
+                };
+                for feature in features.split(',').map(|f| f.trim().trim_matches('"')) {
+                    assert!(
+                        declared.iter().any(|d| d == feature),
+                        "{name}: {package} has no feature {feature:?} (it has {declared:?})"
+                    );
+                }
+            }
+            // The Rust block that follows, before any other block of
+            // dependencies.
+            let code = after
+                .find("```rust")
+                .filter(|&r| after.find("```toml").is_none_or(|t| r < t))
+                .map(|r| {
+                    let code = &after[r..];
+                    let body = &code[code.find('\n').unwrap()..];
+                    &body[..body.find("```").unwrap()]
+                });
+            for used in code
+                .unwrap_or("")
+                .split(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+            {
+                if let Some(package) = used
+                    .strip_prefix("tower_idempotency")
+                    .map(|tail| format!("tower-idempotency{}", tail.replace('_', "-")))
+                {
+                    assert!(
+                        listed.contains(&package),
+                        "{name}: the example uses {used}, and the [dependencies] above it do not list {package}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(blocks >= 3, "{blocks} dependency blocks found");
 }

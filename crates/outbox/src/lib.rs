@@ -6,6 +6,10 @@
 //! [dependencies]
 //! tower-idempotency = "0.1"
 //! tower-idempotency-outbox = "0.1"  # SQLite; or postgres, sqlx-postgres, sqlx-sqlite, mysql; nats, admin, metrics
+//! # The example below also uses:
+//! axum = "0.8"
+//! tokio = { version = "1", features = ["full"] }
+//! hyper-util = { version = "0.1", features = ["client-legacy", "http1", "tokio"] }
 //! ```
 //!
 //! The whole guide, with a service on axum, sqlx and PostgreSQL: [`guide`].
@@ -18,7 +22,7 @@
 //! use tower_idempotency::key::ClaimedKey;
 //! use tower_idempotency_outbox::{self as outbox, HttpSink, Message, Outbox};
 //! use tower_idempotency::store::{SqliteTransaction, TransactionError};
-//! use tower_idempotency::{IdempotencyLayer, SqliteStore};
+//! use tower_idempotency::{IdempotencyLayer, SqliteStore, scope};
 //!
 //! async fn order(tx: SqliteTransaction, claimed: ClaimedKey) -> Result<&'static str, TransactionError> {
 //!     // Message 0 of this request: its key is derived from the request's
@@ -40,7 +44,7 @@
 //! outbox.relay(HttpSink::new(client)).spawn();      // one relay per process
 //! let app: Router = Router::new()
 //!     .route("/orders", post(order))
-//!     .route_layer(IdempotencyLayer::new(store, |_: &http::request::Parts| "alice".to_owned())
+//!     .route_layer(IdempotencyLayer::new(store, scope::header("x-user-id"))
 //!         .require_key(true) // the transaction extractor needs a key on every request
 //!         .transactional());
 //! # let _ = app; Ok(()) }

@@ -17,8 +17,10 @@ pub const MAX_PAYLOAD: usize = 1024 * 1024;
 /// stable idempotency key, its destination (for [`crate::HttpSink`], the
 /// URL it is POSTed to), its content type and its payload bytes.
 ///
-/// Enqueue it with `sqlite::enqueue`, `postgres::enqueue` or `mysql::enqueue`
-/// inside the request's transaction.
+/// Enqueue it inside the request's transaction: `sqlite::enqueue`
+/// (`SqliteStore`), `postgres::enqueue` (`PostgresStore`), `mysql::enqueue`
+/// (`MySqlStore`), or `sqlx::enqueue` on the connection of any sqlx store's
+/// transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
     pub(crate) key: String,

@@ -1,15 +1,12 @@
 #![doc = include_str!("../README.md")]
-//!
-//! # Source map
-//!
-//! `lib.rs` holds [`PostgresStore`], its builder and its [`Store`] methods
-//! (on the core's store kit: `kit::claim`, `kit::pg_sql`);
-//! `transaction.rs` [`PostgresTransaction`] and transactional mode (the
-//! kit's two phases); `inspect.rs` [`Inspect`](tower_idempotency::store::Inspect)
-//! in SQL; `connect.rs` the URL's libpq TLS parameters and start-up errors;
-//! `sslmode.rs` `sslmode` and `sslrootcert`; `tls.rs` the rustls connector
-//! (feature `tls`).
-
+// Source map (for contributors; docs/architecture.md maps every file):
+// `lib.rs` holds `PostgresStore`, its builder and its `Store` methods
+// (on the core's store kit: `kit::claim`, `kit::pg_sql`);
+// `transaction.rs` `PostgresTransaction` and transactional mode (the
+// kit's two phases); `inspect.rs` `Inspect`
+// in SQL; `connect.rs` the URL's libpq TLS parameters and start-up errors;
+// `sslmode.rs` `sslmode` and `sslrootcert`; `tls.rs` the rustls connector
+// (feature `tls`).
 #![deny(unsafe_code, unreachable_pub)]
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]

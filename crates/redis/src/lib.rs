@@ -1,12 +1,9 @@
 #![doc = include_str!("../README.md")]
-//!
-//! # Source map
-//!
-//! `lib.rs` holds [`RedisStore`] and its [`Store`] methods; `builder.rs` where
-//! it connects; `conn.rs` one server or a cluster; `eviction.rs` the
-//! `maxmemory-policy` guard; `inspect.rs` [`Inspect`](tower_idempotency::store::Inspect). Each Lua script is a
-//! `.lua` file beside them, loaded with `include_str!`.
-
+// Source map (for contributors; docs/architecture.md maps every file):
+// `lib.rs` holds `RedisStore` and its `Store` methods; `builder.rs` where
+// it connects; `conn.rs` one server or a cluster; `eviction.rs` the
+// `maxmemory-policy` guard; `inspect.rs` `Inspect`. Each Lua script is a
+// `.lua` file beside them, loaded with `include_str!`.
 #![deny(unsafe_code, unreachable_pub)]
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]

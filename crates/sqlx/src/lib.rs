@@ -1,19 +1,16 @@
 #![doc = include_str!("../README.md")]
-//!
-//! # Source map
-//!
-//! `transaction.rs` holds [`SqlxTransaction`], the handler's transaction on
-//! every store here, and [`Dialect`], what each database supplies to it;
-//! `error.rs` holds [`SqlxError`], the handler's error on every store here;
-//! `postgres/`, `sqlite/` and `mysql/` one store each: its `mod.rs` the store,
-//! its builder and its `Store` methods, `transaction.rs` its transaction
-//! (PostgreSQL and MySQL on the core kit's two phases), `inspect.rs`
-//! [`Inspect`](tower_idempotency::store::Inspect) in SQL, and its statements
-//! (`sql.rs`, `claim.rs`). The PostgreSQL statements are the core kit's
-//! (`store::kit::pg_sql`), shared with `tower-idempotency-postgres`; the
-//! SQLite schema is the kit's too (`store::kit::sqlite_sql`), shared with the
-//! core's `SqliteStore`.
-
+// Source map (for contributors; docs/architecture.md maps every file):
+// `transaction.rs` holds `SqlxTransaction`, the handler's transaction on
+// every store here, and `Dialect`, what each database supplies to it;
+// `error.rs` holds `SqlxError`, the handler's error on every store here;
+// `postgres/`, `sqlite/` and `mysql/` one store each: its `mod.rs` the store,
+// its builder and its `Store` methods, `transaction.rs` its transaction
+// (PostgreSQL and MySQL on the core kit's two phases), `inspect.rs`
+// `Inspect` in SQL, and its statements
+// (`sql.rs`, `claim.rs`). The PostgreSQL statements are the core kit's
+// (`store::kit::pg_sql`), shared with `tower-idempotency-postgres`; the
+// SQLite schema is the kit's too (`store::kit::sqlite_sql`), shared with the
+// core's `SqliteStore`.
 #![deny(unsafe_code, unreachable_pub)]
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]

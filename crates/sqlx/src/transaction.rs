@@ -56,9 +56,9 @@ mod sealed {
     pub trait Sealed {}
 }
 
-/// A database with a store in this crate: [`sqlx::Postgres`]
-/// (`SqlxPostgresStore`), [`sqlx::MySql`] (`MySqlStore`) and
-/// [`sqlx::Sqlite`] (`SqlxSqliteStore`), each under its feature. It names
+/// A database with a store in this crate: `sqlx::Postgres`
+/// (`SqlxPostgresStore`), `sqlx::MySql` (`MySqlStore`) and
+/// `sqlx::Sqlite` (`SqlxSqliteStore`), each under its feature. It names
 /// the inside of [`SqlxTransaction`] for that database; the claim, the lock
 /// step and the statement cancel stay with each store, where they differ.
 ///
