@@ -1,8 +1,9 @@
 //! A route whose handler takes the transaction extractor, behind a layer
 //! that is not `.transactional()`: each request gets a 500 problem saying
-//! so, and the process logs it once. (One test in this binary: the log is
-//! once per process.) Here for `SqlxPostgresTransaction`, on PostgreSQL
-//! (`TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database).
+//! so, and the process logs it once for each database's transaction. (One
+//! test in this binary: the log is once per process.) Here for
+//! `SqlxPostgresTransaction`, on PostgreSQL (`TOWER_IDEMPOTENCY_POSTGRES_URL`,
+//! or the local `test` database), then `SqlxSqliteTransaction`.
 
 mod common;
 
@@ -18,7 +19,9 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency_sqlx::{SqlxPostgresStore, SqlxPostgresTransaction};
+use tower_idempotency_sqlx::{
+    SqlxPostgresStore, SqlxPostgresTransaction, SqlxSqliteStore, SqlxSqliteTransaction,
+};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 
@@ -45,20 +48,12 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
     }
 }
 
-#[tokio::test]
-async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_once() {
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Errors)).unwrap();
-    let url = crate::common::services::postgres_url();
-    let pool = sqlx::PgPool::connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("PostgreSQL at {url} is required: {e}"));
-    let store = SqlxPostgresStore::from_pool(pool).await.unwrap();
-    let handler = |_tx: SqlxPostgresTransaction| async { "ran" };
-    // Forgot `.transactional()`.
-    let app = Router::new()
-        .route("/credits", post(handler))
-        .route_layer(IdempotencyLayer::new(store, GlobalScope).require_key(true));
-    let detail = "this handler takes a SqlxPostgresTransaction, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)";
+/// Two requests to a misconfigured route: each a 500 problem naming the
+/// transaction type `name`.
+async fn misconfigured(app: Router, name: &str) -> String {
+    let detail = format!(
+        "this handler takes a {name}, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)"
+    );
     for key in ["k-1", "k-2"] {
         let request = Request::post("/credits")
             .header("idempotency-key", key)
@@ -78,10 +73,39 @@ async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_o
             )
         );
     }
-    assert_eq!(
-        *ERRORS.lock().unwrap(),
-        vec![format!(
-            "message=a handler's extractor found nothing in the request: the route is configured wrong; answering 500 (logged once per process);detail={detail:?};"
-        )]
-    );
+    format!(
+        "message=a handler's extractor found nothing in the request: the route is configured wrong; answering 500 (logged once per process);detail={detail:?};"
+    )
+}
+
+#[tokio::test]
+async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_once_per_database() {
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Errors)).unwrap();
+    let url = crate::common::services::postgres_url();
+    let pool = sqlx::PgPool::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL at {url} is required: {e}"));
+    let store = SqlxPostgresStore::from_pool(pool).await.unwrap();
+    let handler = |_tx: SqlxPostgresTransaction| async { "ran" };
+    // Forgot `.transactional()`.
+    let app = Router::new()
+        .route("/credits", post(handler))
+        .route_layer(IdempotencyLayer::new(store, GlobalScope).require_key(true));
+    let pg = misconfigured(app, "SqlxPostgresTransaction").await;
+    assert_eq!(*ERRORS.lock().unwrap(), vec![pg.clone()]);
+
+    // The same mistake on another database is logged once too: the
+    // extractor is one generic impl, its log one per database.
+    let dir = tempfile::tempdir().unwrap();
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(dir.path().join("app.sqlite3"))
+        .create_if_missing(true);
+    let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+    let store = SqlxSqliteStore::from_pool(pool).await.unwrap();
+    let handler = |_tx: SqlxSqliteTransaction| async { "ran" };
+    let app = Router::new()
+        .route("/credits", post(handler))
+        .route_layer(IdempotencyLayer::new(store, GlobalScope).require_key(true));
+    let lite = misconfigured(app, "SqlxSqliteTransaction").await;
+    assert_eq!(*ERRORS.lock().unwrap(), vec![pg, lite]);
 }

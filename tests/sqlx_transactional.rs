@@ -106,8 +106,9 @@ struct App {
 /// request's transaction, with `?` on every call; counts the run, waits at
 /// its gate if asked, then answers `x-status` (default 201) with the run's
 /// number. With `x-sql-error` a statement fails after the writes; with
-/// `x-hold` the handler hands its transaction to the test, waits until the
-/// store has ended it, then tries to write again.
+/// `x-hold-connection` it keeps the connection 500 ms after them; with
+/// `x-hold` it waits until the store has ended the transaction, then tries
+/// to write again.
 async fn credit<B: Backend>(
     State(app): State<App>,
     tx: SqlxTransaction<B::DB>,
@@ -128,6 +129,10 @@ async fn credit<B: Backend>(
     if headers.contains_key("x-sql-error") {
         B::execute(&mut conn, format!("SELECT * FROM {t}_no_such_table")).await?;
     }
+    if headers.contains_key("x-hold-connection") {
+        // Idle, the connection borrowed, past a 200 ms max hold.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     drop(conn);
     let n = app.h.runs.fetch_add(1, Ordering::SeqCst) + 1;
     app.h.wait_at_gate(&headers).await;
@@ -145,12 +150,18 @@ async fn credit<B: Backend>(
 }
 
 async fn start<B: Backend>(db: &B) -> (std::net::SocketAddr, Harness) {
+    start_leased(db, tower_idempotency::DEFAULT_LEASE).await
+}
+
+/// As [`start`], with this lease.
+async fn start_leased<B: Backend>(db: &B, lease: Duration) -> (std::net::SocketAddr, Harness) {
     let h = Harness::default();
     let app = Router::new()
         .route("/credits", post(credit::<B>))
         .route_layer(
             IdempotencyLayer::new(db.store().clone(), GlobalScope)
                 .require_key(true)
+                .lease(lease)
                 .transactional(),
         )
         .with_state(App {
@@ -341,6 +352,50 @@ async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503<B:
     db.drop_tables().await;
 }
 
+/// A handler that keeps its connection, idle, past the max hold time
+/// (200 ms), in 10 rounds: each gets 503, and a retry sent the moment the
+/// 503 arrives runs at once (the key was given back before the answer),
+/// never 409; each retry commits its credit once.
+async fn a_retry_sent_on_the_max_hold_503_runs_at_once<B: Backend>() {
+    let db = B::open(Duration::from_millis(200)).await;
+    let (addr, h) = start(&db).await;
+    for round in 1..=10i64 {
+        let key = format!("k{round}");
+        let held = post_credit(addr, key.as_bytes(), &[("x-hold-connection", b"1")]).await;
+        assert_eq!(
+            held.assert_problem(503),
+            types::STORE_UNAVAILABLE,
+            "round {round}"
+        );
+        let retry = post_credit(addr, key.as_bytes(), &[]).await;
+        assert_eq!(
+            (retry.status, retry.replayed()),
+            (201, false),
+            "round {round}: {retry:?}"
+        );
+        assert_eq!(
+            effects(&db).await,
+            (5 * round, round, round),
+            "round {round}"
+        );
+    }
+    assert_eq!((h.runs(), db.held_too_long()), (20, 10));
+    db.drop_tables().await;
+}
+
+/// A max hold and a lease of 25 days, past PostgreSQL's largest
+/// `idle_in_transaction_session_timeout` (`i32::MAX` ms, about 24.8 days):
+/// the transaction opens and the credit commits once.
+async fn a_hold_of_25_days_is_accepted<B: Backend>() {
+    const DAYS_25: Duration = Duration::from_secs(25 * 24 * 3600);
+    let db = B::open(DAYS_25).await;
+    let (addr, h) = start_leased(&db, DAYS_25).await;
+    let r = post_credit(addr, b"k", &[]).await;
+    assert_eq!((r.status, r.body.as_slice()), (201, &b"run 1"[..]), "{r:?}");
+    assert_eq!((effects(&db).await, h.runs()), ((5, 1, 1), 1));
+    db.drop_tables().await;
+}
+
 /// Two-phase stores: a duplicate never waits on the first one's
 /// uncommitted row: 409 at once with `Retry-After`, 422 for another body,
 /// and the replay once the first has committed.
@@ -396,6 +451,8 @@ macro_rules! suite {
             a_failed_statement_answers_500_and_keeps_nothing,
             a_dropped_request_rolls_everything_back,
             a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503,
+            a_retry_sent_on_the_max_hold_503_runs_at_once,
+            a_hold_of_25_days_is_accepted,
         );
     };
 }

@@ -11,7 +11,7 @@ use tokio_postgres::{CancelToken, NoTls};
 use super::{PostgresStore, cached, unavailable};
 use tower_idempotency::response::StoredResponse;
 use tower_idempotency::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
-use tower_idempotency::store::{FencingToken, RecordId, StoreError, duration_ms};
+use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 
 /// An open PostgreSQL transaction in which the layer has claimed the
 /// request's key. The handler runs its own statements on it through
@@ -151,10 +151,9 @@ impl TwoPhase for PostgresStore {
 
     async fn begin(&self, hold: Duration) -> Result<(PgTx, CancelToken), StoreError> {
         let tx = PgTx(Some(self.client().await?));
-        let backstop_ms = duration_ms(hold).saturating_add(1_000);
         tx.client()
-            .batch_execute(&format!(
-                "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {backstop_ms}"
+            .batch_execute(&tower_idempotency::store::kit::pg_sql::begin_with_backstop(
+                hold,
             ))
             .await
             .map_err(unavailable)?;

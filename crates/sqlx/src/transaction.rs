@@ -74,6 +74,11 @@ pub trait Dialect: sqlx::Database + sealed::Sealed {
     #[doc(hidden)]
     const TRANSACTION: &'static str;
 
+    /// Whether a route that takes this database's transaction without one
+    /// has been logged (once per process and database).
+    #[doc(hidden)]
+    fn misconfiguration_logged() -> &'static std::sync::Once;
+
     /// The transaction's connection, while it is open.
     #[doc(hidden)]
     fn lock(
@@ -98,6 +103,11 @@ macro_rules! two_phase_dialect {
         impl $crate::transaction::Dialect for $db {
             type Held = tower_idempotency::store::kit::two_phase::Held<$store>;
             const TRANSACTION: &'static str = $name;
+
+            fn misconfiguration_logged() -> &'static std::sync::Once {
+                static LOGGED: std::sync::Once = std::sync::Once::new();
+                &LOGGED
+            }
 
             async fn lock(
                 held: &Self::Held,
@@ -164,7 +174,8 @@ impl<DB: Dialect> std::fmt::Debug for SqlxTransaction<DB> {
 // generic over `DB` is one too.
 tower_idempotency::store::kit::transaction_extractor!(
     [DB: Dialect] SqlxTransaction<DB>,
-    DB::TRANSACTION
+    DB::TRANSACTION,
+    DB::misconfiguration_logged()
 );
 
 impl<DB: Dialect> Clone for SqlxTransaction<DB> {

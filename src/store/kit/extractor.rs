@@ -8,10 +8,12 @@
 /// without a key.
 ///
 /// `transaction_extractor!(MyTransaction)` for a concrete type;
-/// `transaction_extractor!([DB: Dialect] MyTransaction<DB>, name)` for a
-/// type generic over its database, where `name` (a `&str` expression, e.g.
-/// an associated constant of `DB`) is how the misconfiguration's answer
-/// names the type.
+/// `transaction_extractor!([DB: Dialect] MyTransaction<DB>, name, logged)`
+/// for a type generic over its database, where `name` (a `&str`
+/// expression, e.g. an associated constant of `DB`) is how the
+/// misconfiguration's answer names the type, and `logged` (a
+/// `&'static std::sync::Once`, one per database: a `static` inside a
+/// generic function is one for all of them) says whether it was logged.
 ///
 /// The impls are compiled when the crate that invokes the macro has a
 /// feature named `axum`, which must enable this crate's `axum` feature
@@ -19,7 +21,7 @@
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __transaction_extractor {
-    ([$($generics:tt)*] $transaction:ty, $name:expr) => {
+    ([$($generics:tt)*] $transaction:ty, $name:expr, $logged:expr) => {
         /// Extracts the request's transaction in a handler behind a
         /// `IdempotencyLayer::transactional` layer. A request without
         /// one (a route whose layer is not `.transactional()`, or has no
@@ -35,14 +37,14 @@ macro_rules! __transaction_extractor {
                 parts: &mut $crate::__private::http::request::Parts,
                 _state: &S,
             ) -> Result<Self, Self::Rejection> {
-                static LOGGED: std::sync::Once = std::sync::Once::new();
+                let logged: &'static std::sync::Once = $logged;
                 parts
                     .extensions
                     .get::<$transaction>()
                     .cloned()
                     .ok_or_else(|| {
                         $crate::__private::misconfigured(
-                            &LOGGED,
+                            logged,
                             &format!(
                                 "this handler takes a {}, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)",
                                 $name,
@@ -66,6 +68,9 @@ macro_rules! __transaction_extractor {
         }
     };
     ($transaction:ty) => {
-        $crate::__transaction_extractor!([] $transaction, stringify!($transaction));
+        $crate::__transaction_extractor!([] $transaction, stringify!($transaction), {
+            static LOGGED: std::sync::Once = std::sync::Once::new();
+            &LOGGED
+        });
     };
 }

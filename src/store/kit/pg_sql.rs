@@ -167,6 +167,19 @@ pub fn schema(table: &str) -> String {
     )
 }
 
+/// Phase two's `BEGIN`, with its server-side backstop: the session is ended
+/// by PostgreSQL once the transaction has sat idle a second past `hold`
+/// (`idle_in_transaction_session_timeout`, in milliseconds). PostgreSQL
+/// takes at most `i32::MAX` ms (about 24.8 days) there, so a longer hold
+/// gets that: past it, an idle session still ends, a little before the
+/// store's own max-hold rollback would have ended it.
+pub fn begin_with_backstop(hold: std::time::Duration) -> String {
+    let backstop_ms = crate::store::duration_ms(hold)
+        .saturating_add(1_000)
+        .min(i64::from(i32::MAX));
+    format!("BEGIN; SET LOCAL idle_in_transaction_session_timeout = {backstop_ms}")
+}
+
 /// The advisory lock key of a record: 64 bits of SHA-256 over table, scope
 /// and key, framed so no two records share an input. `("migrate", "")`
 /// guards the schema's creation.

@@ -284,7 +284,13 @@ pub async fn commit<D: TwoPhase>(
     held: &Held<D>,
     response: StoredResponse,
 ) -> Result<Completion, StoreError> {
-    let mut open = held.take().await.ok_or_else(|| held.over())?;
+    let Some(mut open) = held.take().await else {
+        // Ended already: by the max-hold timer, which may still be rolling
+        // back and giving the key back. Answer once it has, so that a retry
+        // sent on this answer finds the key free.
+        held.closed().await;
+        return Err(held.over());
+    };
     // `closed` resolves once the key is given back, if it is.
     let ended = open.ended.take();
     if !held.fate.end() {
@@ -359,6 +365,10 @@ fn spawn_rollback<D: TwoPhase>(store: &D, held: &Held<D>) -> Option<tokio::task:
             // Give the key back, so a retry runs at once.
             roll_back_and_release(&store, open, expired).await;
             drop(ended);
+        } else {
+            // Ended by the max-hold timer: done once it has given the key
+            // back (`roll_back_and_wait` answers after that).
+            held.closed().await;
         }
     }))
 }

@@ -11,7 +11,7 @@ use super::sql::checked;
 use super::{SqlxPostgresStore, unavailable};
 use tower_idempotency::response::StoredResponse;
 use tower_idempotency::store::kit::two_phase::{TwoPhase, two_phase_store};
-use tower_idempotency::store::{Completion, FencingToken, RecordId, StoreError, duration_ms};
+use tower_idempotency::store::{Completion, FencingToken, RecordId, StoreError};
 
 pub use crate::error::SqlxPostgresError;
 use crate::transaction::SqlxTransaction;
@@ -80,12 +80,11 @@ impl TwoPhase for SqlxPostgresStore {
     }
 
     async fn begin(&self, hold: Duration) -> Result<(Self::Tx, i32), StoreError> {
-        let backstop_ms = duration_ms(hold).saturating_add(1_000);
         let mut tx = self
             .pool
-            .begin_with(checked(format!(
-                "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {backstop_ms}"
-            )))
+            .begin_with(checked(
+                tower_idempotency::store::kit::pg_sql::begin_with_backstop(hold),
+            ))
             .await
             .map_err(unavailable)?;
         // The backend, for cancelling a statement past the max hold time.

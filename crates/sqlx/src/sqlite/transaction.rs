@@ -50,6 +50,18 @@ use hold::{Fate, OpenCount};
 /// error types. Reads through the pool are fine in WAL mode, but do not see
 /// this transaction's writes.
 ///
+/// # Errors inside the transaction
+///
+/// Some SQLite errors end the whole transaction, the claim with it: a
+/// constraint broken under `ON CONFLICT ROLLBACK` (`INSERT OR ROLLBACK`),
+/// `SQLITE_FULL`, `SQLITE_IOERR`. Statements after such an error run
+/// outside any transaction and commit on their own. So answer it with a
+/// response the layer does not store (a 5xx, which `?` on [`SqlxSqliteError`]
+/// gives): the layer then rolls back and frees the key, and nothing of the
+/// request stays. A handler that swallows the error and writes on commits
+/// those writes alone; its request gets 503 (the record is gone, so the
+/// completion finds nothing to complete) and a retry runs again.
+///
 /// # Max hold time
 ///
 /// Every other writer of the database waits while a handler runs, so a
@@ -148,6 +160,11 @@ impl Sealed for Sqlite {}
 impl Dialect for Sqlite {
     type Held = Arc<Shared>;
     const TRANSACTION: &'static str = "SqlxSqliteTransaction";
+
+    fn misconfiguration_logged() -> &'static std::sync::Once {
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        &LOGGED
+    }
 
     async fn lock(
         held: &Arc<Shared>,
