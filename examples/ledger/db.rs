@@ -135,8 +135,10 @@ CREATE TABLE IF NOT EXISTS credits (
 
     #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     /// Run after `POSTGRES_LOCK`, in its transaction: ledgers starting
-    /// together would race on `CREATE TABLE`.
+    /// together would race on `CREATE TABLE`. Tables already there are
+    /// skipped without a NOTICE at each start.
     pub const POSTGRES: &str = "
+SET LOCAL client_min_messages = warning;
 CREATE TABLE IF NOT EXISTS accounts (
     id      BIGSERIAL PRIMARY KEY,
     name    TEXT   NOT NULL,

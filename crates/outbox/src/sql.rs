@@ -112,9 +112,13 @@ impl OutboxSql {
             // not race on CREATE. No BEGIN/COMMIT of its own: run alone
             // (a simple query of several statements) it is one implicit
             // transaction, and run inside the request's transaction
-            // (`outbox::sqlx::migrate`) it must not commit that.
+            // (`outbox::sqlx::migrate`) it must not commit that. Tables
+            // and indexes already there are skipped without a NOTICE
+            // (drivers log those at INFO on every start), to the end of
+            // that transaction.
             schema: format!(
                 "SELECT pg_advisory_xact_lock(7261, 15);
+                 SET LOCAL client_min_messages = warning;
                  CREATE TABLE IF NOT EXISTS {TABLE} (
                     id BIGSERIAL PRIMARY KEY,
                     msg_key TEXT NOT NULL UNIQUE,

@@ -149,10 +149,15 @@ impl<S> PgSql<S> {
 }
 
 /// The table and its index, created if missing (several statements: run
-/// as a batch, not prepared).
+/// as a batch, not prepared, in a transaction or as one multi-statement
+/// query). A table already there is skipped without PostgreSQL's NOTICE
+/// ("relation ... already exists, skipping"), which drivers log at INFO on
+/// every start: `SET LOCAL` raises `client_min_messages` to the end of the
+/// transaction.
 pub fn schema(table: &str) -> String {
     format!(
-        "CREATE TABLE IF NOT EXISTS {table} (
+        "SET LOCAL client_min_messages = warning;
+        CREATE TABLE IF NOT EXISTS {table} (
             scope       TEXT   NOT NULL,
             key         TEXT   NOT NULL,
             fingerprint BYTEA  NOT NULL,

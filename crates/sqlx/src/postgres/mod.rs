@@ -167,12 +167,6 @@ impl SqlxPostgresStoreBuilder {
             .execute(&mut *tx)
             .await
             .map_err(unavailable)?;
-        // No NOTICE per start ("relation ... already exists, skipping"),
-        // which sqlx would log at INFO level.
-        sqlx::query("SET LOCAL client_min_messages = warning")
-            .execute(&mut *tx)
-            .await
-            .map_err(unavailable)?;
         sqlx::raw_sql(checked(schema(&self.settings.table)))
             .execute(&mut *tx)
             .await
