@@ -305,5 +305,8 @@ fn dependency_blocks_name_real_features_and_every_crate_used() {
             }
         }
     }
-    assert!(blocks >= 3, "{blocks} dependency blocks found");
+    // The README's alone in the published `.crate`; with the store crates'
+    // READMEs and guides beside it, more.
+    let expected = if root.join("crates").is_dir() { 6 } else { 1 };
+    assert!(blocks >= expected, "{blocks} dependency blocks found");
 }
