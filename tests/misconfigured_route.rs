@@ -3,7 +3,8 @@
 //! so, and the process logs it once. (One test in this binary: the log is
 //! once per process.)
 
-use std::fmt::Write;
+mod common;
+
 use std::sync::Mutex;
 
 use axum::Router;
@@ -16,35 +17,20 @@ use tower::ServiceExt;
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::scope::GlobalScope;
 use tower_idempotency::store::{SqliteStore, SqliteTransaction};
-use tracing::field::{Field, Visit};
-use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::layer::SubscriberExt;
 
 /// Every error event of the process, as `message | detail`.
 static ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
-struct Errors;
-
-struct Text(String);
-
-impl Visit for Text {
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        let _ = write!(self.0, "{}={value:?};", field.name());
-    }
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
-    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
-        if *event.metadata().level() == tracing::Level::ERROR {
-            let mut text = Text(String::new());
-            event.record(&mut text);
-            ERRORS.lock().unwrap().push(text.0);
-        }
-    }
-}
-
 #[tokio::test]
 async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_once() {
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Errors)).unwrap();
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(
+        common::logs::Collector {
+            keep: |level, _| *level == tracing::Level::ERROR,
+            into: &ERRORS,
+        },
+    ))
+    .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("app.sqlite3"))
         .await

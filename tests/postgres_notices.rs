@@ -11,49 +11,32 @@
 
 mod common;
 
-use std::fmt::Write;
 use std::sync::Mutex;
 
 use tower_idempotency::store::FencingToken;
 use tower_idempotency_outbox::Outbox;
 use tower_idempotency_postgres::PostgresStore;
 use tower_idempotency_sqlx::SqlxPostgresStore;
-use tracing::field::{Field, Visit};
-use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
 /// Every event of the process that logs a NOTICE of the server.
 static NOTICES: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
-struct Notices;
-
-struct Text(String);
-
-impl Visit for Text {
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        let _ = write!(self.0, "{}={value:?};", field.name());
-    }
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Notices {
-    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
-        let mut text = Text(String::new());
-        event.record(&mut text);
-        // tokio-postgres logs "NOTICE: ..."; sqlx logs the notice's text
-        // under its target `sqlx::postgres::notice`.
-        if text.0.starts_with("message=NOTICE")
-            || text.0.contains("log.target=\"sqlx::postgres::notice\"")
-        {
-            NOTICES.lock().unwrap().push(text.0);
-        }
-    }
+/// tokio-postgres logs "NOTICE: ..."; sqlx logs the notice's text under
+/// its target `sqlx::postgres::notice`.
+fn is_notice(_: &tracing::Level, text: &str) -> bool {
+    text.starts_with("message=NOTICE") || text.contains("log.target=\"sqlx::postgres::notice\"")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opening_over_existing_tables_logs_no_notice() {
     // With the `log` records of tokio-postgres and sqlx.
     tracing_subscriber::registry()
-        .with(Notices)
+        .with(common::logs::Collector {
+            keep: is_notice,
+            into: &NOTICES,
+        })
         .try_init()
         .unwrap();
     let url = common::services::postgres_url();

@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::fmt::Write;
 use std::sync::Mutex;
 
 use axum::Router;
@@ -22,31 +21,10 @@ use tower_idempotency::scope::GlobalScope;
 use tower_idempotency_sqlx::{
     SqlxPostgresStore, SqlxPostgresTransaction, SqlxSqliteStore, SqlxSqliteTransaction,
 };
-use tracing::field::{Field, Visit};
-use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::layer::SubscriberExt;
 
 /// Every error event of the process, as `message | detail`.
 static ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-struct Errors;
-
-struct Text(String);
-
-impl Visit for Text {
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        let _ = write!(self.0, "{}={value:?};", field.name());
-    }
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
-    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
-        if *event.metadata().level() == tracing::Level::ERROR {
-            let mut text = Text(String::new());
-            event.record(&mut text);
-            ERRORS.lock().unwrap().push(text.0);
-        }
-    }
-}
 
 /// Two requests to a misconfigured route: each a 500 problem naming the
 /// transaction type `name`.
@@ -80,7 +58,13 @@ async fn misconfigured(app: Router, name: &str) -> String {
 
 #[tokio::test]
 async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_once_per_database() {
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Errors)).unwrap();
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(
+        common::logs::Collector {
+            keep: |level, _| *level == tracing::Level::ERROR,
+            into: &ERRORS,
+        },
+    ))
+    .unwrap();
     let url = crate::common::services::postgres_url();
     let pool = sqlx::PgPool::connect(&url)
         .await

@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod charge;
+pub mod logs;
 pub mod services;
 
 use std::collections::HashMap;
