@@ -5,6 +5,7 @@
 use std::sync::Once;
 
 use axum_core::body::Body;
+use axum_core::response::IntoResponse;
 use http::{HeaderValue, Response, StatusCode, header};
 
 use crate::key::ClaimedKey;
@@ -27,12 +28,22 @@ pub fn misconfigured(logged: &'static Once, detail: &str) -> Response<Body> {
 /// A 500 `application/problem+json` answer (`type` `about:blank`) with
 /// `detail`.
 pub fn internal_error(detail: &str) -> Response<Body> {
+    problem(StatusCode::INTERNAL_SERVER_ERROR, detail)
+}
+
+/// An `application/problem+json` answer (RFC 9457) of type `about:blank`:
+/// the title is the status's reason phrase, as RFC 9457 §4.2.1 asks.
+fn problem(status: StatusCode, detail: &str) -> Response<Body> {
+    let title = status.canonical_reason().unwrap_or("Error");
+    let string = |s: &str| serde_json::Value::from(s).to_string();
     let body = format!(
-        r#"{{"type":"about:blank","title":"Internal Server Error","status":500,"detail":{}}}"#,
-        serde_json::Value::from(detail)
+        r#"{{"type":"about:blank","title":{},"status":{},"detail":{}}}"#,
+        string(title),
+        status.as_u16(),
+        string(detail)
     );
     let mut response = Response::new(Body::from(body));
-    *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+    *response.status_mut() = status;
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/problem+json"),
@@ -68,3 +79,91 @@ impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for ClaimedKey {
         Ok(parts.extensions.get::<ClaimedKey>().cloned())
     }
 }
+
+/// An axum extractor `E` whose rejection comes out as problem details and is
+/// not stored.
+///
+/// axum's own extractors reject with `text/plain` (`Path` on a segment that
+/// is not UTF-8, `Json` on a malformed body). Wrapped, the same rejection is
+/// answered `application/problem+json` (RFC 9457, `type` `about:blank`) with
+/// the same status and the rejection's text as `detail`, and it carries
+/// [`DoNotStore`](crate::policy::DoNotStore): the handler never ran, so
+/// nothing happened, and the key is given back (Stripe saves no result for a
+/// request that fails validation before the endpoint runs). A retry with
+/// the same key runs again; the corrected request may keep the key.
+///
+/// ```
+/// use axum::{Router, routing::post, extract::Path, Json};
+/// use tower_idempotency::problem::WithProblem;
+///
+/// async fn credit(
+///     WithProblem(Path(account)): WithProblem<Path<u64>>,
+///     WithProblem(Json(amount)): WithProblem<Json<u64>>,
+/// ) -> String {
+///     format!("credited {amount} to {account}")
+/// }
+///
+/// let app: Router = Router::new().route("/accounts/{account}/credits", post(credit));
+/// ```
+///
+/// A rejection's `detail` is cut at 1 KiB.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WithProblem<E>(pub E);
+
+impl<S, E> axum_core::extract::FromRequestParts<S> for WithProblem<E>
+where
+    S: Send + Sync,
+    E: axum_core::extract::FromRequestParts<S>,
+    E::Rejection: IntoResponse,
+{
+    type Rejection = Response<Body>;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        let rejection = match E::from_request_parts(parts, state).await {
+            Ok(value) => return Ok(WithProblem(value)),
+            Err(rejection) => rejection.into_response(),
+        };
+        Err(early_rejection(rejection).await)
+    }
+}
+
+impl<S, E> axum_core::extract::FromRequest<S> for WithProblem<E>
+where
+    S: Send + Sync,
+    E: axum_core::extract::FromRequest<S>,
+    E::Rejection: IntoResponse,
+{
+    type Rejection = Response<Body>;
+
+    async fn from_request(
+        request: http::Request<Body>,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        let rejection = match E::from_request(request, state).await {
+            Ok(value) => return Ok(WithProblem(value)),
+            Err(rejection) => rejection.into_response(),
+        };
+        Err(early_rejection(rejection).await)
+    }
+}
+
+/// The problem that stands for an extractor's `rejection`: its status, its
+/// text (at most [`DETAIL_LIMIT`] bytes) as `detail`, and `DoNotStore`.
+async fn early_rejection(response: Response<Body>) -> Response<Body> {
+    use http_body_util::BodyExt;
+    let status = response.status();
+    let limited = http_body_util::Limited::new(response.into_body(), DETAIL_LIMIT);
+    let detail = match limited.collect().await {
+        Ok(text) => String::from_utf8_lossy(&text.to_bytes()).into_owned(),
+        Err(_) => String::from("the request was refused before the handler ran"),
+    };
+    let mut answer = problem(status, &detail);
+    answer.extensions_mut().insert(crate::policy::DoNotStore);
+    answer
+}
+
+/// The most bytes of a rejection's text kept as `detail`.
+const DETAIL_LIMIT: usize = 1024;

@@ -98,6 +98,9 @@
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 
+#[cfg(feature = "axum")]
+pub use crate::extract::WithProblem;
+
 use crate::key::KeyError;
 use crate::store::StoreError;
 

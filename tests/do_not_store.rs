@@ -159,3 +159,65 @@ async fn a_marked_refusal_rolls_the_transaction_back() {
     assert_eq!(attempts(), vec!["5".to_owned()]);
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+/// `problem::WithProblem`: an axum extractor's rejection (a path segment
+/// that is not UTF-8, a body that is not JSON) comes out as problem details
+/// with axum's status, is not stored, and leaves the key free for the
+/// corrected request.
+#[tokio::test]
+async fn an_extractor_rejection_wrapped_in_with_problem_is_problem_json_and_not_stored() {
+    use axum::extract::Path;
+    use tower_idempotency::problem::WithProblem;
+    let (store, runs) = (MemoryStore::new(), Runs::default());
+    let handler =
+        |State(runs): State<Runs>,
+         WithProblem(Path(account)): WithProblem<Path<u64>>,
+         WithProblem(axum::Json(amount)): WithProblem<axum::Json<u64>>| async move {
+            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            (
+                StatusCode::CREATED,
+                format!("run {n}: {amount} to {account}"),
+            )
+        };
+    let app = Router::new()
+        .route("/accounts/{account}/credits", post(handler))
+        .route_layer(IdempotencyLayer::new(store.clone(), GlobalScope))
+        .with_state(runs.clone());
+    let json = |path: &str, body: &'static str| {
+        let mut request = charge(path, body);
+        let json = axum::http::HeaderValue::from_static("application/json");
+        request.headers_mut().insert("content-type", json);
+        request
+    };
+    let content_type = |request: Request| {
+        let app = app.clone();
+        async move {
+            let response = app.oneshot(request).await.unwrap();
+            response.headers()["content-type"]
+                .to_str()
+                .unwrap()
+                .to_owned()
+        }
+    };
+
+    let bad_path = json("/accounts/%FF/credits", "5");
+    assert_eq!(content_type(bad_path).await, "application/problem+json");
+    let bad_path = call(&app, json("/accounts/%FF/credits", "5")).await;
+    let detail = "Invalid URL: Invalid UTF-8 in `account`";
+    let problem = format!(
+        r#"{{"type":"about:blank","title":"Bad Request","status":400,"detail":"{detail}"}}"#
+    );
+    assert_eq!(bad_path, (400, false, problem));
+
+    let bad_body = call(&app, json("/accounts/7/credits", "five")).await;
+    assert_eq!((bad_body.0, bad_body.1), (400, false));
+    assert!(bad_body.2.starts_with(r#"{"type":"about:blank","title":"Bad Request","status":400,"detail":"Failed to parse the request body as JSON"#), "{}", bad_body.2);
+    assert_eq!(store.counts().await.unwrap().completed, 0);
+
+    // The same key, corrected: it runs, once.
+    let fixed = call(&app, json("/accounts/7/credits", "5")).await;
+    assert_eq!(fixed, (201, false, "run 1: 5 to 7".into()));
+    let again = call(&app, json("/accounts/7/credits", "5")).await;
+    assert_eq!(again, (201, true, "run 1: 5 to 7".into()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

@@ -8,16 +8,18 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
-use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::{StatusCode, request::Parts};
 use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Router};
 use serde::Deserialize;
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::key::ClaimedKey;
+use tower_idempotency::policy::DoNotStore;
+use tower_idempotency::problem::WithProblem;
 use tower_idempotency::store::{Inspect, Store, TransactionalStore};
 
 use cli::{Args, Backend, Mode};
@@ -47,10 +49,9 @@ fn app<D: Ledger>(state: App<D>, protect: impl FnOnce(Routes<D>) -> Routes<D>) -
 /// account's new balance.
 async fn credit<D: Ledger>(
     writer: Writer<D>,
-    Path(id): Path<String>,
-    body: Bytes,
+    AccountId(account_id): AccountId,
+    WithProblem(body): WithProblem<Bytes>,
 ) -> Result<Response, ApiError> {
-    let account_id = parse_id(&id)?;
     let NewCredit { amount } = parse_json(&body)?;
     if !(1..=1_000_000_000).contains(&amount) {
         let detail = "amount must be an integer in 1..=1000000000";
@@ -82,7 +83,10 @@ type Routes<D> = Router<App<D>>;
 type Protect<D> = Box<dyn FnOnce(Routes<D>) -> Routes<D>>;
 
 /// `POST /accounts {"name": "..."}`: 201 with the new account.
-async fn create_account<D: Ledger>(writer: Writer<D>, body: Bytes) -> Result<Response, ApiError> {
+async fn create_account<D: Ledger>(
+    writer: Writer<D>,
+    WithProblem(body): WithProblem<Bytes>,
+) -> Result<Response, ApiError> {
     let NewAccount { name } = parse_json(&body)?;
     if !(1..=100).contains(&name.chars().count()) || name.contains('\0') {
         let detail = "name must be 1 to 100 characters, without NUL";
@@ -100,9 +104,9 @@ struct NewAccount {
 /// `GET /accounts/{id}`.
 async fn account<D: Ledger>(
     State(state): State<App<D>>,
-    Path(id): Path<String>,
+    AccountId(id): AccountId,
 ) -> Result<Response, ApiError> {
-    let account = state.db.account(parse_id(&id)?).await?;
+    let account = state.db.account(id).await?;
     Ok(axum::Json(account).into_response())
 }
 
@@ -153,8 +157,8 @@ impl<D: Ledger> Writer<D> {
             fail_after_effect: self.fail_after_effect,
         };
         // An `Err` makes the handler answer 4xx/5xx; in transactional mode
-        // the layer then rolls the transaction back or commits the refusal
-        // with its record.
+        // the layer then rolls the transaction back (every `ApiError` is
+        // either released or marked `DoNotStore`).
         Ok(match (self.app.mode, self.tx) {
             (Mode::Separate, _) => self.app.db.in_transaction(write).await?,
             (Mode::Transactional, Some(tx)) => D::in_request(&tx, write).await?,
@@ -236,9 +240,16 @@ impl From<LedgerError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         match self {
-            ApiError::BadRequest(detail) => problem(StatusCode::BAD_REQUEST, "Bad Request", detail),
+            // Refusals given before any effect are not stored: nothing
+            // happened, so a retry, or the corrected request, may use the
+            // same key (in transactional mode the transaction rolls back).
+            ApiError::BadRequest(detail) => {
+                let refusal = problem(StatusCode::BAD_REQUEST, "Bad Request", detail);
+                (Extension(DoNotStore), refusal).into_response()
+            }
             ApiError::Ledger(LedgerError::NoSuchAccount) => {
-                problem(StatusCode::NOT_FOUND, "Not Found", "no such account")
+                let refusal = problem(StatusCode::NOT_FOUND, "Not Found", "no such account");
+                (Extension(DoNotStore), refusal).into_response()
             }
             ApiError::Ledger(LedgerError::InjectedFailure) => problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -267,10 +278,19 @@ fn parse_json<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError>
         .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
 }
 
-/// An id that is not an integer names no account.
-fn parse_id(id: &str) -> Result<i64, ApiError> {
-    id.parse()
-        .map_err(|_| ApiError::Ledger(LedgerError::NoSuchAccount))
+/// The `{id}` of the path. One that is not a decimal integer, whatever its
+/// bytes (`abc`, `%FF`, which is not UTF-8), names no account: 404.
+struct AccountId(i64);
+
+impl<S: Send + Sync> FromRequestParts<S> for AccountId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let id = Path::<String>::from_request_parts(parts, state).await.ok();
+        let id = id.and_then(|Path(id)| id.parse().ok());
+        id.map(AccountId)
+            .ok_or(ApiError::Ledger(LedgerError::NoSuchAccount))
+    }
 }
 
 // ------------------------------------------------------------------- set-up
