@@ -115,6 +115,7 @@ pub mod policy;
 pub mod problem;
 mod record;
 pub mod response;
+pub mod retry_after;
 pub mod scope;
 mod service;
 pub mod store;

@@ -31,6 +31,8 @@ mod enabled {
 
     /// Between attempts at most this long (the contract's "at most 2 s").
     const MAX_BACKOFF: Duration = Duration::from_secs(2);
+    /// A receiver's `Retry-After` is honoured up to this long.
+    const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
     /// No answer within this long is a failed attempt.
     const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
     /// A relay holds a notification at most this long.
@@ -63,6 +65,7 @@ mod enabled {
         outbox
             .relay(HttpSink::new(client))
             .backoff(Duration::from_millis(100), MAX_BACKOFF)
+            .retry_after_max(MAX_RETRY_AFTER)
             .max_attempts(None)
             .answer_timeout(ANSWER_TIMEOUT)
             .lease(LEASE)

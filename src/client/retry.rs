@@ -3,11 +3,11 @@
 use std::pin::Pin;
 use std::time::Duration;
 
-use http::{Request, Response, StatusCode, header};
+use http::{Request, Response, StatusCode};
 
 /// Retries connection errors, 5xx and 409; never any other 4xx. Waits
-/// `Retry-After` seconds on a 409 or 503 that carries it (capped at the
-/// largest delay), otherwise an exponential backoff with full jitter.
+/// what `Retry-After` asks (seconds or an HTTP date) on a 409 or 5xx that
+/// carries it (capped at the largest delay), otherwise an exponential backoff with full jitter.
 #[derive(Debug, Clone)]
 pub struct RetryPolicy {
     attempts_left: usize,
@@ -63,18 +63,6 @@ impl RetryPolicy {
     }
 }
 
-fn retry_after<B>(response: &Response<B>) -> Option<Duration> {
-    let secs: u64 = response
-        .headers()
-        .get(header::RETRY_AFTER)?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(Duration::from_secs(secs))
-}
-
 impl<B: Clone, ResB, E> tower::retry::Policy<Request<B>, Response<ResB>, E> for RetryPolicy {
     type Future = Pin<Box<tokio::time::Sleep>>;
 
@@ -86,7 +74,8 @@ impl<B: Clone, ResB, E> tower::retry::Policy<Request<B>, Response<ResB>, E> for 
         let delay = match result {
             Err(_) => self.backoff(),
             Ok(r) if r.status() == StatusCode::CONFLICT || r.status().is_server_error() => {
-                retry_after(r).map_or_else(|| self.backoff(), |d| d.min(self.max_delay))
+                crate::retry_after::wait(r.headers())
+                    .map_or_else(|| self.backoff(), |d| d.min(self.max_delay))
             }
             Ok(_) => return None,
         };
@@ -112,6 +101,7 @@ impl<B: Clone, ResB, E> tower::retry::Policy<Request<B>, Response<ResB>, E> for 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::header;
     use tower::retry::Policy;
 
     fn response(status: u16, retry_after: Option<&str>) -> Result<Response<()>, ()> {

@@ -25,6 +25,7 @@ pub(super) struct Config {
     pub(super) poll_interval: Duration,
     pub(super) backoff_min: Duration,
     pub(super) backoff_max: Duration,
+    pub(super) retry_after_max: Duration,
     pub(super) max_attempts: Option<u32>,
     pub(super) retention: Duration,
     pub(super) maintenance_every: Duration,
@@ -39,8 +40,9 @@ impl Default for Config {
             lease: Duration::from_secs(15),
             poll_interval: Duration::from_millis(250),
             backoff_min: Duration::from_millis(100),
-            backoff_max: Duration::from_secs(30),
-            max_attempts: Some(20),
+            backoff_max: Duration::from_secs(3600),
+            retry_after_max: Duration::from_secs(3600),
+            max_attempts: Some(40),
             retention: Duration::from_secs(24 * 3600),
             maintenance_every: Duration::from_secs(10),
         }
@@ -73,6 +75,13 @@ pub(super) fn backoff_delay(min: Duration, max: Duration, attempt: u32) -> Durat
         .deadline()
         .saturating_duration_since(tokio::time::Instant::now())
         .min(max)
+}
+
+/// The delay before the attempt after attempt `attempt`: the backoff's, or
+/// the receiver's `Retry-After` (`asked`, capped) when that is longer.
+fn retry_delay(config: &Config, attempt: u32, asked: Duration) -> Duration {
+    let backoff = backoff_delay(config.backoff_min, config.backoff_max, attempt);
+    backoff.max(asked.min(config.retry_after_max))
 }
 
 /// What decides the relay's stop.
@@ -127,8 +136,36 @@ impl RelayHandle {
 ///   [`answer_timeout`](Relay::answer_timeout): due again after a capped,
 ///   jittered exponential [`backoff`](Relay::backoff) (tower's
 ///   `ExponentialBackoff`), unless it was attempt
-///   [`max_attempts`](Relay::max_attempts): then a dead letter.
+///   [`max_attempts`](Relay::max_attempts): then a dead letter. Each retry
+///   is logged at INFO with the error (an HTTP status, say) and the time of
+///   the next attempt.
+/// * [`Outcome::RetryAfter`] (the receiver's `Retry-After`): the same, but
+///   due no earlier than the receiver asked, capped at
+///   [`retry_after_max`](Relay::retry_after_max).
 /// * [`Outcome::Reject`]: a dead letter.
+///
+/// # The default schedule
+///
+/// A message that keeps failing is retried for about a day before it
+/// becomes a dead letter, long enough to ride out a receiver's outage of a
+/// day (Stripe retries webhooks for three days; Standard Webhooks' example
+/// schedule spans about 27 hours). The delay after attempt `n` is
+/// `100 ms · 2^(n-1)` plus up to as much again at random, never more than
+/// 1 h, and never less than a `Retry-After` (capped at 1 h):
+///
+/// | after attempt | delay (seconds) | time since the first attempt |
+/// |---|---|---|
+/// | 1, 2, 3 | 0.1–0.2, 0.2–0.4, 0.4–0.8 | under 2 s |
+/// | 10 | 51–102 | 1.7–3.4 min |
+/// | 15 | 1,638–3,277 | 0.9–1.8 h |
+/// | 16 | 3,277–3,600 | 1.8–2.8 h |
+/// | 17 to 39 | 3,600 each | |
+/// | 40 | (a dead letter) | 24.8–25.8 h |
+///
+/// A partner that recovers gets its backlog within the hour. Shorter
+/// schedules: [`backoff`](Relay::backoff) and
+/// [`max_attempts`](Relay::max_attempts); `max_attempts(None)` never gives
+/// up.
 ///
 /// When nothing is due it waits [`poll_interval`](Relay::poll_interval)
 /// (or until [`Outbox::wake`](crate::Outbox::wake)).
@@ -186,7 +223,7 @@ impl Relay {
 
     /// The retry delays: `min` after the first failure, doubling, with up
     /// to as much again of random jitter, never above `max` (default
-    /// 100 ms and 30 s). `max` is at least 1 ms; `min` at most `max`.
+    /// 100 ms and 1 h). `max` is at least 1 ms; `min` at most `max`.
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
         let max = max.max(Duration::from_millis(1));
         self.config.backoff_min = min.min(max);
@@ -194,8 +231,18 @@ impl Relay {
         self
     }
 
+    /// The longest wait a receiver's `Retry-After` may impose before the
+    /// next attempt (default 1 h). Longer requests are cut to it; the
+    /// backoff's delay still applies when it is longer.
+    pub fn retry_after_max(mut self, d: Duration) -> Self {
+        self.config.retry_after_max = d;
+        self
+    }
+
     /// The attempts a message gets before it becomes a dead letter
-    /// (default `Some(20)`); `None`: retried without limit.
+    /// (default `Some(40)`: about a day, see [the default
+    /// schedule](Relay#the-default-schedule)); `None`: retried without
+    /// limit.
     pub fn max_attempts(mut self, n: Option<u32>) -> Self {
         self.config.max_attempts = n.map(|n| n.max(1));
         self
@@ -305,24 +352,33 @@ async fn attempt(queue: &dyn Queue, sink: &dyn Sink, config: &Config, c: Claimed
         Ok(outcome) => outcome,
         Err(_) => Outcome::Retry(format!("no answer within {} ms", timeout.as_millis())),
     };
-    let fate = match outcome {
-        Outcome::Delivered => Fate::Done,
-        Outcome::Retry(error) if config.max_attempts.is_some_and(|max| c.attempt >= max) => {
-            Fate::Dead {
-                error: format!("{error} (attempt {}, the last allowed)", c.attempt),
-            }
-        }
-        Outcome::Retry(error) => Fate::Retry {
-            after: backoff_delay(config.backoff_min, config.backoff_max, c.attempt),
+    let (error, asked) = match outcome {
+        Outcome::Delivered => (None, Duration::ZERO),
+        Outcome::Retry(error) => (Some(Ok(error)), Duration::ZERO),
+        Outcome::RetryAfter { error, after } => (Some(Ok(error)), after),
+        Outcome::Reject(error) => (Some(Err(error)), Duration::ZERO),
+    };
+    let fate = match error {
+        None => Fate::Done,
+        Some(Ok(error)) if config.max_attempts.is_some_and(|max| c.attempt >= max) => Fate::Dead {
+            error: format!("{error} (attempt {}, the last allowed)", c.attempt),
+        },
+        Some(Ok(error)) => Fate::Retry {
+            after: retry_delay(config, c.attempt, asked),
             error,
         },
-        Outcome::Reject(error) => Fate::Dead { error },
+        Some(Err(error)) => Fate::Dead { error },
     };
     count(&fate);
     match &fate {
         Fate::Done => tracing::debug!(id = c.id, attempt = c.attempt, "outbox: delivered"),
-        Fate::Retry { after, error } => tracing::debug!(
-            id = c.id, attempt = c.attempt, %error, retry_in_ms = after.as_millis() as u64, "outbox: attempt failed"
+        Fate::Retry { after, error } => tracing::info!(
+            id = c.id,
+            attempt = c.attempt,
+            %error,
+            retry_in_ms = after.as_millis() as u64,
+            next_attempt = %httpdate::fmt_http_date(std::time::SystemTime::now() + *after),
+            "outbox: attempt failed; retrying"
         ),
         Fate::Dead { error } => {
             tracing::warn!(id = c.id, attempt = c.attempt, %error, "outbox: message is a dead letter")
@@ -380,5 +436,25 @@ mod tests {
             assert!(backoff_delay(min, max, 30) <= max);
             assert!(backoff_delay(min, max, u32::MAX) <= max);
         }
+    }
+
+    /// The documented default schedule: a dead letter no sooner than 24 h
+    /// (24.8 h at the least, 25.8 h at the most, attempts' own time aside).
+    #[tokio::test]
+    async fn the_default_schedule_rides_out_a_day() {
+        let config = Config::default();
+        let last = config.max_attempts.unwrap();
+        assert_eq!(last, 40);
+        for _ in 0..20 {
+            let total: Duration = (1..last)
+                .map(|attempt| retry_delay(&config, attempt, Duration::ZERO))
+                .sum();
+            let hours = total.as_secs_f64() / 3600.0;
+            assert!((24.8..=25.9).contains(&hours), "{hours} h");
+        }
+        // A `Retry-After` longer than the backoff wins, up to its cap.
+        let asked = |secs| retry_delay(&config, 1, Duration::from_secs(secs));
+        assert_eq!(asked(120), Duration::from_secs(120));
+        assert_eq!(asked(86_400), Duration::from_secs(3600));
     }
 }

@@ -55,6 +55,16 @@ pub enum Outcome {
     /// Try again after a backoff (a connection error, a timeout, a busy or
     /// failing receiver). The text is kept as the message's last error.
     Retry(String),
+    /// Try again, no earlier than `after`: the receiver said when (its
+    /// `Retry-After`). The relay waits the longer of `after`, capped by
+    /// [`Relay::retry_after_max`](crate::Relay::retry_after_max), and its
+    /// own backoff. It counts as an attempt, as `Retry` does.
+    RetryAfter {
+        /// Kept as the message's last error.
+        error: String,
+        /// The wait the receiver asked for.
+        after: std::time::Duration,
+    },
     /// The receiver refused it for good: a dead letter, kept for operators.
     Reject(String),
 }
@@ -92,8 +102,11 @@ pub fn classify(status: StatusCode) -> Outcome {
 /// `Idempotency-Key: "<key>"` (an RFC 8941 sf-string), so that a receiver
 /// behind an `IdempotencyLayer` applies each message once however often it
 /// arrives. The answer's status is judged by [`classify`]; a client error
-/// (connection refused, reset, hung up) is [`Outcome::Retry`]. The response
-/// body is not read.
+/// (connection refused, reset, hung up) is [`Outcome::Retry`]. A retried
+/// status whose answer carries a valid `Retry-After` (seconds or an HTTP
+/// date, RFC 9110 §10.2.3) is [`Outcome::RetryAfter`], as Standard Webhooks
+/// asks of senders. The response body is not read, and no redirect is
+/// followed: a 3xx is a dead letter.
 #[derive(Debug, Clone)]
 pub struct HttpSink<S> {
     client: S,
@@ -158,10 +171,24 @@ where
                 return Outcome::Retry(format!("client not ready: {e}"));
             }
             match client.call(req).await {
-                Ok(response) => classify(response.status()),
+                Ok(response) => judge(&response),
                 Err(e) => Outcome::Retry(format!("request failed: {e}")),
             }
         })
+    }
+}
+
+/// [`classify`] the answer's status; a retry also honours its `Retry-After`.
+fn judge<B>(response: &http::Response<B>) -> Outcome {
+    match classify(response.status()) {
+        Outcome::Retry(error) => match tower_idempotency::retry_after::wait(response.headers()) {
+            Some(after) => Outcome::RetryAfter {
+                error: format!("{error}, Retry-After {} s", after.as_secs()),
+                after,
+            },
+            None => Outcome::Retry(error),
+        },
+        outcome => outcome,
     }
 }
 
@@ -230,6 +257,33 @@ mod tests {
                 Outcome::Reject(format!("HTTP {s}"))
             );
         }
+    }
+
+    #[test]
+    fn a_retried_answer_honours_retry_after() {
+        let answer = |status: u16, retry_after: Option<&str>| {
+            let mut response = http::Response::new(());
+            *response.status_mut() = StatusCode::from_u16(status).unwrap();
+            if let Some(value) = retry_after {
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, value.parse().unwrap());
+            }
+            judge(&response)
+        };
+        let later = |status: u16, secs: u64| Outcome::RetryAfter {
+            error: format!("HTTP {status}, Retry-After {secs} s"),
+            after: std::time::Duration::from_secs(secs),
+        };
+        assert_eq!(answer(429, Some("5")), later(429, 5));
+        assert_eq!(answer(503, Some("4")), later(503, 4));
+        assert_eq!(answer(409, Some("3")), later(409, 3));
+        assert_eq!(answer(503, Some("soon")), Outcome::Retry("HTTP 503".into()));
+        assert_eq!(answer(503, None), Outcome::Retry("HTTP 503".into()));
+        // Only a retried status looks at the field.
+        assert_eq!(answer(201, Some("5")), Outcome::Delivered);
+        assert_eq!(answer(400, Some("5")), Outcome::Reject("HTTP 400".into()));
+        assert_eq!(answer(301, Some("5")), Outcome::Reject("HTTP 301".into()));
     }
 
     #[test]
