@@ -44,6 +44,9 @@ pub(crate) struct Settings {
     pub(crate) methods: Vec<Method>,
     pub(crate) require_key: bool,
     pub(crate) lease: Duration,
+    /// Lease renewal: `Some(max_hold)` renews the lease while the request
+    /// runs, for at most `max_hold` from the claim.
+    pub(crate) max_hold: Option<Duration>,
     pub(crate) in_flight_retry_after: Duration,
     pub(crate) ttl: Duration,
     pub(crate) max_request_body: usize,

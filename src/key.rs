@@ -32,9 +32,12 @@
 //! before the store is touched.
 
 use std::fmt;
+use std::sync::Arc;
 
 use http::HeaderMap;
 use http::header::AsHeaderName;
+
+use crate::renew::LeaseSignal;
 
 /// The longest key accepted, in characters (Stripe's documented limit).
 pub const MAX_KEY_LEN: usize = 255;
@@ -204,15 +207,48 @@ fn parse_bare(value: &[u8]) -> Result<String, KeyError> {
 ///     format!("{}/{}", claimed.scope(), claimed.key())
 /// }
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct ClaimedKey {
     key: String,
     scope: String,
+    lease: Arc<LeaseSignal>,
 }
+
+/// Two claimed keys are equal when their keys and scopes are.
+impl PartialEq for ClaimedKey {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.key, &self.scope) == (&other.key, &other.scope)
+    }
+}
+
+impl Eq for ClaimedKey {}
 
 impl ClaimedKey {
     pub(crate) fn new(key: String, scope: String) -> Self {
-        ClaimedKey { key, scope }
+        ClaimedKey {
+            key,
+            scope,
+            lease: Arc::default(),
+        }
+    }
+
+    pub(crate) fn lease_signal(&self) -> Arc<LeaseSignal> {
+        self.lease.clone()
+    }
+
+    /// Resolves if this request's lease is lost while it runs: with
+    /// [`IdempotencyLayer::renew_lease`](crate::IdempotencyLayer::renew_lease),
+    /// a renewal found the key taken over, or none was confirmed before the
+    /// lease ended, or the max hold passed. Another request may then run
+    /// the same operation: a handler with a long effect can race this
+    /// against its work and stop. Never resolves without renewal.
+    pub async fn lease_lost(&self) {
+        self.lease.lost().await;
+    }
+
+    /// Whether [`ClaimedKey::lease_lost`] has resolved.
+    pub fn is_lease_lost(&self) -> bool {
+        self.lease.is_lost()
     }
 
     /// The parsed key, unquoted (what [`parse_key`] returns).

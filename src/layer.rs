@@ -120,6 +120,7 @@ impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
                     methods: vec![Method::POST, Method::PATCH],
                     require_key: false,
                     lease: DEFAULT_LEASE,
+                    max_hold: None,
                     in_flight_retry_after: DEFAULT_IN_FLIGHT_RETRY_AFTER,
                     ttl: DEFAULT_TTL,
                     max_request_body: DEFAULT_MAX_REQUEST_BODY,
@@ -172,6 +173,47 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// lowers the lease, expect this for claims made before it.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config.settings.lease = lease;
+        self
+    }
+
+    /// Renews the lease of every claim while its request runs, for at most
+    /// `max_hold` from the claim (off by default). A short
+    /// [`lease`](Self::lease) then frees the keys of a crashed process
+    /// within one lease, while a handler slower than the lease keeps its
+    /// key: the layer extends the lease every third of a lease, fenced by
+    /// the claim's token ([`Store::renew`](crate::store::Store::renew)).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope::GlobalScope};
+    ///
+    /// // Crashed holders free their keys within 5 s; a live handler may
+    /// // hold its key for up to 10 minutes.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope)
+    ///     .lease(Duration::from_secs(5))
+    ///     .renew_lease(Duration::from_secs(600));
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// - **Max hold.** Renewals stop at `max_hold`; the lease then runs out
+    ///   and a repeat may take the key over. A transactional store rolls a
+    ///   transaction back past its own max hold or this one, whichever is
+    ///   shorter.
+    /// - **A lost lease** (a renewal finds the record carrying another
+    ///   token, or the store could not confirm one before the lease ended)
+    ///   is logged at WARN, counted (`tower_idempotency_leases_lost_total` with the
+    ///   `metrics` feature), and signalled to the handler through
+    ///   [`ClaimedKey::lease_lost`](crate::key::ClaimedKey::lease_lost). In
+    ///   transactional mode the commit is fenced by the token: a request
+    ///   whose key was taken over never commits (503).
+    /// - **Where it applies.** Separate mode on every store, and
+    ///   transactional mode where the claim commits before the handler runs
+    ///   (PostgreSQL, MySQL). SQLite's transactional claim lives inside the
+    ///   open transaction, vanishes with a crash, and needs no renewal.
+    /// - **Streams.** Renewal ends when the response head is answered; a
+    ///   streamed response must still end within the lease to be stored.
+    pub fn renew_lease(mut self, max_hold: Duration) -> Self {
+        self.config.settings.max_hold = Some(max_hold);
         self
     }
 

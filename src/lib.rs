@@ -114,6 +114,7 @@ pub mod mode;
 pub mod policy;
 pub mod problem;
 mod record;
+mod renew;
 pub mod response;
 pub mod retry_after;
 pub mod scope;

@@ -140,6 +140,12 @@ pub trait Mode<St>: sealed::Sealed + Clone + Send + Sync + 'static {
     #[doc(hidden)]
     const DETACHED: bool;
 
+    /// Whether the claim's lease is renewed while the request runs (when
+    /// the layer renews leases): wherever the claim is committed before
+    /// the handler runs.
+    #[doc(hidden)]
+    const RENEWS: bool;
+
     /// Claims the key: the hold and whether an expired lease was taken over,
     /// or why the request is refused.
     #[doc(hidden)]
@@ -185,6 +191,7 @@ impl<St: Store> Mode<St> for Separate {
     // The handler's effect commits on its own and may outlive a cancelled
     // future: only finishing the request keeps the record true to it.
     const DETACHED: bool = true;
+    const RENEWS: bool = true;
 
     async fn claim(
         store: &St,
@@ -297,6 +304,7 @@ impl<St: TransactionalStore> Mode<St> for Transactional {
     // Nothing commits until the layer commits: a cancelled request rolls
     // back cleanly and frees the writer at once.
     const DETACHED: bool = false;
+    const RENEWS: bool = St::CLAIM_COMMITS_FIRST;
 
     async fn claim(
         store: &St,

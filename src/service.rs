@@ -36,6 +36,7 @@ use crate::mode::{Hold, Mode, Separate};
 use crate::policy::{DoNotStore, StorePolicy};
 use crate::problem::{Rejection, STORE_RETRY_AFTER_SECS};
 use crate::record::{release, store_response, stream_deadline};
+use crate::renew;
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
 use crate::store::{ClaimRequest, FencingToken, Refusal, Store, retry_after_secs};
@@ -270,6 +271,7 @@ where
             token: FencingToken::random(),
             lease: settings.lease,
             ttl: settings.ttl,
+            max_hold: settings.max_hold,
         };
         let request = Request::from_parts(parts, RequestBody::buffered(body, trailers));
         let run =
@@ -363,11 +365,14 @@ where
     ResBody: Body + Send + 'static,
 {
     let settings = &config.settings;
-    // A streamed first response must end within the lease (counted from
-    // here, before the store counts it, less a margin), or it is recorded as
-    // not stored: see `finish_stream`.
-    let lease_end = tokio::time::Instant::now() + stream_deadline(settings.lease);
-    let mut hold = match timed(Operation::Claim, M::claim(&store, claim)).await {
+    // A streamed first response must end within the lease, or the max hold
+    // when the lease is renewed (counted from here, before the store counts
+    // it, less a margin), or it is recorded as not stored: see
+    // `finish_stream`.
+    let claimed_at = tokio::time::Instant::now();
+    let mut lease_end = claimed_at + stream_deadline(settings.lease);
+    let (id, token) = (claim.record_id(), claim.token);
+    let hold = match timed(Operation::Claim, M::claim(&store, claim)).await {
         Ok(Ok((hold, taken_over))) => {
             telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
             hold
@@ -400,6 +405,25 @@ where
 
     request.headers_mut().remove(&settings.marker);
     hold.attach(request.extensions_mut());
+    // Renewed until the record is completed or released (`renew_lease`).
+    let renewal = match (settings.max_hold, M::RENEWS) {
+        (Some(max_hold), true) => request.extensions().get::<ClaimedKey>().map(|claimed| {
+            renew::start(renew::Lease {
+                store: store.clone(),
+                id,
+                token,
+                lease: settings.lease,
+                max_hold,
+                signal: claimed.lease_signal(),
+            })
+        }),
+        _ => None,
+    };
+    if let (Some(_), Some(max_hold)) = (&renewal, settings.max_hold) {
+        // Renewed until the record is finished, but never past the max hold.
+        lease_end = claimed_at + stream_deadline(max_hold);
+    }
+    let mut hold = renew::Renewed { hold, renewal };
     let response = match inner.call(request).await {
         Ok(response) => response,
         Err(e) => {

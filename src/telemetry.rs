@@ -71,6 +71,8 @@
 //! |---|---|---|---|
 //! | `tower_idempotency_requests_total` | counter | `outcome` | requests the layer answered or ran, by [`Outcome`] |
 //! | `tower_idempotency_takeovers_total` | counter | | in-flight records taken over after their lease ended (a holder crashed or was too slow) |
+//! | `tower_idempotency_lease_renewals_total` | counter | | leases renewed while their request ran ([`renew_lease`](crate::IdempotencyLayer::renew_lease)) |
+//! | `tower_idempotency_leases_lost_total` | counter | | leases lost while their request ran: taken over, not confirmed in time, or held past the max hold |
 //! | `tower_idempotency_store_duration_seconds` | histogram | `operation` = `claim`, `complete` or `release` | the store's latency per call, in seconds |
 //!
 //! Store crates add their own: `tower-idempotency-redis` names its eviction

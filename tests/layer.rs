@@ -517,6 +517,15 @@ impl Store for HourLongLease {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.0.purge_expired().await
     }
+
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        self.0.renew(id, token, lease).await
+    }
 }
 
 /// The 409's `Retry-After` is the layer's hint (1 s by default), not the
@@ -629,6 +638,15 @@ impl Store for SlowClaimAnswer {
     }
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.inner.purge_expired().await
+    }
+
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(id, token, lease).await
     }
 }
 
@@ -766,6 +784,16 @@ impl Store for Misconfigured {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         Ok(0)
     }
+
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        let _ = (id, token, lease);
+        Ok(false)
+    }
 }
 
 #[tokio::test]
@@ -798,6 +826,15 @@ impl Store for CompleteFails {
     }
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.0.purge_expired().await
+    }
+
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        self.0.renew(id, token, lease).await
     }
 }
 

@@ -428,6 +428,41 @@ async fn a_duplicate_gets_409_and_another_body_422_without_blocking<B: Backend>(
     db.drop_tables().await;
 }
 
+/// Two-phase stores with a renewed 1 s lease: a handler that holds its
+/// transaction 2.5 s keeps its key (a repeat gets 409, not a take-over),
+/// its transaction is not cut at one lease, and it commits once.
+async fn a_renewed_lease_keeps_a_slow_transaction<B: Backend>() {
+    let db = B::open(DEFAULT_HOLD).await;
+    let h = Harness::default();
+    let app = Router::new()
+        .route("/credits", post(credit::<B>))
+        .route_layer(
+            IdempotencyLayer::new(db.store().clone(), GlobalScope)
+                .require_key(true)
+                .lease(Duration::from_secs(1))
+                .renew_lease(Duration::from_secs(60))
+                .transactional(),
+        )
+        .with_state(App {
+            h: h.clone(),
+            prefix: db.prefix().to_owned(),
+        });
+    let addr = serve(app).await;
+    let mut entered = h.watch();
+    let first = tokio::spawn(async move { post_credit(addr, b"k", &[("x-gate", b"g")]).await });
+    assert_eq!(entered.recv().await.as_deref(), Some("g"));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let busy = post_credit(addr, b"k", &[]).await;
+    assert_eq!(busy.assert_problem(409), types::IN_FLIGHT);
+    h.open("g");
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.body.as_slice()), (201, &b"run 1"[..]));
+    assert!(post_credit(addr, b"k", &[]).await.replayed());
+    assert_eq!((effects(&db).await, h.runs()), ((5, 1, 1), 1));
+    assert_eq!(db.held_too_long(), 0);
+    db.drop_tables().await;
+}
+
 /// The suite's tests for backend `$b`, each a test of its own;
 /// `two_phase` adds those of the stores whose repeats never wait.
 macro_rules! suite {
@@ -441,7 +476,10 @@ macro_rules! suite {
     };
     ($b:ty, two_phase) => {
         suite!($b);
-        suite!(@tests $b; a_duplicate_gets_409_and_another_body_422_without_blocking,);
+        suite!(@tests $b;
+            a_duplicate_gets_409_and_another_body_422_without_blocking,
+            a_renewed_lease_keeps_a_slow_transaction,
+        );
     };
     ($b:ty) => {
         suite!(@tests $b;

@@ -549,6 +549,15 @@ impl Store for FailingCompletion {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.inner.purge_expired().await
     }
+
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(id, token, lease).await
+    }
 }
 
 #[tokio::test]

@@ -66,17 +66,25 @@ struct NewCredit {
     amount: i64,
 }
 
-/// The idempotency layer: a key is required, keys are scoped per caller.
+/// The idempotency layer: a key is required, keys are scoped per caller,
+/// and the lease of a request is renewed while it runs (up to
+/// [`MAX_HOLD`]), so a short `--lease-secs` frees a crashed process's keys
+/// soon without letting a slow credit be taken over.
 fn idempotency<St: Store>(
     store: St,
     lease: Option<Duration>,
 ) -> IdempotencyLayer<St, fn(&Parts) -> String> {
-    let layer = IdempotencyLayer::new(store, caller as fn(&Parts) -> String).require_key(true);
+    let layer = IdempotencyLayer::new(store, caller as fn(&Parts) -> String)
+        .require_key(true)
+        .renew_lease(MAX_HOLD);
     match lease {
         Some(lease) => layer.lease(lease),
         None => layer,
     }
 }
+
+/// The longest a request holds its key while its lease is renewed.
+const MAX_HOLD: Duration = Duration::from_secs(300);
 
 /// The ledger's routes over driver `D`, and what puts them behind the layer.
 type Routes<D> = Router<App<D>>;

@@ -254,6 +254,27 @@ impl Store for MemoryStore {
         let now = self.clock.now_ms();
         Ok(self.lock().evict_expired(now) as u64)
     }
+
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let now = self.clock.now_ms();
+        let mut records = self.lock();
+        match records.map.get_mut(&id.into_parts()) {
+            Some(record)
+                if record.token == token
+                    && record.response.is_none()
+                    && record.expires_at > now =>
+            {
+                record.lease_until = now.saturating_add(duration_ms(lease));
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
 }
 
 impl Inspect for MemoryStore {

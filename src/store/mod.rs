@@ -148,6 +148,11 @@ pub struct ClaimRequest {
     pub lease: Duration,
     /// How long the record is kept, counted from the claim.
     pub ttl: Duration,
+    /// The longest the request may hold the key when the layer renews its
+    /// lease ([`IdempotencyLayer::renew_lease`](crate::IdempotencyLayer::renew_lease));
+    /// `None`: one lease. A store that ends a transaction held too long
+    /// counts from the claim up to [`ClaimRequest::hold`].
+    pub max_hold: Option<Duration>,
 }
 
 impl ClaimRequest {
@@ -164,7 +169,20 @@ impl ClaimRequest {
             token,
             lease: DEFAULT_LEASE,
             ttl: DEFAULT_TTL,
+            max_hold: None,
         }
+    }
+
+    /// The same claim, held for at most `max_hold` while its lease is renewed.
+    #[must_use]
+    pub fn with_max_hold(mut self, max_hold: Duration) -> Self {
+        self.max_hold = Some(max_hold);
+        self
+    }
+
+    /// The longest this claim may be held: [`ClaimRequest::max_hold`], or one lease.
+    pub fn hold(&self) -> Duration {
+        self.max_hold.unwrap_or(self.lease)
     }
 
     /// The same claim with a lease of `lease`.
@@ -306,6 +324,19 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Deletes every record past its TTL. Returns how many were deleted.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Renews the lease of the in-flight record that still carries `token`:
+    /// it now ends `lease` from now, on the store's clock. `false` when no
+    /// in-flight record carries `token` (its lease ended and another request
+    /// took the key over, or it was released or completed): the caller has
+    /// lost the key. A record whose lease ended but which nobody took over
+    /// is renewed, since nobody else ran.
+    fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }
 
 /// A store that can claim a key inside a transaction the handler writes
@@ -349,6 +380,13 @@ pub trait TransactionalStore: Store {
         self.rollback(transaction);
         std::future::ready(())
     }
+
+    /// Whether the claim commits before the handler runs (two phases:
+    /// PostgreSQL, MySQL), so other servers see it and a crash leaves it in
+    /// flight until its lease ends; then the layer renews its lease. `false`
+    /// (the default) where the claim lives in the open transaction and
+    /// vanishes with it (SQLite): nothing to renew.
+    const CLAIM_COMMITS_FIRST: bool = false;
 
     /// Resolves once the store has ended `transaction` on its own, e.g.
     /// rolled it back past its max hold time. The layer races it against

@@ -129,6 +129,75 @@ pub async fn release_needs_the_token<S: Store>(store: S, _clock: ManualClock) {
     assert_eq!(next, Claim::Acquired { taken_over: false });
 }
 
+/// A renewal moves the lease deadline to `lease` from now, fenced by the
+/// token: 50 s into a 60 s lease, a renewal of 60 s leaves 60 s, and a
+/// claim 30 s later still meets the holder (no take-over at the old
+/// deadline).
+pub async fn renewal_extends_the_lease<S: Store>(store: S, clock: ManualClock) {
+    let token = acquire(&store, "k").await;
+    clock.advance(Duration::from_secs(50));
+    assert!(store.renew(id("k"), token, LEASE).await.unwrap());
+    clock.advance(Duration::from_secs(30));
+    let again = store
+        .claim(claim_of("s", "k", 1, FencingToken::random()))
+        .await
+        .unwrap();
+    let Claim::Refused(Refusal::InFlight { lease_remaining }) = again else {
+        panic!("expected in flight after the renewal, got {again:?}");
+    };
+    assert!(
+        lease_remaining <= Duration::from_secs(30) && lease_remaining > Duration::from_secs(29),
+        "{lease_remaining:?}"
+    );
+    // The renewed holder completes as usual.
+    assert_eq!(
+        complete(&store, "k", token, b"done").await,
+        Completion::Stored
+    );
+}
+
+/// Only the token renews, and only an in-flight record: after a take-over
+/// the first holder's renewal is refused (and changes nothing), as is any
+/// renewal of a completed, released or unknown record.
+pub async fn renewal_is_fenced<S: Store>(store: S, clock: ManualClock) {
+    let first = acquire(&store, "k").await;
+    assert!(
+        !store
+            .renew(id("k"), FencingToken::random(), LEASE)
+            .await
+            .unwrap()
+    );
+    clock.advance(LEASE + Duration::from_millis(1));
+    let second = FencingToken::random();
+    let claim = store.claim(claim_of("s", "k", 1, second)).await.unwrap();
+    assert_eq!(claim, Claim::Acquired { taken_over: true });
+    assert!(!store.renew(id("k"), first, LEASE).await.unwrap());
+    assert_eq!(
+        complete(&store, "k", second, b"second").await,
+        Completion::Stored
+    );
+    assert!(!store.renew(id("k"), second, LEASE).await.unwrap());
+    assert!(!store.renew(id("never"), second, LEASE).await.unwrap());
+    let released = acquire(&store, "r").await;
+    assert!(store.release(id("r"), released).await.unwrap());
+    assert!(!store.renew(id("r"), released, LEASE).await.unwrap());
+}
+
+/// A lease that ended but was not taken over is renewed: nobody else ran.
+pub async fn an_ended_lease_nobody_took_is_renewed<S: Store>(store: S, clock: ManualClock) {
+    let token = acquire(&store, "k").await;
+    clock.advance(LEASE + Duration::from_secs(5));
+    assert!(store.renew(id("k"), token, LEASE).await.unwrap());
+    let again = store
+        .claim(claim_of("s", "k", 1, FencingToken::random()))
+        .await
+        .unwrap();
+    assert!(
+        matches!(again, Claim::Refused(Refusal::InFlight { .. })),
+        "{again:?}"
+    );
+}
+
 /// A completed record is neither completed again nor released.
 pub async fn completed_record_is_final<S: Store>(store: S, _clock: ManualClock) {
     let token = acquire(&store, "k").await;

@@ -42,17 +42,30 @@ pub struct Ledger {
     db: PathBuf,
     mode: String,
     lease_secs: u64,
+    extra: Vec<String>,
     child: Option<Child>,
     pub addr: SocketAddr,
 }
 
 impl Ledger {
     pub fn start(binary: &Path, db: &Path, mode: &str, lease_secs: u64) -> Ledger {
+        Ledger::start_with(binary, db, mode, lease_secs, &[])
+    }
+
+    /// As [`Ledger::start`], with more arguments (`--key-store URL`, say).
+    pub fn start_with(
+        binary: &Path,
+        db: &Path,
+        mode: &str,
+        lease_secs: u64,
+        extra: &[&str],
+    ) -> Ledger {
         let mut ledger = Ledger {
             binary: binary.to_owned(),
             db: db.to_owned(),
             mode: mode.to_owned(),
             lease_secs,
+            extra: extra.iter().map(|a| (*a).to_owned()).collect(),
             child: None,
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
         };
@@ -73,6 +86,7 @@ impl Ledger {
                 "--fault-injection",
             ])
             .args(["--lease-secs", &self.lease_secs.to_string()])
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -335,4 +349,154 @@ pub fn storm(cfg: &StormConfig) -> StormReport {
     report.applied_twice = counts.iter().filter(|c| **c > 1).count();
     report.lost = counts.iter().filter(|c| **c == 0).count();
     report
+}
+
+/// One request, sent again while it meets its key in flight (a probe of
+/// [`until_in_flight`], say); `None` when the server died.
+pub fn request_past_409(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Option<Answer> {
+    loop {
+        match request(addr, method, path, headers, body) {
+            Some(a) if a.status == 409 => std::thread::sleep(Duration::from_millis(5)),
+            other => return other,
+        }
+    }
+}
+
+/// Returns once another request holds the key of `headers` on `path`: the
+/// same request, marked to fail after its effect (`X-Ledger-Fail`, not part
+/// of the fingerprint), meets it in flight (409). A probe that comes first
+/// runs, fails, rolls its effect back and gives the key back: it changes
+/// nothing (and the other request, sent with [`request_past_409`], tries
+/// again).
+pub fn until_in_flight(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) {
+    let mut probe = headers.to_vec();
+    probe.push(("x-ledger-fail", "after-effect"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(Instant::now() < deadline, "the key was never in flight");
+        match request(addr, "POST", path, &probe, body) {
+            Some(a) if a.status == 409 => return,
+            Some(a) if a.status == 500 => {}
+            Some(a) => panic!("a probe: {} {}", a.status, a.body),
+            None => {}
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// What [`kill_to_recovery`] saw.
+#[derive(Debug)]
+pub struct Recovery {
+    /// From the SIGKILL until the retry's 201 (the restart included).
+    pub elapsed: Duration,
+    /// Retries answered 409 before that (the dead holder's lease).
+    pub in_flight_answers: usize,
+    /// The account's balance afterwards: the amount once.
+    pub balance: i64,
+    pub amount: i64,
+}
+
+/// A credit whose handler runs `handler_ms` is claimed; the ledger is
+/// SIGKILLed while it runs, restarted, and the same credit retried every
+/// 50 ms until it succeeds (for at most `give_up`).
+pub fn kill_to_recovery(ledger: &mut Ledger, handler_ms: u64, give_up: Duration) -> Recovery {
+    let caller = ("authorization", "Bearer recovery");
+    // Keys of this call's own, so that runs can share a database.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let (account_key, key) = (format!("account-{nanos}"), format!("recovery-{nanos}"));
+    let created = request(
+        ledger.addr,
+        "POST",
+        "/accounts",
+        &[("idempotency-key", &account_key), caller],
+        r#"{"name":"recovery"}"#,
+    )
+    .expect("create the account");
+    assert_eq!(created.status, 201, "{}", created.body);
+    let account: i64 = created
+        .body
+        .split("\"id\":")
+        .nth(1)
+        .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .expect("an account id");
+    let path = format!("/accounts/{account}/credits");
+    let amount = 7;
+    let body = format!("{{\"amount\":{amount}}}");
+    let delay = handler_ms.to_string();
+    let addr = ledger.addr;
+    let first = {
+        let (path, body, key) = (path.clone(), body.clone(), key.clone());
+        std::thread::spawn(move || {
+            request_past_409(
+                addr,
+                "POST",
+                &path,
+                &[
+                    ("idempotency-key", &key),
+                    caller,
+                    ("x-ledger-delay-ms", &delay),
+                ],
+                &body,
+            )
+        })
+    };
+    let retry = |addr| {
+        request(
+            addr,
+            "POST",
+            &path,
+            &[("idempotency-key", &key), caller],
+            &body,
+        )
+    };
+    until_in_flight(
+        ledger.addr,
+        &path,
+        &[("idempotency-key", &key), caller],
+        &body,
+    );
+    let killed = Instant::now();
+    ledger.kill();
+    assert!(
+        first.join().unwrap().is_none(),
+        "the first credit was answered"
+    );
+    ledger.restart();
+    let mut in_flight_answers = 0;
+    let elapsed = loop {
+        assert!(
+            killed.elapsed() < give_up,
+            "no retry succeeded within {give_up:?}"
+        );
+        match retry(ledger.addr) {
+            Some(a) if a.status == 201 => break killed.elapsed(),
+            Some(a) if a.status == 409 => in_flight_answers += 1,
+            Some(a) => panic!("after the restart: {} {}", a.status, a.body),
+            None => {}
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let account = request(ledger.addr, "GET", &format!("/accounts/{account}"), &[], "")
+        .expect("read the account");
+    let balance = account
+        .body
+        .split("\"balance\":")
+        .nth(1)
+        .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .expect("a balance");
+    Recovery {
+        elapsed,
+        in_flight_answers,
+        balance,
+        amount,
+    }
 }

@@ -22,7 +22,7 @@ use tower_idempotency::store::kit::builder::{Limits, Settings};
 use tower_idempotency::store::kit::claim::{ClaimSteps, Met, claim_in};
 use tower_idempotency::store::kit::pg_sql::{PgSql, advisory_key, answer_completed, schema};
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError,
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, duration_ms,
 };
 
 mod connect;
@@ -400,6 +400,25 @@ impl Store for PostgresStore {
             .await
             .map_err(unavailable)?;
         Ok(deleted == 1)
+    }
+
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let (scope, key) = id.into_parts();
+        let client = self.client().await?;
+        let lease = duration_ms(lease);
+        let renewed = client
+            .execute(
+                &cached(&client, &self.sql.renew).await?,
+                &[&scope, &key, &token.0, &self.offset_ms(), &lease],
+            )
+            .await
+            .map_err(unavailable)?;
+        Ok(renewed == 1)
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -52,6 +52,7 @@ const COMPLETE: &str = include_str!("complete.lua");
 
 /// `KEYS[1]` the record; `ARGV`: offset (unused), token. 1 deleted, 0 not.
 const RELEASE: &str = include_str!("release.lua");
+const RENEW: &str = include_str!("renew.lua");
 
 /// `KEYS` records found by `SCAN`; `ARGV`: offset. Deletes the records (hashes
 /// with a known state) whose `expires_at` has passed; returns how many.
@@ -67,6 +68,7 @@ const INSPECT: &str = include_str!("inspect.lua");
 static CLAIM_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CLAIM));
 static COMPLETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(COMPLETE));
 static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RELEASE));
+static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RENEW));
 static PURGE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(PURGE));
 static INSPECT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(INSPECT));
 
@@ -394,6 +396,25 @@ impl Store for RedisStore {
             .await
             .map_err(StoreError::unavailable)?;
         parse_flag("release", reply)
+    }
+
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let (scope, key) = id.into_parts();
+        let mut conn = self.conn.clone();
+        let reply: Value = RENEW_SCRIPT
+            .key(self.record_key(&scope, &key))
+            .arg(self.offset_ms())
+            .arg(token.0)
+            .arg(clamp_ms(lease))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(StoreError::unavailable)?;
+        parse_flag("renew", reply)
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -79,6 +79,9 @@ pub struct PgSql<S> {
     pub complete: S,
     /// The release, fenced by the token.
     pub release: S,
+    /// The lease renewal, fenced by the token: `($1 scope, $2 key,
+    /// $3 token, $4 clock offset ms, $5 lease ms)`.
+    pub renew: S,
     /// The purge of records past their TTL.
     pub purge: S,
     /// [`Inspect::stuck`](crate::store::Inspect::stuck).
@@ -118,6 +121,12 @@ impl<S> PgSql<S> {
             release: statement(format!(
                 "DELETE FROM {table}
                  WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
+            )),
+            renew: statement(format!(
+                "UPDATE {table} SET lease_until = {now} + $5::bigint
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'
+                   AND expires_at > {now}",
+                now = now_ms(4)
             )),
             purge: statement(format!(
                 "DELETE FROM {table} WHERE expires_at <= {}",

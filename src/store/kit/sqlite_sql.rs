@@ -61,3 +61,8 @@ pub fn migration(without_rowid: bool) -> String {
          {version}"
     )
 }
+
+/// The lease renewal, fenced by the token: `(?1 scope, ?2 key, ?3 token,
+/// ?4 the new lease deadline, ?5 now)`, unix ms.
+pub const RENEW: &str = "UPDATE idempotency_records SET lease_until = ?4
+     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight' AND expires_at > ?5";

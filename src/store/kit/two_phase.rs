@@ -198,7 +198,7 @@ pub async fn claim<D: TwoPhase>(
     store: &D,
     req: ClaimRequest,
 ) -> Result<TransactionClaim<Held<D>>, StoreError> {
-    let (id, token, lease) = (req.record_id(), req.token, req.lease);
+    let (id, token, hold) = (req.record_id(), req.token, req.hold());
     // Phase one runs in a task of its own: if this request is cancelled
     // while the claim is under way, the task gives a committed claim back
     // instead of leaving the key in flight for the whole lease.
@@ -227,7 +227,7 @@ pub async fn claim<D: TwoPhase>(
     // Until the transaction is handed over, a cancelled or failed open
     // gives the key back.
     let guard = ReleaseOnDrop::new(store.clone(), id.clone(), token);
-    let hold = store.max_hold().min(lease);
+    let hold = store.max_hold().min(hold);
     let (tx, cancel) = store.begin(hold).await?;
     let (ended, watch) = watch::channel(());
     let held = Held {
@@ -442,6 +442,7 @@ macro_rules! __two_phase_store {
     ($store:ty, $handle:ident) => {
         impl $crate::store::TransactionalStore for $store {
             type Transaction = $handle;
+            const CLAIM_COMMITS_FIRST: bool = true;
 
             async fn claim_in_transaction(
                 &self,

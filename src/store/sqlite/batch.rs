@@ -210,7 +210,7 @@ impl<'t, 'c> Batch<'t, 'c> {
             undo(self.tx);
             return;
         }
-        let hold = self.max_hold.min(req.lease);
+        let hold = self.max_hold.min(req.hold());
         self.frames.push(Frame {
             owner: id,
             name,

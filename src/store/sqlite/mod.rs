@@ -19,7 +19,7 @@ use rusqlite::params;
 use crate::response::StoredResponse;
 use crate::store::{
     Claim, ClaimRequest, Clock, Completion, Decision, FencingToken, RecordId, Refusal, Store,
-    StoreError, TransactionClaim, TransactionalStore, decide,
+    StoreError, TransactionClaim, TransactionalStore, decide, duration_ms,
 };
 
 mod batch;
@@ -173,6 +173,25 @@ impl Store for SqliteStore {
                 params![scope, key, token.0],
             )?;
             Ok(deleted == 1)
+        })
+        .await
+    }
+
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let (scope, key) = id.into_parts();
+        self.write(move |tx, clock| {
+            let now = clock.now_ms();
+            let until = now.saturating_add(duration_ms(lease));
+            let renewed = tx.execute(
+                crate::store::kit::sqlite_sql::RENEW,
+                params![scope, key, token.0, until, now],
+            )?;
+            Ok(renewed == 1)
         })
         .await
     }

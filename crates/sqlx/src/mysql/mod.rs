@@ -385,6 +385,26 @@ impl Store for MySqlStore {
         Ok(deleted.rows_affected() == 1)
     }
 
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let renewed = q(&self.sql.renew)
+            .bind(
+                self.offset_ms()
+                    .saturating_add(tower_idempotency::store::duration_ms(lease)),
+            )
+            .bind(record_key(id.scope(), id.key()))
+            .bind(token.0)
+            .bind(self.offset_ms())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(renewed.rows_affected() == 1)
+    }
+
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         q(&self.sql.purge)
             .bind(self.offset_ms())

@@ -19,6 +19,10 @@ pub(super) struct Sql {
     pub(super) complete_in_transaction: Arc<str>,
     pub(super) in_transaction_check: bool,
     pub(super) release: Arc<str>,
+    /// `(lease ms + offset, id, token, offset)`. The new deadline is later
+    /// than the last (renewals are a third of a lease apart), so a renewed
+    /// row always counts as changed, whatever CLIENT_FOUND_ROWS says.
+    pub(super) renew: Arc<str>,
     pub(super) purge: Arc<str>,
     pub(super) stuck: Arc<str>,
     pub(super) counts: Arc<str>,
@@ -65,6 +69,10 @@ impl Sql {
             in_transaction_check: false,
             release: s(format!(
                 "DELETE FROM {table} WHERE id = ? AND token = ? AND state = 'in_flight'"
+            )),
+            renew: s(format!(
+                "UPDATE {table} SET lease_until = {NOW_MS}
+                 WHERE id = ? AND token = ? AND state = 'in_flight' AND expires_at > {NOW_MS}"
             )),
             purge: s(format!("DELETE FROM {table} WHERE expires_at <= {NOW_MS}")),
             // `NOW(6)` is read once per statement: every row is judged at

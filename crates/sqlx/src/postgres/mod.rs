@@ -384,6 +384,25 @@ impl Store for SqlxPostgresStore {
         Ok(deleted.rows_affected() == 1)
     }
 
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        let (scope, key) = id.into_parts();
+        let renewed = query(&self.sql.renew)
+            .bind(scope)
+            .bind(key)
+            .bind(token.0)
+            .bind(self.offset_ms())
+            .bind(tower_idempotency::store::duration_ms(lease))
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(renewed.rows_affected() == 1)
+    }
+
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         let purged = query(&self.sql.purge)
             .bind(self.offset_ms())

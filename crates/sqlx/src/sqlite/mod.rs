@@ -15,7 +15,9 @@ use std::time::Duration;
 use sqlx::{Row, Sqlite, SqlitePool};
 
 use tower_idempotency::response::StoredResponse;
-use tower_idempotency::store::kit::sqlite_sql::{IS_WITHOUT_ROWID, SCHEMA_VERSION, migration};
+use tower_idempotency::store::kit::sqlite_sql::{
+    IS_WITHOUT_ROWID, RENEW, SCHEMA_VERSION, migration,
+};
 use tower_idempotency::store::{
     Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError, SystemClock,
 };
@@ -360,6 +362,25 @@ impl Store for SqlxSqliteStore {
         .await
         .map_err(|e| self.error(e))?;
         Ok(deleted.rows_affected() == 1)
+    }
+
+    async fn renew(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let now = self.clock.now_ms();
+        let renewed = sqlx::query(RENEW)
+            .bind(id.scope())
+            .bind(id.key())
+            .bind(token.0)
+            .bind(now.saturating_add(tower_idempotency::store::duration_ms(lease)))
+            .bind(now)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.error(e))?;
+        Ok(renewed.rows_affected() == 1)
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -243,7 +243,7 @@ impl TransactionalStore for SqlxSqliteStore {
                 return Ok(TransactionClaim::Refused(refusal));
             }
         };
-        let hold = self.max_hold.min(req.lease);
+        let hold = self.max_hold.min(req.hold());
         let (ended, watch) = tokio::sync::watch::channel(());
         let open = Open {
             tx,

@@ -1,0 +1,171 @@
+//! Lease renewal while a request runs
+//! ([`IdempotencyLayer::renew_lease`](crate::IdempotencyLayer::renew_lease)):
+//! a task that extends the claim's lease every third of a lease, fenced by
+//! its token, for at most the max hold, and reports a lost lease.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::{Instant, sleep, sleep_until, timeout_at};
+
+use crate::mode::Hold;
+use crate::response::StoredResponse;
+use crate::store::{Completion, FencingToken, RecordId, Store, StoreError};
+
+/// Whether the lease of a request's claim was lost; shared by the renewal
+/// task and the request's [`ClaimedKey`](crate::key::ClaimedKey).
+#[derive(Debug, Default)]
+pub(crate) struct LeaseSignal(watch::Sender<bool>);
+
+impl LeaseSignal {
+    pub(crate) fn is_lost(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    pub(crate) async fn lost(&self) {
+        let mut lost = self.0.subscribe();
+        // The sender lives as long as `self`: `wait_for` cannot fail.
+        let _ = lost.wait_for(|lost| *lost).await;
+    }
+
+    fn set_lost(&self) {
+        self.0.send_replace(true);
+    }
+}
+
+/// The running renewal of one claim. Dropped (the request has answered),
+/// it stops: a renewal under way finishes, and nothing more is reported.
+pub(crate) struct Renewal {
+    stop: watch::Sender<bool>,
+}
+
+impl Drop for Renewal {
+    fn drop(&mut self) {
+        self.stop.send_replace(true);
+    }
+}
+
+/// What one renewal task needs.
+pub(crate) struct Lease<St> {
+    pub(crate) store: St,
+    pub(crate) id: RecordId,
+    pub(crate) token: FencingToken,
+    pub(crate) lease: Duration,
+    pub(crate) max_hold: Duration,
+    pub(crate) signal: Arc<LeaseSignal>,
+}
+
+/// Starts renewing the lease of a claim made just now.
+pub(crate) fn start<St: Store>(lease: Lease<St>) -> Renewal {
+    let (stop, stopped) = watch::channel(false);
+    tokio::spawn(renew(lease, stopped));
+    Renewal { stop }
+}
+
+async fn renew<St: Store>(lease: Lease<St>, mut stopped: watch::Receiver<bool>) {
+    let claimed = Instant::now();
+    let hold_end = claimed + lease.max_hold;
+    // What the store has confirmed: the claim's own lease, then each renewal's.
+    let mut confirmed_until = claimed + lease.lease;
+    let every = (lease.lease / 3).max(Duration::from_millis(1));
+    loop {
+        tokio::select! {
+            _ = sleep(every) => {}
+            _ = stopped.wait_for(|stop| *stop) => return,
+        }
+        let asked = Instant::now();
+        if asked >= hold_end {
+            // Past the max hold: no more renewals; the lease runs out.
+            tokio::select! {
+                _ = sleep_until(confirmed_until) => {}
+                _ = stopped.wait_for(|stop| *stop) => return,
+            }
+            return lost(
+                &lease,
+                &stopped,
+                "the request was held past its max hold time",
+            );
+        }
+        // Never past the max hold.
+        let extend = lease.lease.min(hold_end - asked);
+        let renewed = timeout_at(
+            confirmed_until,
+            lease.store.renew(lease.id.clone(), lease.token, extend),
+        )
+        .await;
+        match renewed {
+            Ok(Ok(true)) => {
+                confirmed_until = asked + extend;
+                #[cfg(feature = "metrics")]
+                metrics::counter!("tower_idempotency_lease_renewals_total").increment(1);
+            }
+            Ok(Ok(false)) => {
+                return lost(
+                    &lease,
+                    &stopped,
+                    "the record no longer carries this request's token: the key was taken over",
+                );
+            }
+            Ok(Err(e)) if Instant::now() < confirmed_until => {
+                tracing::warn!(error = %e, "renewing an idempotency lease failed; trying again");
+            }
+            Ok(Err(_)) | Err(_) => {
+                return lost(
+                    &lease,
+                    &stopped,
+                    "no renewal was confirmed before the lease ended",
+                );
+            }
+        }
+    }
+}
+
+/// Reports a lost lease, unless the request answered meanwhile (a renewal
+/// that met the record completed is no loss).
+fn lost<St>(lease: &Lease<St>, stopped: &watch::Receiver<bool>, why: &'static str) {
+    if *stopped.borrow() {
+        return;
+    }
+    lease.signal.set_lost();
+    tracing::warn!(
+        why,
+        "an idempotency lease was lost while its request ran: another request may take the key over"
+    );
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tower_idempotency_leases_lost_total").increment(1);
+}
+
+/// A hold whose lease is renewed until the layer finishes it: the renewal
+/// stops just before the completion or the release (a renewal racing a
+/// commit must not read the committed record as a lost lease).
+pub(crate) struct Renewed<H> {
+    pub(crate) hold: H,
+    pub(crate) renewal: Option<Renewal>,
+}
+
+impl<H: Hold> Hold for Renewed<H> {
+    const ATOMIC: bool = H::ATOMIC;
+
+    fn attach(&self, extensions: &mut http::Extensions) {
+        self.hold.attach(extensions);
+    }
+
+    fn answered(&mut self) {
+        self.hold.answered();
+    }
+
+    async fn complete(self, response: StoredResponse) -> Result<Completion, StoreError> {
+        drop(self.renewal);
+        self.hold.complete(response).await
+    }
+
+    async fn release(self) -> Result<(), StoreError> {
+        drop(self.renewal);
+        self.hold.release().await
+    }
+
+    async fn ended(&mut self) {
+        self.hold.ended().await;
+    }
+}

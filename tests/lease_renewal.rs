@@ -1,0 +1,172 @@
+//! `IdempotencyLayer::renew_lease`: a handler slower than its lease keeps
+//! its key while it runs (a repeat gets 409, never a second run); without
+//! renewal the same repeat takes the key over and runs again. A renewal that
+//! finds the key taken over, or the max hold passing, fires
+//! `ClaimedKey::lease_lost`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use http_body_util::BodyExt;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+use tower_idempotency::IdempotencyLayer;
+use tower_idempotency::key::ClaimedKey;
+use tower_idempotency::scope::GlobalScope;
+use tower_idempotency::store::MemoryStore;
+use tower_idempotency::test_util::ManualClock;
+
+/// Runs, and the gate the first run waits at.
+#[derive(Clone)]
+struct Handler {
+    runs: Arc<AtomicUsize>,
+    gate: Arc<Semaphore>,
+}
+
+/// The first run waits at the gate, or until its lease is lost; each run
+/// answers with its number.
+async fn slow(State(h): State<Handler>, claimed: ClaimedKey) -> impl IntoResponse {
+    let n = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    if n == 1 {
+        tokio::select! {
+            permit = h.gate.acquire() => drop(permit),
+            () = claimed.lease_lost() => {
+                return (StatusCode::SERVICE_UNAVAILABLE, "run 1: lease lost".to_owned());
+            }
+        }
+    }
+    (StatusCode::CREATED, format!("run {n}"))
+}
+
+fn app(layer: IdempotencyLayer<MemoryStore, GlobalScope>) -> (Router, Handler) {
+    let h = Handler {
+        runs: Arc::default(),
+        gate: Arc::new(Semaphore::new(0)),
+    };
+    let router = Router::new()
+        .route("/", post(slow))
+        .route_layer(layer.require_key(true))
+        .with_state(h.clone());
+    (router, h)
+}
+
+async fn call(app: &Router) -> (u16, String) {
+    let request = Request::post("/")
+        .header("idempotency-key", "\"k\"")
+        .body(Body::empty())
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8(body.to_vec()).unwrap())
+}
+
+/// Waits until the first run has started (real time, bounded).
+async fn until_running(h: &Handler) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while h.runs.load(Ordering::SeqCst) == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// 1 s leases; the repeat comes 2.5 s (two and a half leases) into the
+/// first request.
+async fn repeat_after_two_leases(renew: bool) -> (u16, u16, usize) {
+    let layer =
+        IdempotencyLayer::new(MemoryStore::new(), GlobalScope).lease(Duration::from_secs(1));
+    let layer = if renew {
+        layer.renew_lease(Duration::from_secs(60))
+    } else {
+        layer
+    };
+    let (app, h) = app(layer);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { call(&app).await }
+    });
+    until_running(&h).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let repeat = call(&app).await;
+    h.gate.add_permits(1);
+    let first = first.await.unwrap();
+    (first.0, repeat.0, h.runs.load(Ordering::SeqCst))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewed_lease_outlives_a_slow_handler() {
+    // Renewed: the repeat meets the first request in flight; one run.
+    assert_eq!(repeat_after_two_leases(true).await, (201, 409, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_renewal_the_repeat_takes_the_key_over_and_runs_again() {
+    // The contrast: the same timing, no renewal, and the handler runs twice.
+    assert_eq!(repeat_after_two_leases(false).await, (201, 201, 2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_that_finds_the_key_taken_over_signals_lease_lost() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let store = MemoryStore::with_clock(clock.clone());
+    let layer = IdempotencyLayer::new(store, GlobalScope)
+        .lease(Duration::from_millis(600))
+        .renew_lease(Duration::from_secs(60));
+    let (app, h) = app(layer);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { call(&app).await }
+    });
+    until_running(&h).await;
+    // The store's clock jumps past the lease before the next renewal (a
+    // holder stalled for longer than its lease): the repeat takes over.
+    // (Should a renewal land between the jump and the repeat, it extends
+    // the lease on the new clock, and the next jump passes it.)
+    let mut repeat = (0, String::new());
+    for _ in 0..10 {
+        clock.advance(Duration::from_secs(10));
+        repeat = call(&app).await;
+        if repeat.0 != 409 {
+            break;
+        }
+    }
+    assert_eq!(repeat, (201, "run 2".to_owned()));
+    // The first holder's next renewal is refused: its handler learns it.
+    let first = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("lease_lost fired")
+        .unwrap();
+    assert_eq!(first, (503, "run 1: lease lost".to_owned()));
+    // The 503 was not stored and released nothing: the replay is run 2's.
+    assert_eq!(call(&app).await, (201, "run 2".to_owned()));
+    assert_eq!(h.runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_stop_at_the_max_hold() {
+    let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope)
+        .lease(Duration::from_millis(300))
+        .renew_lease(Duration::from_secs(1));
+    let (app, h) = app(layer);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { call(&app).await }
+    });
+    // Past the max hold and its last lease the first run hears of it.
+    let first = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("lease_lost fired after the max hold")
+        .unwrap();
+    assert_eq!(first, (503, "run 1: lease lost".to_owned()));
+    assert_eq!(h.runs.load(Ordering::SeqCst), 1);
+}

@@ -1,0 +1,84 @@
+//! The ledger's leases, over real HTTP and real processes (SQLite, separate
+//! mode, where a claim outlives a crash): with a 1 s lease renewed while
+//! the handler runs, a credit that takes 3 s keeps its key (a repeat gets
+//! 409, the credit applies once), and after a SIGKILL mid-credit the retry
+//! succeeds once the dead holder's lease ends, within seconds rather than
+//! the crate's 60 s default. `bench/recovery` measures the seconds.
+
+#[path = "common/ledger_driver.rs"]
+mod driver;
+
+use std::time::{Duration, Instant};
+
+use driver::{Ledger, kill_to_recovery, request};
+
+fn ledger(dir: &tempfile::TempDir, lease_secs: u64) -> Ledger {
+    Ledger::start(
+        &driver::ledger_beside_tests(),
+        &dir.path().join("ledger.sqlite3"),
+        "separate",
+        lease_secs,
+    )
+}
+
+#[test]
+fn a_credit_slower_than_its_lease_keeps_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = ledger(&dir, 1);
+    let post = |key: &str, path: &str, body: &str, extra: &[(&str, &str)]| {
+        let mut headers = vec![("idempotency-key", key)];
+        headers.extend_from_slice(extra);
+        request(ledger.addr, "POST", path, &headers, body).expect("an answer")
+    };
+    assert_eq!(post("a", "/accounts", r#"{"name":"a"}"#, &[]).status, 201);
+    let addr = ledger.addr;
+    let slow = std::thread::spawn(move || {
+        let headers = [("idempotency-key", "c"), ("x-ledger-delay-ms", "3000")];
+        driver::request_past_409(
+            addr,
+            "POST",
+            "/accounts/1/credits",
+            &headers,
+            r#"{"amount":5}"#,
+        )
+        .expect("an answer")
+    });
+    let credit = r#"{"amount":5}"#;
+    driver::until_in_flight(
+        addr,
+        "/accounts/1/credits",
+        &[("idempotency-key", "c")],
+        credit,
+    );
+    let started = Instant::now();
+    // Repeats through the slow credit, two leases and more into it: each
+    // meets it in flight (a lapsed lease would let one take it over).
+    let mut repeats = 0;
+    while started.elapsed() < Duration::from_millis(2500) {
+        let repeat = post("c", "/accounts/1/credits", r#"{"amount":5}"#, &[]);
+        assert_eq!(repeat.status, 409, "{}", repeat.body);
+        repeats += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(repeats >= 20, "{repeats}");
+    let first = slow.join().unwrap();
+    assert_eq!(first.status, 201, "{}", first.body);
+    let replay = post("c", "/accounts/1/credits", r#"{"amount":5}"#, &[]);
+    assert_eq!(
+        (replay.status, replay.replayed, &replay.body),
+        (201, true, &first.body)
+    );
+    let account = request(ledger.addr, "GET", "/accounts/1", &[], "").unwrap();
+    assert_eq!(account.body, r#"{"id":1,"name":"a","balance":5}"#);
+}
+
+#[test]
+fn a_killed_holder_frees_its_key_within_its_short_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ledger = ledger(&dir, 2);
+    let seen = kill_to_recovery(&mut ledger, 20_000, Duration::from_secs(30));
+    // The retry met the dead holder's lease, then took the key over and
+    // credited once (the killed credit had not written anything yet).
+    assert!(seen.in_flight_answers > 0, "{seen:?}");
+    assert_eq!(seen.balance, seen.amount, "{seen:?}");
+}
