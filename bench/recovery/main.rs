@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo build --release --example ledger --all-features
-//! cargo run --release --example recovery -- --lease-secs 5 [--db URL] [--mode separate] [--key-store URL] [--runs 3]
+//! cargo run --release --example recovery -- --lease-secs 5 [--db URL] [--mode separate] [--ledger-arg=--key-store=URL] [--runs 3]
 //! ```
 //!
 //! Each run: a credit whose handler takes 20 s is claimed; the ledger is
@@ -34,9 +34,10 @@ struct Args {
     /// `--mode` of the ledger.
     #[arg(long, default_value = "separate")]
     mode: String,
-    /// `--key-store` of the ledger (a `redis://` URL).
-    #[arg(long)]
-    key_store: Option<String>,
+    /// More arguments for the ledger (`--ledger-arg=--key-store=redis://...`,
+    /// `--ledger-arg=--db-driver=sqlx`).
+    #[arg(long = "ledger-arg", allow_hyphen_values = true)]
+    ledger_args: Vec<String>,
     /// `--lease-secs` of the ledger.
     #[arg(long, default_value_t = 5)]
     lease_secs: u64,
@@ -54,10 +55,7 @@ fn main() {
             Some(url) => PathBuf::from(url),
             None => dir.path().join(format!("recovery-{run}.sqlite3")),
         };
-        let extra: Vec<&str> = match &args.key_store {
-            Some(url) => vec!["--key-store", url],
-            None => vec![],
-        };
+        let extra: Vec<&str> = args.ledger_args.iter().map(String::as_str).collect();
         let mut ledger = Ledger::start_with(&args.ledger, &db, &args.mode, args.lease_secs, &extra);
         let seen = kill_to_recovery(&mut ledger, 20_000, Duration::from_secs(300));
         assert_eq!(seen.balance % seen.amount, 0, "{seen:?}");

@@ -370,21 +370,35 @@ pub fn request_past_409(
 
 /// Returns once another request holds the key of `headers` on `path`: the
 /// same request, marked to fail after its effect (`X-Ledger-Fail`, not part
-/// of the fingerprint), meets it in flight (409). A probe that comes first
-/// runs, fails, rolls its effect back and gives the key back: it changes
-/// nothing (and the other request, sent with [`request_past_409`], tries
-/// again).
+/// of the fingerprint), meets it in flight: 409, or no answer within 300 ms
+/// where a repeat waits for the holder (SQLite, transactional mode; that
+/// probe is then left waiting). A probe that comes first runs, fails, rolls
+/// its effect back and gives the key back: it changes nothing (and the
+/// other request, sent with [`request_past_409`], tries again).
 pub fn until_in_flight(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) {
-    let mut probe = headers.to_vec();
-    probe.push(("x-ledger-fail", "after-effect"));
+    let mut probe: Vec<(String, String)> = headers
+        .iter()
+        .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+        .collect();
+    probe.push(("x-ledger-fail".into(), "after-effect".into()));
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         assert!(Instant::now() < deadline, "the key was never in flight");
-        match request(addr, "POST", path, &probe, body) {
-            Some(a) if a.status == 409 => return,
-            Some(a) if a.status == 500 => {}
-            Some(a) => panic!("a probe: {} {}", a.status, a.body),
-            None => {}
+        let (answer, answered) = std::sync::mpsc::channel();
+        let (path, body, probe) = (path.to_owned(), body.to_owned(), probe.clone());
+        std::thread::spawn(move || {
+            let headers: Vec<(&str, &str)> = probe
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_str()))
+                .collect();
+            let _ = answer.send(request(addr, "POST", &path, &headers, &body));
+        });
+        match answered.recv_timeout(Duration::from_millis(300)) {
+            Err(_) => return,
+            Ok(Some(a)) if a.status == 409 => return,
+            Ok(Some(a)) if a.status == 500 => {}
+            Ok(Some(a)) => panic!("a probe: {} {}", a.status, a.body),
+            Ok(None) => {}
         }
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -499,4 +513,115 @@ pub fn kill_to_recovery(ledger: &mut Ledger, handler_ms: u64, give_up: Duration)
         balance,
         amount,
     }
+}
+
+/// What [`hot_key`] saw.
+#[derive(Debug)]
+pub struct HotKey {
+    /// The unrelated credit's answer and how long it took.
+    pub unrelated_status: u16,
+    pub unrelated: Duration,
+    /// The repeats' answers, counted: (status, replayed) -> count.
+    pub repeats: std::collections::BTreeMap<(u16, bool), usize>,
+    /// The two accounts' balances afterwards (the slow one's, the other's).
+    pub balances: (i64, i64),
+}
+
+/// A credit whose handler takes `slow_ms` is claimed; `repeats` parallel
+/// clients repeat it at once (a barrier); 200 ms later a credit with another
+/// key, on another account, is timed. Status 0 counts a repeat that got no
+/// answer.
+pub fn hot_key(ledger: &Ledger, slow_ms: u64, repeats: usize) -> HotKey {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let caller = ("authorization", "Bearer hot-key");
+    let account = |name: &str| -> i64 {
+        let key = format!("{name}-{nanos}");
+        let created = request(
+            ledger.addr,
+            "POST",
+            "/accounts",
+            &[("idempotency-key", &key), caller],
+            &format!("{{\"name\":\"{name}\"}}"),
+        )
+        .expect("create an account");
+        assert_eq!(created.status, 201, "{}", created.body);
+        number_after(&created.body, "\"id\":")
+    };
+    let (hot, other) = (account("hot"), account("other"));
+    let hot_path = format!("/accounts/{hot}/credits");
+    let hot_key = format!("hot-credit-{nanos}");
+    let body = r#"{"amount":5}"#;
+    let addr = ledger.addr;
+    let slow = {
+        let (path, key, delay) = (hot_path.clone(), hot_key.clone(), slow_ms.to_string());
+        std::thread::spawn(move || {
+            let headers = [
+                ("idempotency-key", key.as_str()),
+                caller,
+                ("x-ledger-delay-ms", &delay),
+            ];
+            request_past_409(addr, "POST", &path, &headers, body)
+        })
+    };
+    until_in_flight(
+        addr,
+        &hot_path,
+        &[("idempotency-key", &hot_key), caller],
+        body,
+    );
+    let start = Arc::new(Barrier::new(repeats + 1));
+    let repeaters: Vec<_> = (0..repeats)
+        .map(|_| {
+            let (path, key, start) = (hot_path.clone(), hot_key.clone(), start.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                let headers = [("idempotency-key", key.as_str()), caller];
+                request(addr, "POST", &path, &headers, body).map(|a| (a.status, a.replayed))
+            })
+        })
+        .collect();
+    start.wait();
+    // Let the repeats pile up, then time the unrelated credit.
+    std::thread::sleep(Duration::from_millis(200));
+    let sent = Instant::now();
+    let unrelated = request(
+        addr,
+        "POST",
+        &format!("/accounts/{other}/credits"),
+        &[
+            ("idempotency-key", &format!("other-credit-{nanos}")),
+            caller,
+        ],
+        body,
+    )
+    .expect("an answer to the unrelated credit");
+    let took = sent.elapsed();
+    let first = slow.join().unwrap().expect("an answer to the slow credit");
+    assert_eq!(first.status, 201, "{}", first.body);
+    let mut counted = std::collections::BTreeMap::new();
+    for repeater in repeaters {
+        let seen = repeater.join().unwrap().unwrap_or((0, false));
+        *counted.entry(seen).or_insert(0) += 1;
+    }
+    let balance = |id: i64| {
+        let got = request(addr, "GET", &format!("/accounts/{id}"), &[], "").expect("an account");
+        number_after(&got.body, "\"balance\":")
+    };
+    HotKey {
+        unrelated_status: unrelated.status,
+        unrelated: took,
+        repeats: counted,
+        balances: (balance(hot), balance(other)),
+    }
+}
+
+/// The integer after `label` in `json`.
+fn number_after(json: &str, label: &str) -> i64 {
+    json.split(label)
+        .nth(1)
+        .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {label} in {json}"))
 }

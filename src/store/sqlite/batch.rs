@@ -146,7 +146,13 @@ impl<'t, 'c> Batch<'t, 'c> {
         }
     }
 
-    fn claim(&mut self, Begin { req, reply, events }: Begin, next_id: &mut u64) {
+    fn claim(&mut self, begin: Begin, next_id: &mut u64) {
+        let Begin {
+            req,
+            reply,
+            events,
+            waiting,
+        } = begin;
         let id = *next_id;
         *next_id += 1;
         // Named by its depth on the stack: a handful of names, each parsed
@@ -167,15 +173,25 @@ impl<'t, 'c> Batch<'t, 'c> {
             Ok(Found::Refused(refused)) => {
                 // Nothing was written.
                 let _ = exec(self.tx, &format!("RELEASE {name}"));
-                if let Refused::InFlight(_) = refused
+                if let Refused::InFlight(lease_remaining) = refused
                     && let Some(owner) = self
                         .members
                         .iter_mut()
                         .find(|m| m.scope == req.scope && m.key == req.key)
                 {
+                    let left = u64::try_from(lease_remaining.as_millis()).unwrap_or(u64::MAX - 1);
+                    waiting.store(left, std::sync::atomic::Ordering::Relaxed);
                     // In flight in this batch: wait for it, as a request
-                    // waits for the writer, then claim again.
-                    owner.waiters.push(Begin { req, reply, events });
+                    // waits for the writer, then claim again. A waiter takes
+                    // no place in the batch: repeats of one slow key must
+                    // not fill it and shut out other keys' requests.
+                    owner.waiters.push(Begin {
+                        req,
+                        reply,
+                        events,
+                        waiting,
+                    });
+                    self.started -= 1;
                     return;
                 }
                 // The record it read may be one this batch wrote: answer

@@ -107,8 +107,12 @@ impl SqliteStoreBuilder {
     /// response that is not stored, a panic, its max hold time, a dropped
     /// request), every request with SQL after its savepoint is rolled back
     /// with it and answered 503 with `Retry-After` (nothing of it happened;
-    /// its retry runs again). Use it when handlers rarely fail and are
-    /// short, e.g. a ledger's credit. Measured in `BENCHMARKS.md`.
+    /// its retry runs again). And the batch commits once, when its last open
+    /// request ends: a slow handler delays the answers of the requests that
+    /// shared its batch (SQLite has one writer). Repeats of a key in flight
+    /// wait for it without taking a place in the batch, and past the busy
+    /// timeout get 409. Use it when handlers rarely fail and are short,
+    /// e.g. a ledger's credit. Measured in `BENCHMARKS.md`.
     pub fn concurrent_transactions(mut self, requests: usize) -> Self {
         self.concurrent_transactions = requests.max(1);
         self

@@ -33,7 +33,7 @@ mod writer;
 
 pub use builder::{SqliteStoreBuilder, Synchronous};
 use claim::{Refused, claim_in, complete_in, read_record};
-use queue::{ABANDONED, Begin, Event, WAITING, Work, WriteJob};
+use queue::{ABANDONED, Begin, Event, NOT_WAITING, WAITING, Work, WriteJob};
 use transaction::{Command, transaction_over};
 pub use transaction::{SqliteTransaction, TransactionError};
 pub use writer::GroupCommitStats;
@@ -330,14 +330,6 @@ impl SqliteStore {
         })
     }
 
-    /// Waits for the writer's answer, at most the busy timeout.
-    async fn answer<T>(&self, answer: tokio::sync::oneshot::Receiver<T>) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.busy_timeout, answer).await {
-            Ok(answer) => answer.map_err(|_| transaction_over()),
-            Err(_) => Err(self.busy()),
-        }
-    }
-
     /// Requests waiting for the writer right now (transactional requests,
     /// and the claims, completions and releases of separate mode): a gauge
     /// of how far behind the single writer is.
@@ -454,8 +446,30 @@ impl TransactionalStore for SqliteStore {
         }
         let (reply, answer) = tokio::sync::oneshot::channel();
         let events = self.writer()?.events.clone();
-        self.send(Work::Request(Begin { req, reply, events }))?;
-        self.answer(answer).await?
+        let waiting = Arc::new(std::sync::atomic::AtomicU64::new(NOT_WAITING));
+        let begin = Begin {
+            req,
+            reply,
+            events,
+            waiting: waiting.clone(),
+        };
+        self.send(Work::Request(begin))?;
+        match tokio::time::timeout(self.busy_timeout, answer).await {
+            Ok(answer) => answer.map_err(|_| transaction_over())?,
+            // Its wait for a request holding the key ended: that request is
+            // still in flight (409); the writer is not too busy (503).
+            Err(_) => match waiting.load(std::sync::atomic::Ordering::Relaxed) {
+                NOT_WAITING => Err(self.busy()),
+                left => {
+                    let lease_remaining = Duration::from_millis(left)
+                        .saturating_sub(self.busy_timeout)
+                        .max(Duration::from_secs(1));
+                    Ok(TransactionClaim::Refused(Refusal::InFlight {
+                        lease_remaining,
+                    }))
+                }
+            },
+        }
     }
 
     async fn commit(

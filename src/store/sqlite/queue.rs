@@ -19,7 +19,14 @@ pub(super) struct Begin {
     /// For the handle's commands (the writer holds no sender of its own, so
     /// that it ends when the store and every handle are gone).
     pub(super) events: std::sync::mpsc::Sender<Event>,
+    /// Set (to the holder's lease left, in ms) when the claim found its key
+    /// held by a request of the open batch and waits for it: a caller whose
+    /// wait ends then answers "in flight" (409), not "busy" (503).
+    pub(super) waiting: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
+
+/// [`Begin::waiting`] before the claim waits for a holder.
+pub(super) const NOT_WAITING: u64 = u64::MAX;
 
 /// What reaches the writer thread, in one queue.
 pub(super) enum Event {
