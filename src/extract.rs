@@ -106,7 +106,9 @@ impl<S: Sync> axum_core::extract::OptionalFromRequestParts<S> for ClaimedKey {
 /// let app: Router = Router::new().route("/accounts/{account}/credits", post(credit));
 /// ```
 ///
-/// A rejection's `detail` is cut at 1 KiB.
+/// A rejection's `detail` is cut at 1 KiB; its header fields other than
+/// `Content-Type` and `Content-Length` are kept (a 401's
+/// `WWW-Authenticate`, a 405's `Allow`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct WithProblem<E>(pub E);
 
@@ -150,17 +152,35 @@ where
     }
 }
 
-/// The problem that stands for an extractor's `rejection`: its status, its
-/// text (at most [`DETAIL_LIMIT`] bytes) as `detail`, and `DoNotStore`.
+/// The problem that stands for an extractor's `rejection`: its status and
+/// header fields (`WWW-Authenticate` on a 401, `Allow` on a 405), its text
+/// (cut at [`DETAIL_LIMIT`] bytes) as `detail`, and `DoNotStore`.
 async fn early_rejection(response: Response<Body>) -> Response<Body> {
     use http_body_util::BodyExt;
-    let status = response.status();
-    let limited = http_body_util::Limited::new(response.into_body(), DETAIL_LIMIT);
+    let (parts, body) = response.into_parts();
+    // Read a little more than is kept, so that a longer text is cut, not lost.
+    let limited = http_body_util::Limited::new(body, 64 * DETAIL_LIMIT);
     let detail = match limited.collect().await {
-        Ok(text) => String::from_utf8_lossy(&text.to_bytes()).into_owned(),
+        Ok(text) => {
+            let text = text.to_bytes();
+            let mut detail = String::from_utf8_lossy(&text).into_owned();
+            if detail.len() > DETAIL_LIMIT {
+                let mut end = DETAIL_LIMIT;
+                while !detail.is_char_boundary(end) {
+                    end -= 1;
+                }
+                detail.truncate(end);
+            }
+            detail
+        }
         Err(_) => String::from("the request was refused before the handler ran"),
     };
-    let mut answer = problem(status, &detail);
+    let mut answer = problem(parts.status, &detail);
+    for (name, value) in &parts.headers {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            answer.headers_mut().append(name, value.clone());
+        }
+    }
     answer.extensions_mut().insert(crate::policy::DoNotStore);
     answer
 }

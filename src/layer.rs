@@ -210,8 +210,16 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     ///   transactional mode where the claim commits before the handler runs
     ///   (PostgreSQL, MySQL). SQLite's transactional claim lives inside the
     ///   open transaction, vanishes with a crash, and needs no renewal.
-    /// - **Streams.** Renewal ends when the response head is answered; a
-    ///   streamed response must still end within the lease to be stored.
+    /// - **Streams.** Renewal goes on until the record is stored, so a
+    ///   streamed first response is stored if it ends within `max_hold`
+    ///   (or within the lease, if that is longer).
+    /// - **Sizing.** A renewal is one short write on a connection of the
+    ///   store's pool. A transactional request on PostgreSQL or MySQL holds
+    ///   a connection of that pool while its handler runs, so size the pool
+    ///   above the number of such requests at once: a renewal that cannot
+    ///   get a connection before the lease ends is a lost lease. Keep the
+    ///   lease well above the store's round trip (a second or more): a
+    ///   renewal comes every third of a lease.
     pub fn renew_lease(mut self, max_hold: Duration) -> Self {
         self.config.settings.max_hold = Some(max_hold);
         self

@@ -114,7 +114,7 @@ async fn renew<St: Store>(lease: Lease<St>, mut stopped: watch::Receiver<bool>) 
                 return lost(
                     &lease,
                     &stopped,
-                    "no renewal was confirmed before the lease ended",
+                    "no renewal was confirmed before the lease ended (is the store's connection pool exhausted?)",
                 );
             }
         }

@@ -420,8 +420,9 @@ where
         _ => None,
     };
     if let (Some(_), Some(max_hold)) = (&renewal, settings.max_hold) {
-        // Renewed until the record is finished, but never past the max hold.
-        lease_end = claimed_at + stream_deadline(max_hold);
+        // Renewed until the record is finished, but never past the max hold
+        // (and never less than the first lease).
+        lease_end = lease_end.max(claimed_at + stream_deadline(max_hold));
     }
     let mut hold = renew::Renewed { hold, renewal };
     let response = match inner.call(request).await {

@@ -221,3 +221,46 @@ async fn an_extractor_rejection_wrapped_in_with_problem_is_problem_json_and_not_
     assert_eq!(again, (201, true, "run 1: 5 to 7".into()));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// An extractor that refuses with a 401, its `WWW-Authenticate`, and a
+/// 2,000-byte text.
+struct Authenticated;
+
+impl<S: Sync> axum::extract::FromRequestParts<S> for Authenticated {
+    type Rejection = Response;
+
+    async fn from_request_parts(
+        _: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Response> {
+        Err((
+            StatusCode::UNAUTHORIZED,
+            [("www-authenticate", "Bearer realm=\"api\"")],
+            "é".repeat(1000),
+        )
+            .into_response())
+    }
+}
+
+/// `WithProblem` keeps the rejection's header fields, and cuts a long text
+/// at 1 KiB (on a character boundary).
+#[tokio::test]
+async fn with_problem_keeps_the_rejections_headers_and_cuts_its_text() {
+    use tower_idempotency::problem::WithProblem;
+    let app = Router::new()
+        .route("/", post(|_: WithProblem<Authenticated>| async { "never" }))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new(), GlobalScope));
+    let response = app.oneshot(charge("/", "")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        response.headers()["www-authenticate"],
+        "Bearer realm=\"api\""
+    );
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json"
+    );
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["detail"].as_str().unwrap(), "é".repeat(512));
+}

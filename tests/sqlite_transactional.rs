@@ -329,8 +329,11 @@ async fn concurrent_duplicates_wait_and_replay_without_running() {
     assert_eq!((f.items(), f.records(), f.h.runs()), (1, 1, 1));
 }
 
+/// A duplicate waits for the first (SQLite's one writer) up to the busy
+/// timeout, then is told it is in flight (409), while a request with
+/// another key that outwaits it is told the store is busy (503).
 #[tokio::test]
-async fn a_duplicate_that_outwaits_the_busy_timeout_gets_503() {
+async fn a_duplicate_that_outwaits_the_busy_timeout_gets_409_another_key_503() {
     let f = Fixture::start(Duration::from_millis(100)).await;
     let mut entered = f.h.watch();
     let addr = f.addr;
@@ -345,7 +348,10 @@ async fn a_duplicate_that_outwaits_the_busy_timeout_gets_503() {
         .await
     });
     assert_eq!(entered.recv().await.unwrap(), "g");
-    let busy = f.post(b"k", &[]).await;
+    let repeat = f.post(b"k", &[]).await;
+    assert_eq!(repeat.assert_problem(409), types::IN_FLIGHT);
+    assert_eq!(repeat.header_str("retry-after"), Some("1"));
+    let busy = f.post(b"other", &[]).await;
     assert_eq!(busy.assert_problem(503), types::STORE_UNAVAILABLE);
     assert_eq!(busy.header_str("retry-after"), Some("1"));
     f.h.open("g");

@@ -84,6 +84,14 @@ fn retry_delay(config: &Config, attempt: u32, asked: Duration) -> Duration {
     backoff.max(asked.min(config.retry_after_max))
 }
 
+/// When the attempt after a wait of `after` is due, as an HTTP date (or
+/// "never" past the clock's range).
+fn next_attempt(after: Duration) -> String {
+    std::time::SystemTime::now()
+        .checked_add(after)
+        .map_or_else(|| "never".to_owned(), httpdate::fmt_http_date)
+}
+
 /// What decides the relay's stop.
 #[derive(Default)]
 pub(super) struct Stop {
@@ -377,7 +385,7 @@ async fn attempt(queue: &dyn Queue, sink: &dyn Sink, config: &Config, c: Claimed
             attempt = c.attempt,
             %error,
             retry_in_ms = after.as_millis() as u64,
-            next_attempt = %httpdate::fmt_http_date(std::time::SystemTime::now() + *after),
+            next_attempt = %next_attempt(*after),
             "outbox: attempt failed; retrying"
         ),
         Fate::Dead { error } => {
@@ -452,6 +460,8 @@ mod tests {
             let hours = total.as_secs_f64() / 3600.0;
             assert!((24.8..=25.9).contains(&hours), "{hours} h");
         }
+        // Past the clock's range the next attempt is "never", not a panic.
+        assert_eq!(next_attempt(Duration::MAX), "never");
         // A `Retry-After` longer than the backoff wins, up to its cap.
         let asked = |secs| retry_delay(&config, 1, Duration::from_secs(secs));
         assert_eq!(asked(120), Duration::from_secs(120));

@@ -146,13 +146,7 @@ impl<'t, 'c> Batch<'t, 'c> {
         }
     }
 
-    fn claim(&mut self, begin: Begin, next_id: &mut u64) {
-        let Begin {
-            req,
-            reply,
-            events,
-            waiting,
-        } = begin;
+    fn claim(&mut self, Begin { req, reply, events }: Begin, next_id: &mut u64) {
         let id = *next_id;
         *next_id += 1;
         // Named by its depth on the stack: a handful of names, each parsed
@@ -173,24 +167,17 @@ impl<'t, 'c> Batch<'t, 'c> {
             Ok(Found::Refused(refused)) => {
                 // Nothing was written.
                 let _ = exec(self.tx, &format!("RELEASE {name}"));
-                if let Refused::InFlight(lease_remaining) = refused
+                if let Refused::InFlight(_) = refused
                     && let Some(owner) = self
                         .members
                         .iter_mut()
                         .find(|m| m.scope == req.scope && m.key == req.key)
                 {
-                    let left = u64::try_from(lease_remaining.as_millis()).unwrap_or(u64::MAX - 1);
-                    waiting.store(left, std::sync::atomic::Ordering::Relaxed);
                     // In flight in this batch: wait for it, as a request
                     // waits for the writer, then claim again. A waiter takes
                     // no place in the batch: repeats of one slow key must
                     // not fill it and shut out other keys' requests.
-                    owner.waiters.push(Begin {
-                        req,
-                        reply,
-                        events,
-                        waiting,
-                    });
+                    owner.waiters.push(Begin { req, reply, events });
                     self.started -= 1;
                     return;
                 }
@@ -233,6 +220,7 @@ impl<'t, 'c> Batch<'t, 'c> {
             members: vec![id],
             deferred: Vec::new(),
         });
+        open_keys(self.counters).insert((req.scope.clone(), req.key.clone()));
         self.members.push(Member {
             id,
             scope: req.scope,
@@ -307,6 +295,7 @@ impl<'t, 'c> Batch<'t, 'c> {
             return;
         };
         let member = self.members.swap_remove(at);
+        open_keys(self.counters).remove(&(member.scope.clone(), member.key.clone()));
         if let (Some(ended), Some(state)) = (&member.ended, state) {
             ended.send_replace(state);
         }
@@ -424,6 +413,16 @@ impl<'t, 'c> Batch<'t, 'c> {
             self.end(id, Some(Ended::BatchMateRolledBack), pending);
         }
     }
+}
+
+/// The keys of the open requests (a poisoned lock still holds them).
+fn open_keys(
+    counters: &WriterCounters,
+) -> std::sync::MutexGuard<'_, std::collections::HashSet<(String, String)>> {
+    counters
+        .open_keys
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Rolls back to savepoint `name` and removes it. An error means SQLite has

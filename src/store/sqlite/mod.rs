@@ -33,7 +33,7 @@ mod writer;
 
 pub use builder::{SqliteStoreBuilder, Synchronous};
 use claim::{Refused, claim_in, complete_in, read_record};
-use queue::{ABANDONED, Begin, Event, NOT_WAITING, WAITING, Work, WriteJob};
+use queue::{ABANDONED, Begin, Event, WAITING, Work, WriteJob};
 use transaction::{Command, transaction_over};
 pub use transaction::{SqliteTransaction, TransactionError};
 pub use writer::GroupCommitStats;
@@ -445,30 +445,19 @@ impl TransactionalStore for SqliteStore {
             return Ok(TransactionClaim::Refused(refused));
         }
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let events = self.writer()?.events.clone();
-        let waiting = Arc::new(std::sync::atomic::AtomicU64::new(NOT_WAITING));
-        let begin = Begin {
-            req,
-            reply,
-            events,
-            waiting: waiting.clone(),
-        };
-        self.send(Work::Request(begin))?;
+        let writer = self.writer()?;
+        let events = writer.events.clone();
+        let (id, lease) = ((req.scope.clone(), req.key.clone()), req.lease);
+        self.send(Work::Request(Begin { req, reply, events }))?;
         match tokio::time::timeout(self.busy_timeout, answer).await {
             Ok(answer) => answer.map_err(|_| transaction_over())?,
-            // Its wait for a request holding the key ended: that request is
-            // still in flight (409); the writer is not too busy (503).
-            Err(_) => match waiting.load(std::sync::atomic::Ordering::Relaxed) {
-                NOT_WAITING => Err(self.busy()),
-                left => {
-                    let lease_remaining = Duration::from_millis(left)
-                        .saturating_sub(self.busy_timeout)
-                        .max(Duration::from_secs(1));
-                    Ok(TransactionClaim::Refused(Refusal::InFlight {
-                        lease_remaining,
-                    }))
-                }
-            },
+            // Its wait for the writer ended while a request holding its key
+            // is open: that one is in flight (409), the store is not too
+            // busy (503).
+            Err(_) if writer.holds(&id) => Ok(TransactionClaim::Refused(Refusal::InFlight {
+                lease_remaining: lease,
+            })),
+            Err(_) => Err(self.busy()),
         }
     }
 

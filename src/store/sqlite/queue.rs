@@ -19,14 +19,7 @@ pub(super) struct Begin {
     /// For the handle's commands (the writer holds no sender of its own, so
     /// that it ends when the store and every handle are gone).
     pub(super) events: std::sync::mpsc::Sender<Event>,
-    /// Set (to the holder's lease left, in ms) when the claim found its key
-    /// held by a request of the open batch and waits for it: a caller whose
-    /// wait ends then answers "in flight" (409), not "busy" (503).
-    pub(super) waiting: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
-
-/// [`Begin::waiting`] before the claim waits for a holder.
-pub(super) const NOT_WAITING: u64 = u64::MAX;
 
 /// What reaches the writer thread, in one queue.
 pub(super) enum Event {
@@ -151,6 +144,11 @@ pub(super) struct WriterCounters {
     /// Transactional requests rolled back for holding the writer past their
     /// max hold time.
     pub(super) held_too_long: std::sync::atomic::AtomicU64,
+    /// The `(scope, key)` of every open transactional request (at most
+    /// `concurrent_transactions`): a claim whose wait for the writer ends
+    /// while its key is among them answers "in flight" (409), not "busy"
+    /// (503).
+    pub(super) open_keys: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
 }
 
 /// An answer held back until the batch it depends on has committed.

@@ -51,6 +51,15 @@ pub(super) struct Limits {
 }
 
 impl Writer {
+    /// Whether an open transactional request holds `(scope, key)`.
+    pub(super) fn holds(&self, id: &(String, String)) -> bool {
+        self.counters
+            .open_keys
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(id)
+    }
+
     pub(super) fn start(
         pool: r2d2::Pool<SqliteConnectionManager>,
         clock: Arc<dyn Clock>,
