@@ -209,7 +209,10 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// - **Where it applies.** Separate mode on every store, and
     ///   transactional mode where the claim commits before the handler runs
     ///   (PostgreSQL, MySQL). SQLite's transactional claim lives inside the
-    ///   open transaction, vanishes with a crash, and needs no renewal.
+    ///   open transaction, vanishes with a crash, and needs no renewal; but
+    ///   there too `max_hold`, not the lease, caps how long a transaction
+    ///   may be held (with the store's own max hold), so a handler slower
+    ///   than a short lease is not rolled back at the lease.
     /// - **Streams.** Renewal goes on until the record is stored, so a
     ///   streamed first response is stored if it ends within `max_hold`
     ///   (or within the lease, if that is longer).
@@ -338,7 +341,8 @@ impl<St: TransactionalStore, Sc, F, P> IdempotencyLayer<St, Sc, F, P, Separate> 
     /// A concurrent duplicate never runs the handler: it waits for the
     /// store's lock (up to SQLite's busy timeout), then sees the committed
     /// record and gets the replay (or 422). If the first request holds the
-    /// lock past the busy timeout, the duplicate gets 503 with `Retry-After`.
+    /// lock past the busy timeout, the duplicate gets 409 with
+    /// `Retry-After` (in flight) on SQLite; another body gets 422 at once.
     pub fn transactional(self) -> IdempotencyLayer<St, Sc, F, P, Transactional> {
         IdempotencyLayer {
             store: self.store,

@@ -331,7 +331,8 @@ async fn concurrent_duplicates_wait_and_replay_without_running() {
 
 /// A duplicate waits for the first (SQLite's one writer) up to the busy
 /// timeout, then is told it is in flight (409), while a request with
-/// another key that outwaits it is told the store is busy (503).
+/// another key that outwaits it is told the store is busy (503), and
+/// another body with the key is refused at once (422).
 #[tokio::test]
 async fn a_duplicate_that_outwaits_the_busy_timeout_gets_409_another_key_503() {
     let f = Fixture::start(Duration::from_millis(100)).await;
@@ -354,6 +355,17 @@ async fn a_duplicate_that_outwaits_the_busy_timeout_gets_409_another_key_503() {
     let busy = f.post(b"other", &[]).await;
     assert_eq!(busy.assert_problem(503), types::STORE_UNAVAILABLE);
     assert_eq!(busy.header_str("retry-after"), Some("1"));
+    // Another body with the key: 422, checked before anything waits (it
+    // would otherwise wait out the busy timeout and get 409).
+    let mismatch = send(
+        addr,
+        "POST",
+        "/items",
+        &[("idempotency-key", b"k")],
+        b"{\"x\":1}",
+    )
+    .await;
+    assert_eq!(mismatch.assert_problem(422), types::MISMATCH);
     f.h.open("g");
     assert_eq!(first.await.unwrap().status, 201);
     assert!(f.post(b"k", &[]).await.replayed());

@@ -298,7 +298,13 @@ pub fn storm(cfg: &StormConfig) -> StormReport {
         barrier.wait();
         // Kill at a random moment from a fifth of the pause to twice the
         // pause: some handlers have written their credit and not answered.
-        let kill_after = cfg.pause_ms / 5 + rng.below(cfg.pause_ms * 2);
+        // The first burst's kill comes half a pause in, before any answer
+        // can have left (each waits a whole pause after its credit), so
+        // every storm has a kill that lands mid-request.
+        let kill_after = match burst {
+            0 => cfg.pause_ms / 2,
+            _ => cfg.pause_ms / 5 + rng.below(cfg.pause_ms * 2),
+        };
         std::thread::sleep(Duration::from_millis(kill_after));
         ledger.kill();
         report.kills += 1;

@@ -220,7 +220,7 @@ impl<'t, 'c> Batch<'t, 'c> {
             members: vec![id],
             deferred: Vec::new(),
         });
-        open_keys(self.counters).insert((req.scope.clone(), req.key.clone()));
+        open_keys(self.counters).insert((req.scope.clone(), req.key.clone()), req.fingerprint);
         self.members.push(Member {
             id,
             scope: req.scope,
@@ -418,7 +418,10 @@ impl<'t, 'c> Batch<'t, 'c> {
 /// The keys of the open requests (a poisoned lock still holds them).
 fn open_keys(
     counters: &WriterCounters,
-) -> std::sync::MutexGuard<'_, std::collections::HashSet<(String, String)>> {
+) -> std::sync::MutexGuard<
+    '_,
+    std::collections::HashMap<(String, String), crate::fingerprint::Fingerprint>,
+> {
     counters
         .open_keys
         .lock()

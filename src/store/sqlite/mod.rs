@@ -448,15 +448,26 @@ impl TransactionalStore for SqliteStore {
         let writer = self.writer()?;
         let events = writer.events.clone();
         let (id, lease) = ((req.scope.clone(), req.key.clone()), req.lease);
+        // Another fingerprint than the open request holding the key: 422
+        // at once (checked first, as on every store), without waiting for
+        // the writer that request holds.
+        if writer
+            .holder(&id)
+            .is_some_and(|held| held != req.fingerprint)
+        {
+            return Ok(TransactionClaim::Refused(Refusal::Mismatch));
+        }
         self.send(Work::Request(Begin { req, reply, events }))?;
         match tokio::time::timeout(self.busy_timeout, answer).await {
             Ok(answer) => answer.map_err(|_| transaction_over())?,
             // Its wait for the writer ended while a request holding its key
             // is open: that one is in flight (409), the store is not too
             // busy (503).
-            Err(_) if writer.holds(&id) => Ok(TransactionClaim::Refused(Refusal::InFlight {
-                lease_remaining: lease,
-            })),
+            Err(_) if writer.holder(&id).is_some() => {
+                Ok(TransactionClaim::Refused(Refusal::InFlight {
+                    lease_remaining: lease,
+                }))
+            }
             Err(_) => Err(self.busy()),
         }
     }

@@ -144,11 +144,14 @@ pub(super) struct WriterCounters {
     /// Transactional requests rolled back for holding the writer past their
     /// max hold time.
     pub(super) held_too_long: std::sync::atomic::AtomicU64,
-    /// The `(scope, key)` of every open transactional request (at most
-    /// `concurrent_transactions`): a claim whose wait for the writer ends
-    /// while its key is among them answers "in flight" (409), not "busy"
-    /// (503).
-    pub(super) open_keys: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
+    /// The `(scope, key)` of every open transactional request, with its
+    /// fingerprint (at most `concurrent_transactions` entries): a claim of
+    /// a key held with another fingerprint is refused at once (422), and
+    /// one whose wait for the writer ends while its key is held answers "in
+    /// flight" (409), not "busy" (503).
+    pub(super) open_keys: std::sync::Mutex<
+        std::collections::HashMap<(String, String), crate::fingerprint::Fingerprint>,
+    >,
 }
 
 /// An answer held back until the batch it depends on has committed.

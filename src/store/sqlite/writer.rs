@@ -51,13 +51,15 @@ pub(super) struct Limits {
 }
 
 impl Writer {
-    /// Whether an open transactional request holds `(scope, key)`.
-    pub(super) fn holds(&self, id: &(String, String)) -> bool {
+    /// The fingerprint of the open transactional request that holds
+    /// `(scope, key)`, if one does.
+    pub(super) fn holder(&self, id: &(String, String)) -> Option<crate::fingerprint::Fingerprint> {
         self.counters
             .open_keys
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .contains(id)
+            .get(id)
+            .copied()
     }
 
     pub(super) fn start(
