@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tokio::time::{Instant, sleep, sleep_until, timeout_at};
+use tokio::time::{Instant, timeout, timeout_at};
 
 use crate::mode::Hold;
 use crate::response::StoredResponse;
@@ -70,16 +70,16 @@ async fn renew<St: Store>(lease: Lease<St>, mut stopped: watch::Receiver<bool>) 
     let mut confirmed_until = claimed + lease.lease;
     let every = (lease.lease / 3).max(Duration::from_millis(1));
     loop {
-        tokio::select! {
-            _ = sleep(every) => {}
-            _ = stopped.wait_for(|stop| *stop) => return,
+        // A third of a lease, unless the layer stops it first.
+        if timeout(every, stopped.wait_for(|stop| *stop)).await.is_ok() {
+            return;
         }
         let asked = Instant::now();
         if asked >= hold_end {
             // Past the max hold: no more renewals; the lease runs out.
-            tokio::select! {
-                _ = sleep_until(confirmed_until) => {}
-                _ = stopped.wait_for(|stop| *stop) => return,
+            let stop = stopped.wait_for(|stop| *stop);
+            if timeout_at(confirmed_until, stop).await.is_ok() {
+                return;
             }
             return lost(
                 &lease,
