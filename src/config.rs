@@ -10,6 +10,7 @@ use http::{HeaderName, Method, Response};
 
 use crate::body::ResponseBody;
 use crate::problem::Rejection;
+use crate::wait::Waiting;
 
 /// The default request body limit, 1 MiB.
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
@@ -53,6 +54,10 @@ pub(crate) struct Settings {
     pub(crate) max_response_body: usize,
     pub(crate) marker: HeaderName,
     pub(crate) on_rejection: Option<RejectionFn>,
+    /// Repeats that wait for the first request (`wait_in_flight`).
+    pub(crate) wait: Option<Arc<Waiting>>,
+    /// The caps on waiters (`max_waiters`): how many, and how many bytes.
+    pub(crate) waiter_limits: (usize, usize),
 }
 
 impl Settings {

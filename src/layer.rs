@@ -21,6 +21,7 @@ use crate::scope::Scope;
 use crate::service::Idempotency;
 use crate::store::{DEFAULT_LEASE, DEFAULT_TTL};
 use crate::store::{Store, TransactionalStore};
+use crate::wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES, Waiting};
 
 /// Applies idempotency keys to the requests of a service: the first request
 /// with a key runs, and its response is replayed to every repeat.
@@ -127,6 +128,8 @@ impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
                     max_response_body: DEFAULT_MAX_RESPONSE_BODY,
                     marker: HeaderName::from_static("idempotent-replayed"),
                     on_rejection: None,
+                    wait: None,
+                    waiter_limits: (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES),
                 },
                 scope,
                 fingerprinter: DefaultFingerprinter::new(),
@@ -225,6 +228,59 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     ///   renewal comes every third of a lease.
     pub fn renew_lease(mut self, max_hold: Duration) -> Self {
         self.config.settings.max_hold = Some(max_hold);
+        self
+    }
+
+    /// A repeat that arrives while the first request with its key is in
+    /// flight waits up to `max_wait` for it to finish, then gets the first
+    /// request's answer: its replay (or 422 for another fingerprint, or,
+    /// when the first gave its key back or lost its lease, a run of its
+    /// own). Past `max_wait`, or when the waiters are full (see
+    /// [`max_waiters`](Self::max_waiters)), it gets 409 as without this
+    /// option. Off by default: `Duration::ZERO` answers 409 at once, the
+    /// IETF draft's rule (§2.6).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope::GlobalScope};
+    ///
+    /// // Concurrent duplicates of a request that takes 200 ms get its
+    /// // replay, not 409.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope)
+    ///     .wait_in_flight(Duration::from_secs(2));
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// - **Woken by the completion.** A first request in this process,
+    ///   behind this layer (or a clone of it), wakes its waiters when its
+    ///   record completes or its key is given back.
+    /// - **Polling for other servers.** A waiter also claims again after
+    ///   5 ms, then at doubling intervals up to 100 ms, and at the end of the
+    ///   first request's lease: a first request on another server is seen
+    ///   within 100 ms of its completion.
+    /// - **Holds nothing.** A waiter holds no store connection and no writer
+    ///   slot while it waits; each claim is one short store call, as a
+    ///   client's retry would be.
+    /// - **Cancelled with its caller.** A waiter whose client goes away
+    ///   stops at its next claim and never runs the handler.
+    pub fn wait_in_flight(mut self, max_wait: Duration) -> Self {
+        let (count, bytes) = self.config.settings.waiter_limits;
+        self.config.settings.wait =
+            (!max_wait.is_zero()).then(|| Arc::new(Waiting::new(max_wait, count, bytes)));
+        self
+    }
+
+    /// Caps the repeats that wait at once behind this layer (see
+    /// [`wait_in_flight`](Self::wait_in_flight)): at most `count` of them
+    /// (default [`DEFAULT_MAX_WAITERS`], 256), holding at most `bytes` of
+    /// buffered request bodies between them (default
+    /// [`DEFAULT_MAX_WAITING_BYTES`], 16 MiB). A repeat beyond either cap
+    /// gets 409 at once.
+    pub fn max_waiters(mut self, count: usize, bytes: usize) -> Self {
+        if let Some(wait) = &self.config.settings.wait {
+            self.config.settings.wait = Some(Arc::new(Waiting::new(wait.bound, count, bytes)));
+        }
+        self.config.settings.waiter_limits = (count, bytes);
         self
     }
 

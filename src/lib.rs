@@ -124,6 +124,7 @@ mod tee;
 pub mod telemetry;
 #[cfg(feature = "test-util")]
 pub mod test_util;
+mod wait;
 
 pub use body::{RequestBody, ResponseBody};
 
@@ -157,3 +158,4 @@ pub use service::{Idempotency, ResponseFuture};
 pub use store::SqliteStore;
 pub use store::{DEFAULT_LEASE, DEFAULT_TTL};
 pub use store::{MemoryStore, Store, StoreError};
+pub use wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES};

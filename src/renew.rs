@@ -12,6 +12,7 @@ use tokio::time::{Instant, timeout, timeout_at};
 use crate::mode::Hold;
 use crate::response::StoredResponse;
 use crate::store::{Completion, FencingToken, RecordId, Store, StoreError};
+use crate::wait::WakeOnEnd;
 
 /// Whether the lease of a request's claim was lost; shared by the renewal
 /// task and the request's [`ClaimedKey`](crate::key::ClaimedKey).
@@ -139,9 +140,13 @@ fn lost<St>(lease: &Lease<St>, stopped: &watch::Receiver<bool>, why: &'static st
 /// A hold whose lease is renewed until the layer finishes it: the renewal
 /// stops just before the completion or the release (a renewal racing a
 /// commit must not read the committed record as a lost lease).
+///
+/// It also carries the wake-up of the key's waiting repeats (`wait_in_flight`),
+/// dropped with it once the hold has ended.
 pub(crate) struct Renewed<H> {
     pub(crate) hold: H,
     pub(crate) renewal: Option<Renewal>,
+    pub(crate) wake: Option<WakeOnEnd>,
 }
 
 impl<H: Hold> Hold for Renewed<H> {
@@ -157,12 +162,16 @@ impl<H: Hold> Hold for Renewed<H> {
 
     async fn complete(self, response: StoredResponse) -> Result<Completion, StoreError> {
         drop(self.renewal);
-        self.hold.complete(response).await
+        let completed = self.hold.complete(response).await;
+        drop(self.wake);
+        completed
     }
 
     async fn release(self) -> Result<(), StoreError> {
         drop(self.renewal);
-        self.hold.release().await
+        let released = self.hold.release().await;
+        drop(self.wake);
+        released
     }
 
     async fn ended(&mut self) {

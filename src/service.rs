@@ -18,6 +18,7 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -39,8 +40,9 @@ use crate::record::{release, store_response, stream_deadline};
 use crate::renew;
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
-use crate::store::{ClaimRequest, FencingToken, Refusal, Store, retry_after_secs};
+use crate::store::{ClaimRequest, FencingToken, Refusal, Store, StoreError, retry_after_secs};
 use crate::telemetry::{self, Operation, Outcome, timed};
+use crate::wait::WakeOnEnd;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -273,9 +275,18 @@ where
             ttl: settings.ttl,
             max_hold: settings.max_hold,
         };
+        let waiting_bytes = body.len();
         let request = Request::from_parts(parts, RequestBody::buffered(body, trailers));
-        let run =
-            claim_and_run::<M, _, _, _, _, _, _, _>(inner, store, config.clone(), claim, request);
+        // Set when the caller goes away: a repeat still waiting for its
+        // first request then stops before it claims again.
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let run = claim_and_run::<M, _, _, _, _, _, _, _>(
+            inner,
+            store,
+            config.clone(),
+            (claim, waiting_bytes, abandoned.clone()),
+            request,
+        );
         if !M::DETACHED {
             return run.await;
         }
@@ -288,7 +299,7 @@ where
         // matter: one ready at once is stored before the head, but a stream
         // is read only by its caller, so with the caller gone its body is
         // dropped and the record completes without it (410 for repeats).
-        DetachOnDrop::new(run.in_current_span()).await
+        DetachOnDrop::new(run.in_current_span(), abandoned).await
     }
     .instrument(span)
     .await
@@ -298,12 +309,14 @@ where
 /// rest on the current Tokio runtime, where it runs to completion.
 struct DetachOnDrop<T: Send + 'static> {
     future: Option<BoxFuture<T>>,
+    abandoned: Arc<AtomicBool>,
 }
 
 impl<T: Send + 'static> DetachOnDrop<T> {
-    fn new(future: impl Future<Output = T> + Send + 'static) -> Self {
+    fn new(future: impl Future<Output = T> + Send + 'static, abandoned: Arc<AtomicBool>) -> Self {
         DetachOnDrop {
             future: Some(Box::pin(future)),
+            abandoned,
         }
     }
 }
@@ -327,6 +340,7 @@ impl<T: Send + 'static> Drop for DetachOnDrop<T> {
         let Some(future) = self.future.take() else {
             return;
         };
+        self.abandoned.store(true, Ordering::Relaxed);
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => drop(runtime.spawn(future)),
             Err(_) => tracing::error!(
@@ -352,7 +366,7 @@ async fn claim_and_run<M, S, St, Sc, F, P, ReqBody, ResBody>(
     mut inner: S,
     store: St,
     config: Arc<Config<Sc, F, P>>,
-    claim: ClaimRequest,
+    (claim, waiting_bytes, abandoned): (ClaimRequest, usize, Arc<AtomicBool>),
     mut request: Request<RequestBody<ReqBody>>,
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
@@ -372,7 +386,8 @@ where
     let claimed_at = tokio::time::Instant::now();
     let mut lease_end = claimed_at + stream_deadline(settings.lease);
     let (id, token) = (claim.record_id(), claim.token);
-    let hold = match timed(Operation::Claim, M::claim(&store, claim)).await {
+    let claimed = claim_or_wait::<M, _>(&store, settings, claim, waiting_bytes, &abandoned).await;
+    let hold = match claimed {
         Ok(Ok((hold, taken_over))) => {
             telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
             hold
@@ -405,6 +420,11 @@ where
 
     request.headers_mut().remove(&settings.marker);
     hold.attach(request.extensions_mut());
+    // The end of the hold, however it ends, wakes this key's waiters.
+    let wake = settings.wait.clone().map(|waiting| WakeOnEnd {
+        waiting,
+        id: id.clone(),
+    });
     // Renewed until the record is completed or released (`renew_lease`).
     let renewal = match (settings.max_hold, M::RENEWS) {
         (Some(max_hold), true) => request.extensions().get::<ClaimedKey>().map(|claimed| {
@@ -424,7 +444,11 @@ where
         // (and never less than the first lease).
         lease_end = lease_end.max(claimed_at + stream_deadline(max_hold));
     }
-    let mut hold = renew::Renewed { hold, renewal };
+    let mut hold = renew::Renewed {
+        hold,
+        renewal,
+        wake,
+    };
     let response = match inner.call(request).await {
         Ok(response) => response,
         Err(e) => {
@@ -445,6 +469,45 @@ where
     }
     hold.answered();
     Ok(store_response(hold, &config, lease_end, response).await)
+}
+
+/// The atomic claim; a repeat that meets its key in flight, when the layer
+/// lets repeats wait (`wait_in_flight`), claims again until the key is no
+/// longer in flight or its wait is over (see [`crate::wait`]).
+async fn claim_or_wait<M: Mode<St>, St: Store>(
+    store: &St,
+    settings: &Settings,
+    claim: ClaimRequest,
+    waiting_bytes: usize,
+    abandoned: &AtomicBool,
+) -> Result<Result<(M::Hold, bool), Refusal>, StoreError> {
+    let once = || timed(Operation::Claim, M::claim(store, claim.clone()));
+    let first = once().await;
+    let (Some(waiting), Ok(Err(Refusal::InFlight { .. }))) = (&settings.wait, &first) else {
+        return first;
+    };
+    let Some(waiter) = waiting.enter(&claim.record_id(), waiting_bytes) else {
+        telemetry::wait("full");
+        return first;
+    };
+    let deadline = tokio::time::Instant::now() + waiting.bound;
+    let in_flight = |answer: &Result<Result<(M::Hold, bool), Refusal>, StoreError>| match answer {
+        Ok(Err(Refusal::InFlight { lease_remaining })) => Some(*lease_remaining),
+        _ => None,
+    };
+    match waiter
+        .claim_until(deadline, abandoned, once, in_flight)
+        .await
+    {
+        Ok(answer) => {
+            telemetry::wait("woken");
+            answer
+        }
+        Err(last) => {
+            telemetry::wait("timed_out");
+            last.unwrap_or(first)
+        }
+    }
 }
 
 /// Buffers the request body up to `limit` bytes.

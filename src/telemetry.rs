@@ -140,6 +140,7 @@ pub(crate) fn request_span(scope: &str, key: &str) -> tracing::Span {
         scope = %scope,
         key = tracing::field::Empty,
         claim = tracing::field::Empty,
+        wait = tracing::field::Empty,
         outcome = tracing::field::Empty,
         claim_us = tracing::field::Empty,
         complete_us = tracing::field::Empty,
@@ -197,6 +198,15 @@ pub(crate) fn claim(found: &'static str) {
     if found == "taken_over" {
         metrics::counter!("tower_idempotency_takeovers_total").increment(1);
     }
+}
+
+/// Records how a repeat's wait for its first request ended: `woken` (the
+/// key left the in-flight state), `timed_out`, or `full` (no place among
+/// the waiters).
+pub(crate) fn wait(ended: &'static str) {
+    tracing::Span::current().record("wait", ended);
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tower_idempotency_waits_total", "ended" => ended).increment(1);
 }
 
 /// Records how the request ended, on the current span and as a metric.

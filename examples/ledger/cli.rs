@@ -44,6 +44,11 @@ pub struct Args {
     #[arg(long = "lease-secs", value_name = "N", value_parser = lease_secs)]
     pub lease: Option<Duration>,
 
+    /// A repeat that arrives while its first request is in flight waits up
+    /// to N ms for its answer (0: 409 at once)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub wait_in_flight_ms: u64,
+
     /// Honour the X-Ledger-* test headers
     #[arg(long)]
     pub fault_injection: bool,

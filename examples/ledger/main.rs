@@ -66,18 +66,38 @@ struct NewCredit {
     amount: i64,
 }
 
+/// What the command line sets on the layer.
+#[derive(Clone, Copy)]
+struct Options {
+    /// `--lease-secs`, or the crate's lease.
+    lease: Option<Duration>,
+    /// `--wait-in-flight-ms`: zero answers 409 at once.
+    wait_in_flight: Duration,
+}
+
+impl Options {
+    fn new(args: &Args) -> Self {
+        Options {
+            lease: args.lease,
+            wait_in_flight: Duration::from_millis(args.wait_in_flight_ms),
+        }
+    }
+}
+
 /// The idempotency layer: a key is required, keys are scoped per caller,
 /// and the lease of a request is renewed while it runs (up to
 /// [`MAX_HOLD`]), so a short `--lease-secs` frees a crashed process's keys
-/// soon without letting a slow credit be taken over.
+/// soon without letting a slow credit be taken over. A repeat of a credit
+/// in flight waits up to `--wait-in-flight-ms` for its replay.
 fn idempotency<St: Store>(
     store: St,
-    lease: Option<Duration>,
+    options: Options,
 ) -> IdempotencyLayer<St, fn(&Parts) -> String> {
     let layer = IdempotencyLayer::new(store, caller as fn(&Parts) -> String)
         .require_key(true)
-        .renew_lease(MAX_HOLD);
-    match lease {
+        .renew_lease(MAX_HOLD)
+        .wait_in_flight(options.wait_in_flight);
+    match options.lease {
         Some(lease) => layer.lease(lease),
         None => layer,
     }
@@ -375,7 +395,7 @@ async fn serve<D: Ledger>(
     (listener, admin_listener): (TcpListener, Option<TcpListener>),
 ) -> Result<(), BoxError> {
     let mode = args.mode();
-    let lease = args.lease;
+    let options = Options::new(&args);
     // `--notify-url` needs transactional mode (`Args::parse_checked`), so
     // the store is the database's.
     #[cfg(feature = "outbox")]
@@ -391,13 +411,13 @@ async fn serve<D: Ledger>(
             let store = redis_store(&args).await?;
             let admin = admin_router(&store, &args);
             (
-                Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, lease))),
+                Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, options))),
                 admin,
             )
         }
         Some(store) => {
             let admin = admin_router(&store, &args);
-            (protected(store, mode, lease), admin)
+            (protected(store, mode, options), admin)
         }
         None => unreachable!("the store is opened unless --key-store"),
     };
@@ -435,13 +455,13 @@ async fn serve<D: Ledger>(
 fn protected<D: Ledger, St: TransactionalStore>(
     store: St,
     mode: Mode,
-    lease: Option<Duration>,
+    options: Options,
 ) -> Protect<D> {
     match mode {
         Mode::Transactional => {
-            Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, lease).transactional()))
+            Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, options).transactional()))
         }
-        Mode::Separate => Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, lease))),
+        Mode::Separate => Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, options))),
     }
 }
 

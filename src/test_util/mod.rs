@@ -63,6 +63,9 @@ use crate::store::{
 };
 
 pub mod suite;
+mod watch;
+
+pub use watch::WatchClaims;
 
 #[cfg(doc)]
 use crate::store::Inspect;
