@@ -9,7 +9,9 @@ use bytes::Bytes;
 use http::{HeaderName, Method, Response};
 
 use crate::body::ResponseBody;
+use crate::key_source::KeySource;
 use crate::problem::Rejection;
+use crate::store::Clock;
 
 /// The default request body limit, 1 MiB.
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
@@ -41,6 +43,9 @@ pub(crate) struct Config<Sc, F, P> {
 #[derive(Clone)]
 pub(crate) struct Settings {
     pub(crate) header: HeaderName,
+    /// Where the key is read when not from `header`: looked up after the
+    /// body is buffered (see `crate::key_source`).
+    pub(crate) key_source: Option<Arc<dyn KeySource>>,
     pub(crate) methods: Vec<Method>,
     pub(crate) require_key: bool,
     pub(crate) lease: Duration,
@@ -53,6 +58,12 @@ pub(crate) struct Settings {
     pub(crate) max_response_body: usize,
     pub(crate) marker: HeaderName,
     pub(crate) on_rejection: Option<RejectionFn>,
+    /// Refuse a fresh claim first sent longer ago than the TTL (`first_sent`).
+    pub(crate) refuse_expired: bool,
+    /// The field that advertises the TTL on first responses and replays.
+    pub(crate) retention_header: Option<HeaderName>,
+    /// The clock that judges first-sent times.
+    pub(crate) clock: Arc<dyn Clock>,
 }
 
 impl Settings {

@@ -31,6 +31,7 @@ use tracing::Instrument;
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::{Config, Settings};
 use crate::fingerprint::Fingerprinter;
+use crate::first_sent;
 use crate::key::{ClaimedKey, parse_key};
 use crate::mode::{Hold, Mode, Separate};
 use crate::policy::{DoNotStore, StorePolicy};
@@ -41,6 +42,8 @@ use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
 use crate::store::{ClaimRequest, FencingToken, Refusal, Store, retry_after_secs};
 use crate::telemetry::{self, Operation, Outcome, timed};
+
+mod body_key;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -120,8 +123,14 @@ where
         if !settings.methods.contains(req.method()) {
             return ResponseFuture::pass_through(self.inner.call(req.map(RequestBody::inner)));
         }
-        let key = match parse_key(req.headers(), &settings.header) {
-            Ok(Some(key)) => key,
+        // A key from the body is looked up in `intercept`, once it is read.
+        let header_key = match settings.key_source {
+            Some(_) => Ok(None),
+            None => parse_key(req.headers(), &settings.header),
+        };
+        let key = match header_key {
+            Ok(Some(key)) => Some(key),
+            Ok(None) if settings.key_source.is_some() => None,
             Ok(None) if !settings.require_key => {
                 return ResponseFuture::pass_through(self.inner.call(req.map(RequestBody::inner)));
             }
@@ -222,7 +231,7 @@ async fn intercept<M, S, St, Sc, F, P, ReqBody, ResBody>(
     store: St,
     config: Arc<Config<Sc, F, P>>,
     req: Request<ReqBody>,
-    key: String,
+    key: Option<String>,
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
     M: Mode<St>,
@@ -238,8 +247,29 @@ where
     ResBody: Body + Send + 'static,
     ResBody::Error: Send,
 {
-    let (mut parts, body) = req.into_parts();
-    // No principal: 401 before the body is read or the store is touched.
+    let (parts, body) = req.into_parts();
+    // A key from the body: the body is read first (see `crate::key_source`).
+    let (key, mut parts, body) = match key {
+        Some(key) => (key, parts, Pending::Unread(body)),
+        None => match body_key::find(&config.settings, parts, body).await {
+            body_key::Found::Key(key, parts, bytes, trailers) => {
+                (key, parts, Pending::Read(bytes, trailers))
+            }
+            body_key::Found::None(parts, bytes, trailers) => {
+                let request = Request::from_parts(parts, RequestBody::buffered(bytes, trailers));
+                let mut inner = inner;
+                return inner
+                    .call(request)
+                    .await
+                    .map(|response| response.map(ResponseBody::inner));
+            }
+            body_key::Found::Rejected(rejection) => {
+                return Ok(reject(&config.settings, Outcome::Rejected, rejection));
+            }
+        },
+    };
+    // No principal: 401 before the store is touched (and, for a header key,
+    // before the body is read).
     let Some(scope) = config.scope.scope(&parts) else {
         return Ok(reject(
             &config.settings,
@@ -247,12 +277,18 @@ where
             Rejection::Unauthenticated,
         ));
     };
+    if let Err(rejection) = first_sent::read(&config.settings, &mut parts) {
+        return Ok(reject(&config.settings, Outcome::Rejected, rejection));
+    }
     let span = telemetry::request_span(&scope, &key);
     async move {
         let settings = &config.settings;
-        let (body, trailers) = match buffer_request(body, settings.max_request_body).await {
-            Ok(buffered) => buffered,
-            Err(rejection) => return Ok(reject(settings, Outcome::Rejected, rejection)),
+        let (body, trailers) = match body {
+            Pending::Read(bytes, trailers) => (bytes, trailers),
+            Pending::Unread(body) => match buffer_request(body, settings.max_request_body).await {
+                Ok(buffered) => buffered,
+                Err(rejection) => return Ok(reject(settings, Outcome::Rejected, rejection)),
+            },
         };
         let fingerprint = match config.fingerprinter.fingerprint(&parts, &body) {
             Ok(fingerprint) => fingerprint,
@@ -292,6 +328,13 @@ where
     }
     .instrument(span)
     .await
+}
+
+/// A request body before the claim: still to be read (a header key), or
+/// already read to find a key in it.
+enum Pending<B> {
+    Unread(B),
+    Read(Bytes, Option<HeaderMap>),
 }
 
 /// Runs a future in place; dropped before it has finished, it spawns the
@@ -372,10 +415,10 @@ where
     let claimed_at = tokio::time::Instant::now();
     let mut lease_end = claimed_at + stream_deadline(settings.lease);
     let (id, token) = (claim.record_id(), claim.token);
-    let hold = match timed(Operation::Claim, M::claim(&store, claim)).await {
+    let (hold, taken_over) = match timed(Operation::Claim, M::claim(&store, claim)).await {
         Ok(Ok((hold, taken_over))) => {
             telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
-            hold
+            (hold, taken_over)
         }
         Ok(Err(Refusal::Mismatch)) => {
             telemetry::claim("mismatch");
@@ -403,6 +446,14 @@ where
         }
     };
 
+    // No live record, and first sent longer ago than the TTL: it may have
+    // run under a record that expired (`refuse_expired_retries`).
+    if let Some(rejection) =
+        first_sent::expired(settings, request.extensions()).filter(|_| !taken_over)
+    {
+        release(hold).await;
+        return Ok(settings.rejection_response(&rejection));
+    }
     request.headers_mut().remove(&settings.marker);
     hold.attach(request.extensions_mut());
     // Renewed until the record is completed or released (`renew_lease`).
@@ -444,11 +495,16 @@ where
         return Ok(Response::from_parts(parts, ResponseBody::inner(body)));
     }
     hold.answered();
-    Ok(store_response(hold, &config, lease_end, response).await)
+    let mut response = store_response(hold, &config, lease_end, response).await;
+    first_sent::advertise(settings, response.headers_mut());
+    Ok(response)
 }
 
 /// Buffers the request body up to `limit` bytes.
-async fn buffer_request<B>(body: B, limit: usize) -> Result<(Bytes, Option<HeaderMap>), Rejection>
+pub(crate) async fn buffer_request<B>(
+    body: B,
+    limit: usize,
+) -> Result<(Bytes, Option<HeaderMap>), Rejection>
 where
     B: Body,
     B::Error: Into<BoxError>,
@@ -477,7 +533,9 @@ fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<Res
     }
     telemetry::outcome(Outcome::Replayed);
     let trailers = stored.trailer_map();
-    stored
+    let mut response = stored
         .replay(&settings.marker)
-        .map(|body| ResponseBody::full(body, trailers))
+        .map(|body| ResponseBody::full(body, trailers));
+    first_sent::advertise(settings, response.headers_mut());
+    response
 }

@@ -54,11 +54,12 @@
 //! maker's ([`KeyUnavailable`] when the OS generator fails; the request is
 //! then not sent).
 
+mod first_sent;
 mod key;
 mod retry;
 
 pub use key::{
-    BoxError, IdempotencyKey, IdempotencyKeyLayer, KeyUnavailable, MakeIdempotencyKey, RandomKey,
-    ResponseFuture, new_key,
+    BoxError, FirstSent, IdempotencyKey, IdempotencyKeyLayer, KeyUnavailable, MakeIdempotencyKey,
+    RandomKey, ResponseFuture, new_key,
 };
 pub use retry::RetryPolicy;
