@@ -179,7 +179,7 @@ pub(crate) fn read(settings: &Settings, parts: &mut Parts) -> Result<(), Rejecti
 pub(crate) fn expired(settings: &Settings, extensions: &Extensions) -> Option<Rejection> {
     let FirstSent(first_ms) = extensions.get::<FirstSent>()?;
     let age = settings.clock.now_ms().saturating_sub(*first_ms);
-    (age > duration_ms(settings.ttl)).then(|| Rejection::ExpiredRetry {
+    (age > duration_ms(settings.ttl)).then_some(Rejection::ExpiredRetry {
         retention_secs: settings.ttl.as_secs(),
     })
 }
