@@ -33,7 +33,7 @@
 //! judged by the layer's [`clock`](crate::IdempotencyLayer::clock), which the
 //! client's clock should be close to.
 //!
-//! The crate's client layer ([`crate::client::IdempotencyKeyLayer`], feature
+//! The crate's client layer (`client::IdempotencyKeyLayer`, feature
 //! `client`) sends the field with every key it makes.
 //!
 //! # Advertising the retention

@@ -3,9 +3,13 @@
 //!
 //! The path of one intercepted request, in `intercept` and `claim_and_run`:
 //!
-//! 1. the key is parsed (400 before anything else; see [`crate::key`]);
+//! 1. the key is parsed (400 before anything else; see [`crate::key`]), or,
+//!    from a key source, found in the body once it is buffered
+//!    ([`crate::key_source`]); then the scope (401) and the
+//!    `Repeatability-First-Sent` field (400; see [`crate::first_sent`]);
 //! 2. the body is buffered up to the limit (413) and fingerprinted;
-//! 3. ONE atomic claim in the store decides: 422, replay, 409, or run
+//! 3. ONE atomic claim in the store decides: 422, replay, 409, 412 (a fresh
+//!    claim first sent longer ago than the TTL), or run
 //!    (in separate mode, from here on in a task of its own, so that a client
 //!    that goes away cannot cut the handler from its record);
 //! 4. the inner service runs while a [`crate::mode::Hold`] holds the claim;
@@ -501,10 +505,7 @@ where
 }
 
 /// Buffers the request body up to `limit` bytes.
-pub(crate) async fn buffer_request<B>(
-    body: B,
-    limit: usize,
-) -> Result<(Bytes, Option<HeaderMap>), Rejection>
+async fn buffer_request<B>(body: B, limit: usize) -> Result<(Bytes, Option<HeaderMap>), Rejection>
 where
     B: Body,
     B::Error: Into<BoxError>,
