@@ -7,7 +7,8 @@
 //! ```
 //!
 //! `POST /webhooks/{sender}` takes the events of one sender, each sender with
-//! its own secret. Without `--sender` the receiver knows one demo sender,
+//! its own secret. `POST /stripe/events` takes Stripe-shaped events, whose id
+//! is in the JSON body rather than a header (see [`stripe`]). Without `--sender` the receiver knows one demo sender,
 //! `acme`, whose secret is [`DEMO_SECRET`] (public: for trying it out only).
 //! The `sign` command prints the three header fields a sender would send:
 //!
@@ -118,6 +119,10 @@ use hmac::{Hmac, Mac};
 use serde::Deserialize;
 use sha2::Sha256;
 use tower_idempotency::{IdempotencyLayer, SqliteStore, Store};
+
+/// `POST /stripe/events`: Stripe-shaped events, keyed by their body's `id`.
+#[path = "webhook_stripe.rs"]
+pub mod stripe;
 
 /// The field that names the event: the idempotency key.
 pub const WEBHOOK_ID: HeaderName = HeaderName::from_static("webhook-id");
@@ -779,7 +784,8 @@ async fn main() {
     });
     // Expired records are ignored by lookups anyway; this reclaims their space.
     tower_idempotency::store::spawn_purge_task(store.clone(), Duration::from_secs(3600));
-    let app = router(store, args.senders, Orders::new());
+    let app = router(store.clone(), args.senders, Orders::new())
+        .merge(stripe::router(store, stripe::Handled::default()));
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .unwrap_or_else(|e| {

@@ -9,8 +9,10 @@ use bytes::Bytes;
 use http::{HeaderName, Method, Response};
 
 use crate::body::ResponseBody;
+use crate::key_source::KeySource;
 use crate::problem::Rejection;
 use crate::wait::Waiting;
+use crate::store::Clock;
 
 /// The default request body limit, 1 MiB.
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
@@ -42,6 +44,9 @@ pub(crate) struct Config<Sc, F, P> {
 #[derive(Clone)]
 pub(crate) struct Settings {
     pub(crate) header: HeaderName,
+    /// Where the key is read when not from `header`: looked up after the
+    /// body is buffered (see `crate::key_source`).
+    pub(crate) key_source: Option<Arc<dyn KeySource>>,
     pub(crate) methods: Vec<Method>,
     pub(crate) require_key: bool,
     pub(crate) lease: Duration,
@@ -58,6 +63,12 @@ pub(crate) struct Settings {
     pub(crate) wait: Option<Arc<Waiting>>,
     /// The caps on waiters (`max_waiters`): how many, and how many bytes.
     pub(crate) waiter_limits: (usize, usize),
+    /// Refuse a fresh claim first sent longer ago than the TTL (`first_sent`).
+    pub(crate) refuse_expired: bool,
+    /// The field that advertises the TTL on first responses and replays.
+    pub(crate) retention_header: Option<HeaderName>,
+    /// The clock that judges first-sent times.
+    pub(crate) clock: Arc<dyn Clock>,
 }
 
 impl Settings {

@@ -65,6 +65,12 @@ pub enum KeyError {
     /// An unquoted value holding a character a bare key cannot carry
     /// (space, `"`, `\`, `,` or `;`): quote it.
     MalformedToken,
+    /// The key is read from the body's JSON
+    /// ([`crate::key_source::json_pointer`]) and the body is not JSON.
+    BodyNotJson,
+    /// The value where a key source looks is neither a string nor an
+    /// integer (a boolean, a fraction, an object, an array).
+    UnsupportedType,
 }
 
 impl KeyError {
@@ -86,6 +92,12 @@ impl KeyError {
             }
             KeyError::MalformedToken => {
                 "an unquoted idempotency key may not contain spaces, quotes, backslashes, commas or semicolons; quote it as an sf-string"
+            }
+            KeyError::BodyNotJson => {
+                "this endpoint reads the idempotency key from the JSON body, and the body is not JSON"
+            }
+            KeyError::UnsupportedType => {
+                "the idempotency key in the body is neither a string nor an integer"
             }
         }
     }

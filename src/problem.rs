@@ -87,6 +87,20 @@
 //! has no `WWW-Authenticate` field; add one with
 //! [`crate::IdempotencyLayer::on_rejection`].
 //!
+//! ## expired-retry
+//!
+//! Status 412. The request says (`Repeatability-First-Sent`) that it was first
+//! sent longer ago than this server keeps idempotency keys, and no record of
+//! its key is left: it may have run already, so it was not run again (see
+//! [`crate::first_sent`]). Find out whether the operation took effect before
+//! sending it again as a new operation, with a new key.
+//!
+//! ## invalid-first-sent
+//!
+//! Status 400. The `Repeatability-First-Sent` field is not an HTTP date, is
+//! sent twice, or is more than a minute ahead of the server's clock. Nothing
+//! was recorded.
+//!
 //! ## store-misconfigured
 //!
 //! Status 500. The store reported its own configuration as invalid
@@ -101,6 +115,7 @@ use http::{HeaderValue, Response, StatusCode, header};
 #[cfg(feature = "axum")]
 pub use crate::extract::WithProblem;
 
+use crate::first_sent::FirstSentError;
 use crate::key::KeyError;
 use crate::store::StoreError;
 
@@ -126,6 +141,8 @@ pub mod types {
     problem_type!(STORE_FULL, "store-full");
     problem_type!(STORE_MISCONFIGURED, "store-misconfigured");
     problem_type!(UNAUTHENTICATED, "unauthenticated");
+    problem_type!(EXPIRED_RETRY, "expired-retry");
+    problem_type!(INVALID_FIRST_SENT, "invalid-first-sent");
 }
 
 /// `Retry-After` on 503 when the store cannot answer, in seconds.
@@ -179,15 +196,25 @@ pub enum Rejection {
     /// 401: the request has a key but its scope found no principal (see
     /// [`crate::scope`]); nothing was run, recorded or replayed.
     Unauthenticated,
+    /// 412: the request was first sent longer ago than the retention and no
+    /// record of its key is left; it was not run (see [`crate::first_sent`]).
+    ExpiredRetry {
+        /// The layer's TTL, in whole seconds.
+        retention_secs: u64,
+    },
+    /// 400: the `Repeatability-First-Sent` field is unusable.
+    InvalidFirstSent(FirstSentError),
 }
 
 impl Rejection {
     /// The HTTP status of this rejection.
     pub fn status(&self) -> StatusCode {
         match self {
-            Rejection::MissingKey | Rejection::InvalidKey(_) | Rejection::UnreadableBody(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            Rejection::MissingKey
+            | Rejection::InvalidKey(_)
+            | Rejection::UnreadableBody(_)
+            | Rejection::InvalidFirstSent(_) => StatusCode::BAD_REQUEST,
+            Rejection::ExpiredRetry { .. } => StatusCode::PRECONDITION_FAILED,
             Rejection::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Rejection::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Rejection::InFlight { .. } => StatusCode::CONFLICT,
@@ -214,6 +241,8 @@ impl Rejection {
             Rejection::StoreFull { .. } => types::STORE_FULL,
             Rejection::StoreMisconfigured => types::STORE_MISCONFIGURED,
             Rejection::Unauthenticated => types::UNAUTHENTICATED,
+            Rejection::ExpiredRetry { .. } => types::EXPIRED_RETRY,
+            Rejection::InvalidFirstSent(_) => types::INVALID_FIRST_SENT,
         }
     }
 
@@ -231,6 +260,8 @@ impl Rejection {
             Rejection::StoreFull { .. } => "Idempotency store full",
             Rejection::StoreMisconfigured => "Idempotency store misconfigured",
             Rejection::Unauthenticated => "Authentication required",
+            Rejection::ExpiredRetry { .. } => "Retry past the idempotency key's retention",
+            Rejection::InvalidFirstSent(_) => "Invalid Repeatability-First-Sent",
         }
     }
 
@@ -266,6 +297,10 @@ impl Rejection {
             Rejection::Unauthenticated => {
                 "this request has an idempotency key but no authenticated principal to scope it to; the request was not processed".into()
             }
+            Rejection::ExpiredRetry { retention_secs } => format!(
+                "this request was first sent more than {retention_secs} s ago, longer than idempotency keys are kept, and its key has no record left; it may have been processed already, so it was not processed again; check the operation's outcome before sending it anew with a new key"
+            ),
+            Rejection::InvalidFirstSent(e) => e.describe().into(),
         }
     }
 
@@ -369,8 +404,12 @@ mod tests {
             },
             Rejection::StoreMisconfigured,
             Rejection::Unauthenticated,
+            Rejection::ExpiredRetry { retention_secs: 60 },
+            Rejection::InvalidFirstSent(FirstSentError::Ahead),
         ];
-        let expected = [400, 400, 413, 400, 422, 409, 503, 410, 503, 500, 401];
+        let expected = [
+            400, 400, 413, 400, 422, 409, 503, 410, 503, 500, 401, 412, 400,
+        ];
         for (rejection, status) in all.iter().zip(expected) {
             let response = rejection.to_problem();
             assert_eq!(response.status(), status);

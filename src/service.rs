@@ -3,9 +3,13 @@
 //!
 //! The path of one intercepted request, in `intercept` and `claim_and_run`:
 //!
-//! 1. the key is parsed (400 before anything else; see [`crate::key`]);
+//! 1. the key is parsed (400 before anything else; see [`crate::key`]), or,
+//!    from a key source, found in the body once it is buffered
+//!    ([`crate::key_source`]); then the scope (401) and the
+//!    `Repeatability-First-Sent` field (400; see [`crate::first_sent`]);
 //! 2. the body is buffered up to the limit (413) and fingerprinted;
-//! 3. ONE atomic claim in the store decides: 422, replay, 409, or run
+//! 3. ONE atomic claim in the store decides: 422, replay, 409, 412 (a fresh
+//!    claim first sent longer ago than the TTL), or run
 //!    (in separate mode, from here on in a task of its own, so that a client
 //!    that goes away cannot cut the handler from its record);
 //! 4. the inner service runs while a [`crate::mode::Hold`] holds the claim;
@@ -32,6 +36,7 @@ use tracing::Instrument;
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::{Config, Settings};
 use crate::fingerprint::Fingerprinter;
+use crate::first_sent;
 use crate::key::{ClaimedKey, parse_key};
 use crate::mode::{Hold, Mode, Separate};
 use crate::policy::{DoNotStore, StorePolicy};
@@ -43,6 +48,8 @@ use crate::scope::Scope;
 use crate::store::{ClaimRequest, FencingToken, Refusal, Store, StoreError, retry_after_secs};
 use crate::telemetry::{self, Operation, Outcome, timed};
 use crate::wait::WakeOnEnd;
+
+mod body_key;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -122,8 +129,14 @@ where
         if !settings.methods.contains(req.method()) {
             return ResponseFuture::pass_through(self.inner.call(req.map(RequestBody::inner)));
         }
-        let key = match parse_key(req.headers(), &settings.header) {
-            Ok(Some(key)) => key,
+        // A key from the body is looked up in `intercept`, once it is read.
+        let header_key = match settings.key_source {
+            Some(_) => Ok(None),
+            None => parse_key(req.headers(), &settings.header),
+        };
+        let key = match header_key {
+            Ok(Some(key)) => Some(key),
+            Ok(None) if settings.key_source.is_some() => None,
             Ok(None) if !settings.require_key => {
                 return ResponseFuture::pass_through(self.inner.call(req.map(RequestBody::inner)));
             }
@@ -224,7 +237,7 @@ async fn intercept<M, S, St, Sc, F, P, ReqBody, ResBody>(
     store: St,
     config: Arc<Config<Sc, F, P>>,
     req: Request<ReqBody>,
-    key: String,
+    key: Option<String>,
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
     M: Mode<St>,
@@ -240,8 +253,29 @@ where
     ResBody: Body + Send + 'static,
     ResBody::Error: Send,
 {
-    let (mut parts, body) = req.into_parts();
-    // No principal: 401 before the body is read or the store is touched.
+    let (parts, body) = req.into_parts();
+    // A key from the body: the body is read first (see `crate::key_source`).
+    let (key, mut parts, body) = match key {
+        Some(key) => (key, parts, Pending::Unread(body)),
+        None => match body_key::find(&config.settings, parts, body).await {
+            body_key::Found::Key(key, parts, bytes, trailers) => {
+                (key, parts, Pending::Read(bytes, trailers))
+            }
+            body_key::Found::None(parts, bytes, trailers) => {
+                let request = Request::from_parts(parts, RequestBody::buffered(bytes, trailers));
+                let mut inner = inner;
+                return inner
+                    .call(request)
+                    .await
+                    .map(|response| response.map(ResponseBody::inner));
+            }
+            body_key::Found::Rejected(rejection) => {
+                return Ok(reject(&config.settings, Outcome::Rejected, rejection));
+            }
+        },
+    };
+    // No principal: 401 before the store is touched (and, for a header key,
+    // before the body is read).
     let Some(scope) = config.scope.scope(&parts) else {
         return Ok(reject(
             &config.settings,
@@ -249,12 +283,18 @@ where
             Rejection::Unauthenticated,
         ));
     };
+    if let Err(rejection) = first_sent::read(&config.settings, &mut parts) {
+        return Ok(reject(&config.settings, Outcome::Rejected, rejection));
+    }
     let span = telemetry::request_span(&scope, &key);
     async move {
         let settings = &config.settings;
-        let (body, trailers) = match buffer_request(body, settings.max_request_body).await {
-            Ok(buffered) => buffered,
-            Err(rejection) => return Ok(reject(settings, Outcome::Rejected, rejection)),
+        let (body, trailers) = match body {
+            Pending::Read(bytes, trailers) => (bytes, trailers),
+            Pending::Unread(body) => match buffer_request(body, settings.max_request_body).await {
+                Ok(buffered) => buffered,
+                Err(rejection) => return Ok(reject(settings, Outcome::Rejected, rejection)),
+            },
         };
         let fingerprint = match config.fingerprinter.fingerprint(&parts, &body) {
             Ok(fingerprint) => fingerprint,
@@ -303,6 +343,13 @@ where
     }
     .instrument(span)
     .await
+}
+
+/// A request body before the claim: still to be read (a header key), or
+/// already read to find a key in it.
+enum Pending<B> {
+    Unread(B),
+    Read(Bytes, Option<HeaderMap>),
 }
 
 /// Runs a future in place; dropped before it has finished, it spawns the
@@ -387,10 +434,10 @@ where
     let mut lease_end = claimed_at + stream_deadline(settings.lease);
     let (id, token) = (claim.record_id(), claim.token);
     let claimed = claim_or_wait::<M, _>(&store, settings, claim, waiting_bytes, &abandoned).await;
-    let hold = match claimed {
+    let (hold, taken_over) = match claimed {
         Ok(Ok((hold, taken_over))) => {
             telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
-            hold
+            (hold, taken_over)
         }
         Ok(Err(Refusal::Mismatch)) => {
             telemetry::claim("mismatch");
@@ -418,6 +465,14 @@ where
         }
     };
 
+    // No live record, and first sent longer ago than the TTL: it may have
+    // run under a record that expired (`refuse_expired_retries`).
+    if let Some(rejection) =
+        first_sent::expired(settings, request.extensions()).filter(|_| !taken_over)
+    {
+        release(hold).await;
+        return Ok(settings.rejection_response(&rejection));
+    }
     request.headers_mut().remove(&settings.marker);
     hold.attach(request.extensions_mut());
     // The end of the hold, however it ends, wakes this key's waiters.
@@ -468,7 +523,9 @@ where
         return Ok(Response::from_parts(parts, ResponseBody::inner(body)));
     }
     hold.answered();
-    Ok(store_response(hold, &config, lease_end, response).await)
+    let mut response = store_response(hold, &config, lease_end, response).await;
+    first_sent::advertise(settings, response.headers_mut());
+    Ok(response)
 }
 
 /// The atomic claim; a repeat that meets its key in flight, when the layer
@@ -540,7 +597,9 @@ fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<Res
     }
     telemetry::outcome(Outcome::Replayed);
     let trailers = stored.trailer_map();
-    stored
+    let mut response = stored
         .replay(&settings.marker)
-        .map(|body| ResponseBody::full(body, trailers))
+        .map(|body| ResponseBody::full(body, trailers));
+    first_sent::advertise(settings, response.headers_mut());
+    response
 }

@@ -10,6 +10,8 @@ use pin_project_lite::pin_project;
 use tower_layer::Layer;
 use tower_service::Service;
 
+pub use super::first_sent::FirstSent;
+
 /// The error type of [`IdempotencyKey`]: the inner service's error, or the
 /// maker's ([`KeyUnavailable`] for [`RandomKey`]).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -123,6 +125,7 @@ pub fn new_key() -> Result<HeaderValue, KeyUnavailable> {
 pub struct IdempotencyKeyLayer<M = RandomKey> {
     header: HeaderName,
     maker: M,
+    first_sent: FirstSent,
 }
 
 impl<M> fmt::Debug for IdempotencyKeyLayer<M> {
@@ -153,12 +156,27 @@ impl<M> IdempotencyKeyLayer<M> {
         IdempotencyKeyLayer {
             header: HeaderName::from_static("idempotency-key"),
             maker,
+            first_sent: FirstSent::default(),
         }
     }
 
     /// Keys in another field.
     pub fn header_name(mut self, name: HeaderName) -> Self {
         self.header = name;
+        self
+    }
+
+    /// Whether a call whose key this layer makes also gets
+    /// `Repeatability-First-Sent` (default `true`; see
+    /// [`FirstSent`]).
+    pub fn send_first_sent(mut self, send: bool) -> Self {
+        self.first_sent.send = send;
+        self
+    }
+
+    /// The clock of `Repeatability-First-Sent` (default: the system clock).
+    pub fn clock(mut self, clock: impl crate::store::Clock) -> Self {
+        self.first_sent.clock = std::sync::Arc::new(clock);
         self
     }
 }
@@ -171,6 +189,7 @@ impl<S, M: Clone> Layer<S> for IdempotencyKeyLayer<M> {
             inner,
             header: self.header.clone(),
             maker: self.maker.clone(),
+            first_sent: self.first_sent.clone(),
         }
     }
 }
@@ -181,6 +200,7 @@ pub struct IdempotencyKey<S, M = RandomKey> {
     inner: S,
     header: HeaderName,
     maker: M,
+    first_sent: FirstSent,
 }
 
 impl<S: fmt::Debug, M> fmt::Debug for IdempotencyKey<S, M> {
@@ -211,6 +231,7 @@ where
             match self.maker.make_key(&req) {
                 Ok(Some(key)) => {
                     req.headers_mut().insert(self.header.clone(), key);
+                    self.first_sent.stamp(req.headers_mut());
                 }
                 Ok(None) => {}
                 Err(error) => {

@@ -50,15 +50,22 @@
 //! (the server's "still in flight", honouring `Retry-After`), and never any
 //! other 4xx: those are the server's considered answer.
 //!
+//! Each call the layer gives a key also carries `Repeatability-First-Sent`
+//! (OASIS Repeatable Requests), the time of its first attempt, on every
+//! retry ([`FirstSent`]): a server with
+//! [`refuse_expired_retries`](crate::IdempotencyLayer::refuse_expired_retries)
+//! refuses a retry that outlived its record instead of running it again.
+//!
 //! The layer's error type is [`BoxError`]: the inner service's error, or the
 //! maker's ([`KeyUnavailable`] when the OS generator fails; the request is
 //! then not sent).
 
+mod first_sent;
 mod key;
 mod retry;
 
 pub use key::{
-    BoxError, IdempotencyKey, IdempotencyKeyLayer, KeyUnavailable, MakeIdempotencyKey, RandomKey,
-    ResponseFuture, new_key,
+    BoxError, FirstSent, IdempotencyKey, IdempotencyKeyLayer, KeyUnavailable, MakeIdempotencyKey,
+    RandomKey, ResponseFuture, new_key,
 };
 pub use retry::RetryPolicy;
