@@ -10,6 +10,7 @@ use http::{HeaderName, Method, Response};
 
 use crate::body::ResponseBody;
 use crate::problem::Rejection;
+use crate::seal::Keyring;
 
 /// The default request body limit, 1 MiB.
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
@@ -53,6 +54,8 @@ pub(crate) struct Settings {
     pub(crate) max_response_body: usize,
     pub(crate) marker: HeaderName,
     pub(crate) on_rejection: Option<RejectionFn>,
+    /// Encryption at rest: the keys that seal and open stored responses.
+    pub(crate) keyring: Option<Keyring>,
 }
 
 impl Settings {

@@ -18,6 +18,7 @@ use crate::mode::{Separate, Transactional};
 use crate::policy::{DefaultStorePolicy, StorePolicy};
 use crate::problem::Rejection;
 use crate::scope::Scope;
+use crate::seal::Keyring;
 use crate::service::Idempotency;
 use crate::store::{DEFAULT_LEASE, DEFAULT_TTL};
 use crate::store::{Store, TransactionalStore};
@@ -93,6 +94,10 @@ impl<St, Sc, F, P, M> std::fmt::Debug for IdempotencyLayer<St, Sc, F, P, M> {
             .field("max_request_body", &c.max_request_body)
             .field("max_response_body", &c.max_response_body)
             .field("marker", &c.marker)
+            .field(
+                "sealing_key_id",
+                &c.keyring.as_ref().map(Keyring::sealing_id),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -127,6 +132,7 @@ impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
                     max_response_body: DEFAULT_MAX_RESPONSE_BODY,
                     marker: HeaderName::from_static("idempotent-replayed"),
                     on_rejection: None,
+                    keyring: None,
                 },
                 scope,
                 fingerprinter: DefaultFingerprinter::new(),
@@ -270,6 +276,18 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// sees them and from first responses, so it marks replays only.
     pub fn replayed_header(mut self, name: HeaderName) -> Self {
         self.config.settings.marker = name;
+        self
+    }
+
+    /// Seals every stored response with `keyring`'s first key, and opens
+    /// stored responses with any of its keys (off by default): header
+    /// fields, body and trailers are kept encrypted (XChaCha20-Poly1305),
+    /// bound to their scope, key and fingerprint; the status stays in the
+    /// clear. Works with every store. A sealed record that no key opens is
+    /// never replayed (503); a plain record, stored before this was turned
+    /// on, is still replayed. See [`crate::seal`].
+    pub fn encrypt_at_rest(mut self, keyring: Keyring) -> Self {
+        self.config.settings.keyring = Some(keyring);
         self
     }
 

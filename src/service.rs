@@ -30,6 +30,7 @@ use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::{Config, Settings};
+use crate::fingerprint::Fingerprint;
 use crate::fingerprint::Fingerprinter;
 use crate::key::{ClaimedKey, parse_key};
 use crate::mode::{Hold, Mode, Separate};
@@ -39,7 +40,8 @@ use crate::record::{release, store_response, stream_deadline};
 use crate::renew;
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
-use crate::store::{ClaimRequest, FencingToken, Refusal, Store, retry_after_secs};
+use crate::seal::{self, Sealer};
+use crate::store::{ClaimRequest, FencingToken, RecordId, Refusal, Store, retry_after_secs};
 use crate::telemetry::{self, Operation, Outcome, timed};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -371,7 +373,7 @@ where
     // `finish_stream`.
     let claimed_at = tokio::time::Instant::now();
     let mut lease_end = claimed_at + stream_deadline(settings.lease);
-    let (id, token) = (claim.record_id(), claim.token);
+    let (id, token, fingerprint) = (claim.record_id(), claim.token, claim.fingerprint);
     let hold = match timed(Operation::Claim, M::claim(&store, claim)).await {
         Ok(Ok((hold, taken_over))) => {
             telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
@@ -393,7 +395,7 @@ where
         }
         Ok(Err(Refusal::Completed(stored))) => {
             telemetry::claim("replayed");
-            return Ok(replay(settings, &stored));
+            return Ok(replay_record(settings, &id, &fingerprint, stored));
         }
         Err(e) => {
             telemetry::claim("store_error");
@@ -403,6 +405,11 @@ where
         }
     };
 
+    let sealer = settings.keyring.clone().map(|keyring| Sealer {
+        keyring,
+        id: id.clone(),
+        fingerprint,
+    });
     request.headers_mut().remove(&settings.marker);
     hold.attach(request.extensions_mut());
     // Renewed until the record is completed or released (`renew_lease`).
@@ -444,7 +451,7 @@ where
         return Ok(Response::from_parts(parts, ResponseBody::inner(body)));
     }
     hold.answered();
-    Ok(store_response(hold, &config, lease_end, response).await)
+    Ok(store_response(hold, &config, lease_end, response, sealer).await)
 }
 
 /// Buffers the request body up to `limit` bytes.
@@ -470,7 +477,34 @@ where
     }
 }
 
-/// The answer to a repeat of a completed request.
+/// The answer to a repeat of the completed record `id`, met by a request
+/// with `fingerprint`: the record opened (if it was sealed at rest, see
+/// [`crate::seal`]) and replayed, or 410 if its body was not stored. A
+/// sealed record that no configured key opens is never replayed: it is
+/// logged at ERROR, counted, and answered 503, as a corrupt record is. Every
+/// path that replays a stored record goes through here.
+pub(crate) fn replay_record<B: Body>(
+    settings: &Settings,
+    id: &RecordId,
+    fingerprint: &Fingerprint,
+    stored: StoredResponse,
+) -> Response<ResponseBody<B>> {
+    match seal::open(settings.keyring.as_ref(), id, fingerprint, stored) {
+        Ok(stored) => replay(settings, &stored),
+        Err(e) => {
+            telemetry::unopened();
+            tracing::error!(error = %e, "a stored response did not open and is never replayed; answering 503");
+            let retry_after_secs = STORE_RETRY_AFTER_SECS;
+            reject(
+                settings,
+                Outcome::StoreError,
+                Rejection::StoreUnavailable { retry_after_secs },
+            )
+        }
+    }
+}
+
+/// The replay of an open record (or 410 if its body was not stored).
 fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<ResponseBody<B>> {
     if stored.body == StoredBody::Omitted {
         return reject(settings, Outcome::NotStored, Rejection::ResponseNotStored);
