@@ -22,7 +22,7 @@ use tower_idempotency::policy::DoNotStore;
 use tower_idempotency::problem::WithProblem;
 use tower_idempotency::store::{Inspect, Store, TransactionalStore};
 
-use cli::{Args, Backend, Mode};
+use cli::{Args, Backend, LayerOptions, Mode};
 use db::{BoxError, Json, Ledger, LedgerError, Op, Tx, Write};
 
 /// The routes. The POSTs go behind the idempotency layer (`protect` applies
@@ -69,15 +69,20 @@ struct NewCredit {
 /// The idempotency layer: a key is required, keys are scoped per caller,
 /// and the lease of a request is renewed while it runs (up to
 /// [`MAX_HOLD`]), so a short `--lease-secs` frees a crashed process's keys
-/// soon without letting a slow credit be taken over.
+/// soon without letting a slow credit be taken over. With
+/// `--encryption-key-file`, stored responses are sealed at rest.
 fn idempotency<St: Store>(
     store: St,
-    lease: Option<Duration>,
+    options: LayerOptions,
 ) -> IdempotencyLayer<St, fn(&Parts) -> String> {
     let layer = IdempotencyLayer::new(store, caller as fn(&Parts) -> String)
         .require_key(true)
         .renew_lease(MAX_HOLD);
-    match lease {
+    let layer = match options.keys {
+        Some(keys) => layer.encrypt_at_rest(keys),
+        None => layer,
+    };
+    match options.lease {
         Some(lease) => layer.lease(lease),
         None => layer,
     }
@@ -375,7 +380,7 @@ async fn serve<D: Ledger>(
     (listener, admin_listener): (TcpListener, Option<TcpListener>),
 ) -> Result<(), BoxError> {
     let mode = args.mode();
-    let lease = args.lease;
+    let options = args.layer_options()?;
     // `--notify-url` needs transactional mode (`Args::parse_checked`), so
     // the store is the database's.
     #[cfg(feature = "outbox")]
@@ -391,13 +396,13 @@ async fn serve<D: Ledger>(
             let store = redis_store(&args).await?;
             let admin = admin_router(&store, &args);
             (
-                Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, lease))),
+                Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, options))),
                 admin,
             )
         }
         Some(store) => {
             let admin = admin_router(&store, &args);
-            (protected(store, mode, lease), admin)
+            (protected(store, mode, options), admin)
         }
         None => unreachable!("the store is opened unless --key-store"),
     };
@@ -435,13 +440,13 @@ async fn serve<D: Ledger>(
 fn protected<D: Ledger, St: TransactionalStore>(
     store: St,
     mode: Mode,
-    lease: Option<Duration>,
+    options: LayerOptions,
 ) -> Protect<D> {
     match mode {
         Mode::Transactional => {
-            Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, lease).transactional()))
+            Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, options).transactional()))
         }
-        Mode::Separate => Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, lease))),
+        Mode::Separate => Box::new(move |r: Routes<D>| r.route_layer(idempotency(store, options))),
     }
 }
 
