@@ -90,10 +90,8 @@ fn write_response_seeds() {
         None,
     );
     // Sealed at rest (`seal`): the status, and the rest as opaque bytes.
-    let keyring = tower_idempotency::seal::Keyring::new([
-        tower_idempotency::seal::SealingKey::new(1, [7; 32]),
-    ])
-    .unwrap();
+    use tower_idempotency::seal::{Keyring, SealingKey};
+    let keyring = Keyring::new([SealingKey::new(1, [7; 32])]).unwrap();
     let id = tower_idempotency::store::RecordId::new("alice", "order-1");
     let fingerprint = tower_idempotency::fingerprint::Fingerprint([3; 32]);
     let sealed = keyring.seal(&id, &fingerprint, &created).unwrap();
