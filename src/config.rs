@@ -11,8 +11,9 @@ use http::{HeaderName, Method, Response};
 use crate::body::ResponseBody;
 use crate::key_source::KeySource;
 use crate::problem::Rejection;
-use crate::wait::Waiting;
+use crate::seal::Keyring;
 use crate::store::Clock;
+use crate::wait::Waiting;
 
 /// The default request body limit, 1 MiB.
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
@@ -69,6 +70,8 @@ pub(crate) struct Settings {
     pub(crate) retention_header: Option<HeaderName>,
     /// The clock that judges first-sent times.
     pub(crate) clock: Arc<dyn Clock>,
+    /// Encryption at rest: the keys that seal and open stored responses.
+    pub(crate) keyring: Option<Keyring>,
 }
 
 impl Settings {

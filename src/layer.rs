@@ -18,6 +18,7 @@ use crate::mode::{Separate, Transactional};
 use crate::policy::{DefaultStorePolicy, StorePolicy};
 use crate::problem::Rejection;
 use crate::scope::Scope;
+use crate::seal::Keyring;
 use crate::service::Idempotency;
 use crate::store::{DEFAULT_LEASE, DEFAULT_TTL};
 use crate::store::{Store, TransactionalStore};
@@ -95,6 +96,10 @@ impl<St, Sc, F, P, M> std::fmt::Debug for IdempotencyLayer<St, Sc, F, P, M> {
             .field("max_request_body", &c.max_request_body)
             .field("max_response_body", &c.max_response_body)
             .field("marker", &c.marker)
+            .field(
+                "sealing_key_id",
+                &c.keyring.as_ref().map(Keyring::sealing_id),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -135,6 +140,7 @@ impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
                     refuse_expired: false,
                     retention_header: None,
                     clock: Arc::new(crate::store::SystemClock),
+                    keyring: None,
                 },
                 scope,
                 fingerprinter: DefaultFingerprinter::new(),
@@ -410,6 +416,18 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// runs on.
     pub fn clock(mut self, clock: impl crate::store::Clock) -> Self {
         self.config.settings.clock = Arc::new(clock);
+        self
+    }
+
+    /// Seals every stored response with `keyring`'s first key, and opens
+    /// stored responses with any of its keys (off by default): header
+    /// fields, body and trailers are kept encrypted (XChaCha20-Poly1305),
+    /// bound to their scope, key and fingerprint; the status stays in the
+    /// clear. Works with every store. A sealed record that no key opens is
+    /// never replayed (503); a plain record, stored before this was turned
+    /// on, is still replayed. See [`crate::seal`].
+    pub fn encrypt_at_rest(mut self, keyring: Keyring) -> Self {
+        self.config.settings.keyring = Some(keyring);
         self
     }
 

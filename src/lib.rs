@@ -120,6 +120,7 @@ mod renew;
 pub mod response;
 pub mod retry_after;
 pub mod scope;
+pub mod seal;
 mod service;
 pub mod store;
 mod tee;

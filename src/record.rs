@@ -22,6 +22,7 @@ use crate::policy::StorePolicy;
 use crate::problem::{Rejection, STORE_RETRY_AFTER_SECS};
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
+use crate::seal::Sealer;
 use crate::store::Completion;
 use crate::tee::{self, Ending, Recorder, frame_to_bytes};
 use crate::telemetry::{self, Operation, Outcome, timed};
@@ -43,6 +44,7 @@ pub(crate) async fn store_response<H: Hold, Sc: Scope, F: Fingerprinter, P: Stor
     config: &Arc<Config<Sc, F, P>>,
     lease_end: tokio::time::Instant,
     response: Response<B>,
+    sealer: Option<Sealer>,
 ) -> Response<ResponseBody<B>>
 where
     B: Body + Send + 'static,
@@ -77,6 +79,7 @@ where
                         parts.headers.clone(),
                         recorder,
                         lease_end,
+                        sealer,
                     );
                     drop(runtime.spawn(finish.in_current_span()));
                     return Response::from_parts(parts, ResponseBody::teeing(tee));
@@ -131,6 +134,7 @@ where
         head,
         stored_body,
         trailers.as_ref(),
+        sealer.as_ref(),
     )
     .await
     .is_err()
@@ -183,9 +187,9 @@ fn ready_now<T>(poll: Poll<T>) -> Option<T> {
 struct CommitFailed;
 
 /// Completes the record with `body` (or releases it, if the policy declines
-/// the trailers), and records the outcome. `Err` only when an atomic commit
-/// failed; a separate completion that fails leaves the key in flight until
-/// its lease ends, and is logged.
+/// the trailers), sealed by `sealer` if there is one, and records the
+/// outcome. `Err` only when an atomic commit failed; a separate completion
+/// that fails leaves the key in flight until its lease ends, and is logged.
 async fn complete_record<H: Hold, P: StorePolicy>(
     hold: H,
     settings: &Settings,
@@ -193,6 +197,7 @@ async fn complete_record<H: Hold, P: StorePolicy>(
     (status, headers): (http::StatusCode, &HeaderMap),
     body: StoredBody,
     trailers: Option<&HeaderMap>,
+    sealer: Option<&Sealer>,
 ) -> Result<(), CommitFailed> {
     if trailers.is_some_and(|t| !policy.should_store_trailers(t)) {
         // E.g. a transient `grpc-status` in the trailers: a retry runs again.
@@ -207,6 +212,20 @@ async fn complete_record<H: Hold, P: StorePolicy>(
         trailers,
         Some(&settings.marker),
     );
+    // Sealed here, once, whatever the store: it keeps only the ciphertext.
+    let stored = match sealer.map(|sealer| sealer.seal(&stored)).transpose() {
+        Ok(sealed) => sealed.unwrap_or(stored),
+        Err(e) => {
+            telemetry::outcome(Outcome::StoreError);
+            drop(hold);
+            if H::ATOMIC {
+                tracing::error!(error = %e, "sealing the response failed; rolled back; answering 503");
+                return Err(CommitFailed);
+            }
+            tracing::error!(error = %e, "sealing the response failed; nothing stored; the key stays in flight until its lease ends");
+            return Ok(());
+        }
+    };
     match timed(Operation::Complete, hold.complete(stored)).await {
         Ok(Completion::Stored) => {
             telemetry::outcome(if omitted {
@@ -262,6 +281,7 @@ async fn finish_stream<H: Hold, Sc, F, P: StorePolicy>(
     headers: HeaderMap,
     mut recorder: Recorder,
     lease_end: tokio::time::Instant,
+    sealer: Option<Sealer>,
 ) {
     let settings = &config.settings;
     let (body, trailers) = match tokio::time::timeout_at(lease_end, recorder.ending()).await {
@@ -295,6 +315,7 @@ async fn finish_stream<H: Hold, Sc, F, P: StorePolicy>(
         head,
         body,
         trailers.as_ref(),
+        sealer.as_ref(),
     )
     .await;
     recorder.finished();

@@ -61,6 +61,18 @@ pub enum StoredBody {
     /// [`crate::problem::Rejection::ResponseNotStored`], never by running the
     /// handler again.
     Omitted,
+    /// The header fields, body and trailers of a record sealed at rest
+    /// ([`crate::seal`]): the layer opens it before a replay. Its
+    /// [`StoredResponse`] keeps the status and has no header or trailer
+    /// fields of its own.
+    Sealed(Bytes),
+}
+
+impl StoredBody {
+    /// Whether this is a sealed record's body ([`StoredBody::Sealed`]).
+    pub fn is_sealed(&self) -> bool {
+        matches!(self, StoredBody::Sealed(_))
+    }
 }
 
 /// A stored record could not be decoded: it is corrupt, or was written by an
@@ -98,6 +110,7 @@ fn fields(map: &HeaderMap, marker: Option<&HeaderName>) -> Vec<(HeaderName, Head
 const MAGIC: &[u8; 4] = b"TIR1";
 const FLAG_OMITTED: u8 = 1;
 const FLAG_TRAILERS: u8 = 2;
+const FLAG_SEALED: u8 = 4;
 
 impl StoredResponse {
     /// Keeps what a replay needs of a first response (see the module docs for
@@ -131,11 +144,12 @@ impl StoredResponse {
     ///
     /// A record whose body was [`StoredBody::Omitted`] has no replay; this
     /// returns its status and headers with an empty body, and the layer answers
-    /// with a problem instead.
+    /// with a problem instead. So does a [`StoredBody::Sealed`] one, which
+    /// the layer opens first.
     pub fn replay(&self, marker: &HeaderName) -> Response<Bytes> {
         let body = match &self.body {
             StoredBody::Complete(bytes) => bytes.clone(),
-            StoredBody::Omitted => Bytes::new(),
+            StoredBody::Omitted | StoredBody::Sealed(_) => Bytes::new(),
         };
         let len = body.len();
         let mut response = Response::new(body);
@@ -162,13 +176,14 @@ impl StoredResponse {
 
     /// A compact, versioned binary encoding for stores that keep one blob.
     ///
-    /// Layout: `TIR1`, status (u16), flags (u8), the header fields, the body
-    /// (u64 length and bytes), then the trailer fields if flagged. A field list
-    /// is a u32 count and, per field, u32-length-prefixed name and value. All
-    /// integers are big-endian.
+    /// Layout: `TIR1`, status (u16), flags (u8: 1 the body was omitted, 2
+    /// trailers follow, 4 the body is [`StoredBody::Sealed`]), the header
+    /// fields, the body (u64 length and bytes), then the trailer fields if
+    /// flagged. A field list is a u32 count and, per field, u32-length-prefixed
+    /// name and value. All integers are big-endian.
     pub fn encode(&self) -> Vec<u8> {
         let body: &[u8] = match &self.body {
-            StoredBody::Complete(b) => b,
+            StoredBody::Complete(b) | StoredBody::Sealed(b) => b,
             StoredBody::Omitted => &[],
         };
         let mut out = Vec::with_capacity(64 + body.len());
@@ -180,6 +195,9 @@ impl StoredResponse {
         }
         if self.trailers.is_some() {
             flags |= FLAG_TRAILERS;
+        }
+        if self.body.is_sealed() {
+            flags |= FLAG_SEALED;
         }
         out.push(flags);
         encode_fields(&mut out, &self.headers);
@@ -206,8 +224,11 @@ impl StoredResponse {
         let status = StatusCode::from_u16(u16::from_be_bytes(r.array()?))
             .map_err(|_| DecodeError("invalid status"))?;
         let flags = r.take(1)?[0];
-        if flags & !(FLAG_OMITTED | FLAG_TRAILERS) != 0 {
+        if flags & !(FLAG_OMITTED | FLAG_TRAILERS | FLAG_SEALED) != 0 {
             return Err(DecodeError("unknown flags"));
+        }
+        if flags & FLAG_OMITTED != 0 && flags & FLAG_SEALED != 0 {
+            return Err(DecodeError("a sealed body cannot be omitted"));
         }
         let headers = decode_fields(&mut r)?;
         let len = u64::from_be_bytes(r.array()?);
@@ -215,6 +236,8 @@ impl StoredResponse {
         let bytes = Bytes::copy_from_slice(r.take(len)?);
         let body = if flags & FLAG_OMITTED != 0 {
             StoredBody::Omitted
+        } else if flags & FLAG_SEALED != 0 {
+            StoredBody::Sealed(bytes)
         } else {
             StoredBody::Complete(bytes)
         };
@@ -330,6 +353,17 @@ mod tests {
         omitted.body = StoredBody::Omitted;
         omitted.trailers = None;
         assert_eq!(StoredResponse::decode(&omitted.encode()).unwrap(), omitted);
+        let mut sealed = s.clone();
+        sealed.body = StoredBody::Sealed(Bytes::from_static(b"\x01opaque"));
+        let bytes = sealed.encode();
+        assert_eq!(bytes[6], FLAG_TRAILERS | FLAG_SEALED);
+        assert_eq!(StoredResponse::decode(&bytes).unwrap(), sealed);
+        let mut both = bytes.clone();
+        both[6] |= FLAG_OMITTED;
+        assert_eq!(
+            StoredResponse::decode(&both),
+            Err(DecodeError("a sealed body cannot be omitted"))
+        );
     }
 
     #[test]

@@ -35,6 +35,7 @@ use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::{Config, Settings};
+use crate::fingerprint::Fingerprint;
 use crate::fingerprint::Fingerprinter;
 use crate::first_sent;
 use crate::key::{ClaimedKey, parse_key};
@@ -45,7 +46,10 @@ use crate::record::{release, store_response, stream_deadline};
 use crate::renew;
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
-use crate::store::{ClaimRequest, FencingToken, Refusal, Store, StoreError, retry_after_secs};
+use crate::seal::{self, Sealer};
+use crate::store::{
+    ClaimRequest, FencingToken, RecordId, Refusal, Store, StoreError, retry_after_secs,
+};
 use crate::telemetry::{self, Operation, Outcome, timed};
 use crate::wait::WakeOnEnd;
 
@@ -432,7 +436,7 @@ where
     // `finish_stream`.
     let claimed_at = tokio::time::Instant::now();
     let mut lease_end = claimed_at + stream_deadline(settings.lease);
-    let (id, token) = (claim.record_id(), claim.token);
+    let (id, token, fingerprint) = (claim.record_id(), claim.token, claim.fingerprint);
     let claimed = claim_or_wait::<M, _>(&store, settings, claim, waiting_bytes, &abandoned).await;
     let (hold, taken_over) = match claimed {
         Ok(Ok((hold, taken_over))) => {
@@ -455,7 +459,7 @@ where
         }
         Ok(Err(Refusal::Completed(stored))) => {
             telemetry::claim("replayed");
-            return Ok(replay(settings, &stored));
+            return Ok(replay_record(settings, &id, &fingerprint, stored));
         }
         Err(e) => {
             telemetry::claim("store_error");
@@ -473,6 +477,11 @@ where
         release(hold).await;
         return Ok(settings.rejection_response(&rejection));
     }
+    let sealer = settings.keyring.clone().map(|keyring| Sealer {
+        keyring,
+        id: id.clone(),
+        fingerprint,
+    });
     request.headers_mut().remove(&settings.marker);
     hold.attach(request.extensions_mut());
     // The end of the hold, however it ends, wakes this key's waiters.
@@ -523,7 +532,7 @@ where
         return Ok(Response::from_parts(parts, ResponseBody::inner(body)));
     }
     hold.answered();
-    let mut response = store_response(hold, &config, lease_end, response).await;
+    let mut response = store_response(hold, &config, lease_end, response, sealer).await;
     first_sent::advertise(settings, response.headers_mut());
     Ok(response)
 }
@@ -590,7 +599,34 @@ where
     }
 }
 
-/// The answer to a repeat of a completed request.
+/// The answer to a repeat of the completed record `id`, met by a request
+/// with `fingerprint`: the record opened (if it was sealed at rest, see
+/// [`crate::seal`]) and replayed, or 410 if its body was not stored. A
+/// sealed record that no configured key opens is never replayed: it is
+/// logged at ERROR, counted, and answered 503, as a corrupt record is. Every
+/// path that replays a stored record goes through here.
+pub(crate) fn replay_record<B: Body>(
+    settings: &Settings,
+    id: &RecordId,
+    fingerprint: &Fingerprint,
+    stored: StoredResponse,
+) -> Response<ResponseBody<B>> {
+    match seal::open(settings.keyring.as_ref(), id, fingerprint, stored) {
+        Ok(stored) => replay(settings, &stored),
+        Err(e) => {
+            telemetry::unopened();
+            tracing::error!(error = %e, "a stored response did not open and is never replayed; answering 503");
+            let retry_after_secs = STORE_RETRY_AFTER_SECS;
+            reject(
+                settings,
+                Outcome::StoreError,
+                Rejection::StoreUnavailable { retry_after_secs },
+            )
+        }
+    }
+}
+
+/// The replay of an open record (or 410 if its body was not stored).
 fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<ResponseBody<B>> {
     if stored.body == StoredBody::Omitted {
         return reject(settings, Outcome::NotStored, Rejection::ResponseNotStored);

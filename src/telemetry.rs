@@ -73,6 +73,7 @@
 //! | `tower_idempotency_takeovers_total` | counter | | in-flight records taken over after their lease ended (a holder crashed or was too slow) |
 //! | `tower_idempotency_lease_renewals_total` | counter | | leases renewed while their request ran ([`renew_lease`](crate::IdempotencyLayer::renew_lease)) |
 //! | `tower_idempotency_leases_lost_total` | counter | | leases lost while their request ran: taken over, not confirmed in time, or held past the max hold |
+//! | `tower_idempotency_records_unopened_total` | counter | | stored responses sealed at rest that no configured key opened ([`crate::seal`]): never replayed, answered 503 |
 //! | `tower_idempotency_store_duration_seconds` | histogram | `operation` = `claim`, `complete` or `release` | the store's latency per call, in seconds |
 //!
 //! Store crates add their own: `tower-idempotency-redis` names its eviction
@@ -207,6 +208,12 @@ pub(crate) fn wait(ended: &'static str) {
     tracing::Span::current().record("wait", ended);
     #[cfg(feature = "metrics")]
     metrics::counter!("tower_idempotency_waits_total", "ended" => ended).increment(1);
+}
+
+/// Counts a sealed record that no configured key opened.
+pub(crate) fn unopened() {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tower_idempotency_records_unopened_total").increment(1);
 }
 
 /// Records how the request ended, on the current span and as a metric.

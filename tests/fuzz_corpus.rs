@@ -89,8 +89,15 @@ fn write_response_seeds() {
         Bytes::new(),
         None,
     );
+    // Sealed at rest (`seal`): the status, and the rest as opaque bytes.
+    use tower_idempotency::seal::{Keyring, SealingKey};
+    let keyring = Keyring::new([SealingKey::new(1, [7; 32])]).unwrap();
+    let id = tower_idempotency::store::RecordId::new("alice", "order-1");
+    let fingerprint = tower_idempotency::fingerprint::Fingerprint([3; 32]);
+    let sealed = keyring.seal(&id, &fingerprint, &created).unwrap();
     let seeds = [
         ("created", created),
+        ("sealed", sealed),
         ("omitted", omitted),
         ("grpc-trailers", grpc),
         ("no-content", empty),
@@ -114,7 +121,7 @@ fn write_response_seeds() {
     /// The bytes from the body's length field to the end.
     fn response_tail_len(response: &StoredResponse) -> usize {
         let body = match &response.body {
-            StoredBody::Complete(b) => b.len(),
+            StoredBody::Complete(b) | StoredBody::Sealed(b) => b.len(),
             StoredBody::Omitted => 0,
         };
         let fields = |f: &[(http::HeaderName, HeaderValue)]| {

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser, ValueEnum};
+use tower_idempotency::seal::{Keyring, SealingKey};
 
 use crate::notify;
 
@@ -62,6 +63,21 @@ pub struct Args {
     /// transactional mode only)
     #[arg(long, value_name = "URL", value_parser = notify::parse_url)]
     pub notify_url: Option<String>,
+
+    /// Seal stored responses at rest with the 32-byte key in PATH; repeat
+    /// it to rotate: the first key seals, every key opens
+    #[arg(long = "encryption-key-file", value_name = "PATH")]
+    pub encryption_key_files: Vec<PathBuf>,
+}
+
+/// What every idempotency layer of the ledger is configured with.
+pub struct LayerOptions {
+    /// `--lease-secs`, or the crate's lease.
+    pub lease: Option<Duration>,
+    /// `--encryption-key-file`s, if any.
+    pub keys: Option<Keyring>,
+    /// `--wait-in-flight-ms`: zero answers 409 at once.
+    pub wait_in_flight: Duration,
 }
 
 /// Which client library talks to the --db database.
@@ -146,6 +162,27 @@ impl Args {
         } else {
             [Backend::Sqlite, Backend::SqlxSqlite][usize::from(sqlx)]
         }
+    }
+
+    /// The layer's options; an `--encryption-key-file` that cannot be read,
+    /// or does not hold exactly 32 bytes, is an error that names it.
+    pub fn layer_options(&self) -> Result<LayerOptions, String> {
+        let keys = self
+            .encryption_key_files
+            .iter()
+            .map(|path| {
+                SealingKey::from_file(path).map_err(|e| format!("--encryption-key-file: {e}"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let keys = match keys.is_empty() {
+            true => None,
+            false => Some(Keyring::new(keys).map_err(|e| format!("--encryption-key-file: {e}"))?),
+        };
+        Ok(LayerOptions {
+            lease: self.lease,
+            keys,
+            wait_in_flight: Duration::from_millis(self.wait_in_flight_ms),
+        })
     }
 
     /// Transactional unless the records live elsewhere (`--key-store`).

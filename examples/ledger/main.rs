@@ -22,7 +22,7 @@ use tower_idempotency::policy::DoNotStore;
 use tower_idempotency::problem::WithProblem;
 use tower_idempotency::store::{Inspect, Store, TransactionalStore};
 
-use cli::{Args, Backend, Mode};
+use cli::{Args, Backend, LayerOptions, Mode};
 use db::{BoxError, Json, Ledger, LedgerError, Op, Tx, Write};
 
 /// The routes. The POSTs go behind the idempotency layer (`protect` applies
@@ -66,37 +66,24 @@ struct NewCredit {
     amount: i64,
 }
 
-/// What the command line sets on the layer.
-#[derive(Clone, Copy)]
-struct Options {
-    /// `--lease-secs`, or the crate's lease.
-    lease: Option<Duration>,
-    /// `--wait-in-flight-ms`: zero answers 409 at once.
-    wait_in_flight: Duration,
-}
-
-impl Options {
-    fn new(args: &Args) -> Self {
-        Options {
-            lease: args.lease,
-            wait_in_flight: Duration::from_millis(args.wait_in_flight_ms),
-        }
-    }
-}
-
 /// The idempotency layer: a key is required, keys are scoped per caller,
 /// and the lease of a request is renewed while it runs (up to
 /// [`MAX_HOLD`]), so a short `--lease-secs` frees a crashed process's keys
 /// soon without letting a slow credit be taken over. A repeat of a credit
-/// in flight waits up to `--wait-in-flight-ms` for its replay.
+/// in flight waits up to `--wait-in-flight-ms` for its replay. With
+/// `--encryption-key-file`, stored responses are sealed at rest.
 fn idempotency<St: Store>(
     store: St,
-    options: Options,
+    options: LayerOptions,
 ) -> IdempotencyLayer<St, fn(&Parts) -> String> {
     let layer = IdempotencyLayer::new(store, caller as fn(&Parts) -> String)
         .require_key(true)
         .renew_lease(MAX_HOLD)
         .wait_in_flight(options.wait_in_flight);
+    let layer = match options.keys {
+        Some(keys) => layer.encrypt_at_rest(keys),
+        None => layer,
+    };
     match options.lease {
         Some(lease) => layer.lease(lease),
         None => layer,
@@ -395,7 +382,7 @@ async fn serve<D: Ledger>(
     (listener, admin_listener): (TcpListener, Option<TcpListener>),
 ) -> Result<(), BoxError> {
     let mode = args.mode();
-    let options = Options::new(&args);
+    let options = args.layer_options()?;
     // `--notify-url` needs transactional mode (`Args::parse_checked`), so
     // the store is the database's.
     #[cfg(feature = "outbox")]
@@ -455,7 +442,7 @@ async fn serve<D: Ledger>(
 fn protected<D: Ledger, St: TransactionalStore>(
     store: St,
     mode: Mode,
-    options: Options,
+    options: LayerOptions,
 ) -> Protect<D> {
     match mode {
         Mode::Transactional => {
