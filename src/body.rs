@@ -8,8 +8,10 @@ use std::task::{Context, Poll};
 use bytes::{Buf, Bytes};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Limited};
 use pin_project_lite::pin_project;
 
+use crate::problem::Rejection;
 use crate::tee::{Tee, frame_to_bytes};
 
 pin_project! {
@@ -260,5 +262,31 @@ impl<B: Body> std::fmt::Debug for ResponseBody<B> {
             ResponseKind::Teeing { .. } => "streamed",
         };
         f.debug_struct("ResponseBody").field("kind", &kind).finish()
+    }
+}
+
+/// Buffers the request body up to `limit` bytes.
+pub(crate) async fn buffer_request<B>(
+    body: B,
+    limit: usize,
+) -> Result<(Bytes, Option<HeaderMap>), Rejection>
+where
+    B: Body,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Err(Rejection::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => {
+            let trailers = collected.trailers().cloned();
+            Ok((collected.to_bytes(), trailers))
+        }
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(Rejection::BodyTooLarge { limit })
+        }
+        Err(e) => Err(Rejection::UnreadableBody(format!(
+            "the request body could not be read: {e}"
+        ))),
     }
 }

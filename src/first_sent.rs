@@ -85,11 +85,8 @@
 
 use std::time::{Duration, UNIX_EPOCH};
 
-use http::request::Parts;
-use http::{Extensions, HeaderMap, HeaderName, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
-use crate::config::Settings;
-use crate::problem::Rejection;
 use crate::store::duration_ms;
 
 /// `Repeatability-First-Sent` (OASIS Repeatable Requests 1.0): when the
@@ -135,7 +132,7 @@ impl FirstSentError {
 /// The first-sent time of a request, ms since the Unix epoch (in the
 /// request's extensions between the checks before and after the claim).
 #[derive(Debug, Clone, Copy)]
-struct FirstSent(i64);
+pub(crate) struct FirstSent(pub(crate) i64);
 
 /// The first-sent time in `headers`, in ms since the Unix epoch, judged at
 /// `now_ms`: `Ok(None)` without the field.
@@ -157,38 +154,6 @@ pub fn parse(headers: &HeaderMap, now_ms: i64) -> Result<Option<i64>, FirstSentE
         return Err(FirstSentError::Ahead);
     }
     Ok(Some(ms))
-}
-
-/// Before the claim: reads the field into the extensions, or refuses it.
-pub(crate) fn read(settings: &Settings, parts: &mut Parts) -> Result<(), Rejection> {
-    if !settings.refuse_expired {
-        return Ok(());
-    }
-    match parse(&parts.headers, settings.clock.now_ms()) {
-        Ok(Some(ms)) => {
-            parts.extensions.insert(FirstSent(ms));
-            Ok(())
-        }
-        Ok(None) => Ok(()),
-        Err(e) => Err(Rejection::InvalidFirstSent(e)),
-    }
-}
-
-/// After a claim that found no live record: the refusal when the request was
-/// first sent longer ago than the TTL.
-pub(crate) fn expired(settings: &Settings, extensions: &Extensions) -> Option<Rejection> {
-    let FirstSent(first_ms) = extensions.get::<FirstSent>()?;
-    let age = settings.clock.now_ms().saturating_sub(*first_ms);
-    (age > duration_ms(settings.ttl)).then_some(Rejection::ExpiredRetry {
-        retention_secs: settings.ttl.as_secs(),
-    })
-}
-
-/// Adds the retention field to a first response or a replay.
-pub(crate) fn advertise(settings: &Settings, headers: &mut HeaderMap) {
-    if let Some(name) = &settings.retention_header {
-        headers.insert(name.clone(), HeaderValue::from(settings.ttl.as_secs()));
-    }
 }
 
 /// The field's value for an attempt first sent at `ms` since the Unix epoch:

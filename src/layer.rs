@@ -5,6 +5,10 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod in_flight;
+mod keys;
+mod records;
+
 use bytes::Bytes;
 use http::{HeaderName, Method, Response};
 use tower_layer::Layer;
@@ -22,7 +26,7 @@ use crate::seal::Keyring;
 use crate::service::Idempotency;
 use crate::store::{DEFAULT_LEASE, DEFAULT_TTL};
 use crate::store::{Store, TransactionalStore};
-use crate::wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES, Waiting};
+use crate::wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES};
 
 /// Applies idempotency keys to the requests of a service: the first request
 /// with a key runs, and its response is replayed to every repeat.
@@ -159,55 +163,6 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
         self
     }
 
-    /// Reads the key from the JSON body at `pointer` (RFC 6901, e.g. `/id`)
-    /// instead of a header: a string, or an integer in decimal. See
-    /// [`crate::key_source`] for what changes (the body is read before the
-    /// key is known) and an example; a body that is not JSON is answered
-    /// with the 400 `invalid-key` problem.
-    ///
-    /// # Panics
-    ///
-    /// When `pointer` is neither empty nor starts with `/`.
-    pub fn key_from_json(self, pointer: impl Into<String>) -> Self {
-        self.key_from(crate::key_source::json_pointer(pointer))
-    }
-
-    /// Reads the key with `f`, a function of the request head and its
-    /// buffered body, instead of a header. `Ok(None)` is no key (400
-    /// `missing-key`, or a pass-through with `require_key(false)`); an error
-    /// is the 400 `invalid-key` problem; a key is checked with
-    /// [`check_key`](crate::key_source::check_key).
-    ///
-    /// ```
-    /// use http::request::Parts;
-    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, key::KeyError, scope::GlobalScope};
-    ///
-    /// // The key is the first line of a text body.
-    /// let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope).key_from_fn(
-    ///     |_: &Parts, body: &[u8]| -> Result<Option<String>, KeyError> {
-    ///         let text = std::str::from_utf8(body).map_err(|_| KeyError::NotPrintableAscii)?;
-    ///         Ok(text.lines().next().map(str::to_owned))
-    ///     },
-    /// );
-    /// # let _ = layer;
-    /// ```
-    pub fn key_from_fn<Fun>(self, f: Fun) -> Self
-    where
-        Fun: Fn(&http::request::Parts, &[u8]) -> Result<Option<String>, crate::key::KeyError>
-            + Send
-            + Sync
-            + 'static,
-    {
-        self.key_from(crate::key_source::from_fn(f))
-    }
-
-    /// Reads the key with `source` instead of a header (see
-    /// [`crate::key_source`]).
-    pub fn key_from<K: crate::key_source::KeySource>(mut self, source: K) -> Self {
-        self.config.settings.key_source = Some(Arc::new(source));
-        self
-    }
-
     /// The methods whose requests are intercepted (default POST and PATCH).
     /// Requests with other methods pass through untouched and unbuffered.
     pub fn methods<I: IntoIterator<Item = Method>>(mut self, methods: I) -> Self {
@@ -236,111 +191,6 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// lowers the lease, expect this for claims made before it.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config.settings.lease = lease;
-        self
-    }
-
-    /// Renews the lease of every claim while its request runs, for at most
-    /// `max_hold` from the claim (off by default). A short
-    /// [`lease`](Self::lease) then frees the keys of a crashed process
-    /// within one lease, while a handler slower than the lease keeps its
-    /// key: the layer extends the lease every third of a lease, fenced by
-    /// the claim's token ([`Store::renew`](crate::store::Store::renew)).
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope::GlobalScope};
-    ///
-    /// // Crashed holders free their keys within 5 s; a live handler may
-    /// // hold its key for up to 10 minutes.
-    /// let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope)
-    ///     .lease(Duration::from_secs(5))
-    ///     .renew_lease(Duration::from_secs(600));
-    /// # let _ = layer;
-    /// ```
-    ///
-    /// - **Max hold.** Renewals stop at `max_hold`; the lease then runs out
-    ///   and a repeat may take the key over. A transactional store rolls a
-    ///   transaction back past its own max hold or this one, whichever is
-    ///   shorter.
-    /// - **A lost lease** (a renewal finds the record carrying another
-    ///   token, or the store could not confirm one before the lease ended)
-    ///   is logged at WARN, counted (`tower_idempotency_leases_lost_total` with the
-    ///   `metrics` feature), and signalled to the handler through
-    ///   [`ClaimedKey::lease_lost`](crate::key::ClaimedKey::lease_lost). In
-    ///   transactional mode the commit is fenced by the token: a request
-    ///   whose key was taken over never commits (503).
-    /// - **Where it applies.** Separate mode on every store, and
-    ///   transactional mode where the claim commits before the handler runs
-    ///   (PostgreSQL, MySQL). SQLite's transactional claim lives inside the
-    ///   open transaction, vanishes with a crash, and needs no renewal; but
-    ///   there too `max_hold`, not the lease, caps how long a transaction
-    ///   may be held (with the store's own max hold), so a handler slower
-    ///   than a short lease is not rolled back at the lease.
-    /// - **Streams.** Renewal goes on until the record is stored, so a
-    ///   streamed first response is stored if it ends within `max_hold`
-    ///   (or within the lease, if that is longer).
-    /// - **Sizing.** A renewal is one short write on a connection of the
-    ///   store's pool. A transactional request on PostgreSQL or MySQL holds
-    ///   a connection of that pool while its handler runs, so size the pool
-    ///   above the number of such requests at once: a renewal that cannot
-    ///   get a connection before the lease ends is a lost lease. Keep the
-    ///   lease well above the store's round trip (a second or more): a
-    ///   renewal comes every third of a lease.
-    pub fn renew_lease(mut self, max_hold: Duration) -> Self {
-        self.config.settings.max_hold = Some(max_hold);
-        self
-    }
-
-    /// A repeat that arrives while the first request with its key is in
-    /// flight waits up to `max_wait` for it to finish, then gets the first
-    /// request's answer: its replay (or 422 for another fingerprint, or,
-    /// when the first gave its key back or lost its lease, a run of its
-    /// own). Past `max_wait`, or when the waiters are full (see
-    /// [`max_waiters`](Self::max_waiters)), it gets 409 as without this
-    /// option. Off by default: `Duration::ZERO` answers 409 at once, the
-    /// IETF draft's rule (§2.6).
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope::GlobalScope};
-    ///
-    /// // Concurrent duplicates of a request that takes 200 ms get its
-    /// // replay, not 409.
-    /// let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope)
-    ///     .wait_in_flight(Duration::from_secs(2));
-    /// # let _ = layer;
-    /// ```
-    ///
-    /// - **Woken by the completion.** A first request in this process,
-    ///   behind this layer (or a clone of it), wakes its waiters when its
-    ///   record completes or its key is given back.
-    /// - **Polling for other servers.** A waiter also claims again after
-    ///   5 ms, then at doubling intervals up to 100 ms, and at the end of the
-    ///   first request's lease: a first request on another server is seen
-    ///   within 100 ms of its completion.
-    /// - **Holds nothing.** A waiter holds no store connection and no writer
-    ///   slot while it waits; each claim is one short store call, as a
-    ///   client's retry would be.
-    /// - **Cancelled with its caller.** A waiter whose client goes away
-    ///   stops at its next claim and never runs the handler.
-    pub fn wait_in_flight(mut self, max_wait: Duration) -> Self {
-        let (count, bytes) = self.config.settings.waiter_limits;
-        self.config.settings.wait =
-            (!max_wait.is_zero()).then(|| Arc::new(Waiting::new(max_wait, count, bytes)));
-        self
-    }
-
-    /// Caps the repeats that wait at once behind this layer (see
-    /// [`wait_in_flight`](Self::wait_in_flight)): at most `count` of them
-    /// (default [`DEFAULT_MAX_WAITERS`], 256), holding at most `bytes` of
-    /// buffered request bodies between them (default
-    /// [`DEFAULT_MAX_WAITING_BYTES`], 16 MiB). A repeat beyond either cap
-    /// gets 409 at once.
-    pub fn max_waiters(mut self, count: usize, bytes: usize) -> Self {
-        if let Some(wait) = &self.config.settings.wait {
-            self.config.settings.wait = Some(Arc::new(Waiting::new(wait.bound, count, bytes)));
-        }
-        self.config.settings.waiter_limits = (count, bytes);
         self
     }
 
@@ -386,48 +236,6 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// sees them and from first responses, so it marks replays only.
     pub fn replayed_header(mut self, name: HeaderName) -> Self {
         self.config.settings.marker = name;
-        self
-    }
-
-    /// Refuses, with 412 [`Rejection::ExpiredRetry`] and without running the
-    /// handler, a request whose `Repeatability-First-Sent` is older than the
-    /// [`ttl`](Self::ttl) when its claim finds no live record: a retry whose
-    /// record may have expired (off by default). Requests without the field
-    /// are not guarded; a malformed field, or one more than a minute ahead of
-    /// the layer's [`clock`](Self::clock), is a 400. See
-    /// [`crate::first_sent`] for the rules and an example.
-    pub fn refuse_expired_retries(mut self) -> Self {
-        self.config.settings.refuse_expired = true;
-        self
-    }
-
-    /// Sends the [`ttl`](Self::ttl) in whole seconds in the field `name` on
-    /// first responses and replays (not on the layer's rejections, nor on
-    /// answers that are not stored). No field name is standard;
-    /// [`crate::first_sent::IDEMPOTENCY_TTL`] (`Idempotency-TTL`) is the
-    /// one proposed for the IETF draft (see [`crate::first_sent`]).
-    pub fn advertise_retention(mut self, name: HeaderName) -> Self {
-        self.config.settings.retention_header = Some(name);
-        self
-    }
-
-    /// The clock that judges `Repeatability-First-Sent` times (default: the
-    /// system clock). Tests pass the `test_util::ManualClock` their store
-    /// runs on.
-    pub fn clock(mut self, clock: impl crate::store::Clock) -> Self {
-        self.config.settings.clock = Arc::new(clock);
-        self
-    }
-
-    /// Seals every stored response with `keyring`'s first key, and opens
-    /// stored responses with any of its keys (off by default): header
-    /// fields, body and trailers are kept encrypted (XChaCha20-Poly1305),
-    /// bound to their scope, key and fingerprint; the status stays in the
-    /// clear. Works with every store. A sealed record that no key opens is
-    /// never replayed (503); a plain record, stored before this was turned
-    /// on, is still replayed. See [`crate::seal`].
-    pub fn encrypt_at_rest(mut self, keyring: Keyring) -> Self {
-        self.config.settings.keyring = Some(keyring);
         self
     }
 

@@ -6,7 +6,8 @@ use http::HeaderMap;
 use http::request::Parts;
 use http_body::Body;
 
-use super::{BoxError, buffer_request};
+use super::BoxError;
+use crate::body::buffer_request;
 use crate::config::Settings;
 use crate::key_source::find_key;
 use crate::problem::Rejection;

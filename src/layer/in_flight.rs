@@ -1,0 +1,116 @@
+//! While the first request is in flight: its lease renewed
+//! ([`crate::renew`](super)), and repeats that wait for it instead of
+//! taking 409.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::IdempotencyLayer;
+use crate::wait::Waiting;
+
+impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
+    /// Renews the lease of every claim while its request runs, for at most
+    /// `max_hold` from the claim (off by default). A short
+    /// [`lease`](Self::lease) then frees the keys of a crashed process
+    /// within one lease, while a handler slower than the lease keeps its
+    /// key: the layer extends the lease every third of a lease, fenced by
+    /// the claim's token ([`Store::renew`](crate::store::Store::renew)).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope::GlobalScope};
+    ///
+    /// // Crashed holders free their keys within 5 s; a live handler may
+    /// // hold its key for up to 10 minutes.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope)
+    ///     .lease(Duration::from_secs(5))
+    ///     .renew_lease(Duration::from_secs(600));
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// - **Max hold.** Renewals stop at `max_hold`; the lease then runs out
+    ///   and a repeat may take the key over. A transactional store rolls a
+    ///   transaction back past its own max hold or this one, whichever is
+    ///   shorter.
+    /// - **A lost lease** (a renewal finds the record carrying another
+    ///   token, or the store could not confirm one before the lease ended)
+    ///   is logged at WARN, counted (`tower_idempotency_leases_lost_total` with the
+    ///   `metrics` feature), and signalled to the handler through
+    ///   [`ClaimedKey::lease_lost`](crate::key::ClaimedKey::lease_lost). In
+    ///   transactional mode the commit is fenced by the token: a request
+    ///   whose key was taken over never commits (503).
+    /// - **Where it applies.** Separate mode on every store, and
+    ///   transactional mode where the claim commits before the handler runs
+    ///   (PostgreSQL, MySQL). SQLite's transactional claim lives inside the
+    ///   open transaction, vanishes with a crash, and needs no renewal; but
+    ///   there too `max_hold`, not the lease, caps how long a transaction
+    ///   may be held (with the store's own max hold), so a handler slower
+    ///   than a short lease is not rolled back at the lease.
+    /// - **Streams.** Renewal goes on until the record is stored, so a
+    ///   streamed first response is stored if it ends within `max_hold`
+    ///   (or within the lease, if that is longer).
+    /// - **Sizing.** A renewal is one short write on a connection of the
+    ///   store's pool. A transactional request on PostgreSQL or MySQL holds
+    ///   a connection of that pool while its handler runs, so size the pool
+    ///   above the number of such requests at once: a renewal that cannot
+    ///   get a connection before the lease ends is a lost lease. Keep the
+    ///   lease well above the store's round trip (a second or more): a
+    ///   renewal comes every third of a lease.
+    pub fn renew_lease(mut self, max_hold: Duration) -> Self {
+        self.config.settings.max_hold = Some(max_hold);
+        self
+    }
+
+    /// A repeat that arrives while the first request with its key is in
+    /// flight waits up to `max_wait` for it to finish, then gets the first
+    /// request's answer: its replay (or 422 for another fingerprint, or,
+    /// when the first gave its key back or lost its lease, a run of its
+    /// own). Past `max_wait`, or when the waiters are full (see
+    /// [`max_waiters`](Self::max_waiters)), it gets 409 as without this
+    /// option. Off by default: `Duration::ZERO` answers 409 at once, the
+    /// IETF draft's rule (§2.6).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, scope::GlobalScope};
+    ///
+    /// // Concurrent duplicates of a request that takes 200 ms get its
+    /// // replay, not 409.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope)
+    ///     .wait_in_flight(Duration::from_secs(2));
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// - **Woken by the completion.** A first request in this process,
+    ///   behind this layer (or a clone of it), wakes its waiters when its
+    ///   record completes or its key is given back.
+    /// - **Polling for other servers.** A waiter also claims again after
+    ///   5 ms, then at doubling intervals up to 100 ms, and at the end of the
+    ///   first request's lease: a first request on another server is seen
+    ///   within 100 ms of its completion.
+    /// - **Holds nothing.** A waiter holds no store connection and no writer
+    ///   slot while it waits; each claim is one short store call, as a
+    ///   client's retry would be.
+    /// - **Cancelled with its caller.** A waiter whose client goes away
+    ///   stops at its next claim and never runs the handler.
+    pub fn wait_in_flight(mut self, max_wait: Duration) -> Self {
+        let (count, bytes) = self.config.settings.waiter_limits;
+        self.config.settings.wait =
+            (!max_wait.is_zero()).then(|| Arc::new(Waiting::new(max_wait, count, bytes)));
+        self
+    }
+
+    /// Caps the repeats that wait at once behind this layer (see
+    /// [`wait_in_flight`](Self::wait_in_flight)): at most `count` of them
+    /// (default [`DEFAULT_MAX_WAITERS`], 256), holding at most `bytes` of
+    /// buffered request bodies between them (default
+    /// [`DEFAULT_MAX_WAITING_BYTES`], 16 MiB). A repeat beyond either cap
+    /// gets 409 at once.
+    pub fn max_waiters(mut self, count: usize, bytes: usize) -> Self {
+        if let Some(wait) = &self.config.settings.wait {
+            self.config.settings.wait = Some(Arc::new(Waiting::new(wait.bound, count, bytes)));
+        }
+        self.config.settings.waiter_limits = (count, bytes);
+        self
+    }
+}

@@ -1,0 +1,244 @@
+//! From the claim to the answer: the claim (or a repeat's wait), the inner
+//! service under the hold, and the record's completion or release; and the
+//! replay of a completed record.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use http::{Request, Response};
+use http_body::Body;
+use tower_service::Service;
+
+use super::first_sent;
+use crate::body::{RequestBody, ResponseBody};
+use crate::config::{Config, Settings};
+use crate::fingerprint::Fingerprint;
+use crate::fingerprint::Fingerprinter;
+use crate::key::ClaimedKey;
+use crate::mode::{Hold, Mode};
+use crate::policy::{DoNotStore, StorePolicy};
+use crate::problem::{Rejection, STORE_RETRY_AFTER_SECS};
+use crate::record::{release, store_response, stream_deadline};
+use crate::renew;
+use crate::response::{StoredBody, StoredResponse};
+use crate::scope::Scope;
+use crate::seal::{self, Sealer};
+use crate::store::{ClaimRequest, RecordId, Refusal, Store, StoreError, retry_after_secs};
+use crate::telemetry::{self, Operation, Outcome, timed};
+use crate::wait::WakeOnEnd;
+
+/// Records the outcome and answers with the rejection.
+pub(super) fn reject<B: Body>(
+    settings: &Settings,
+    outcome: Outcome,
+    rejection: Rejection,
+) -> Response<ResponseBody<B>> {
+    telemetry::outcome(outcome);
+    settings.rejection_response(&rejection)
+}
+
+/// The atomic claim, then the inner service, then the record's completion
+/// or release.
+pub(super) async fn claim_and_run<M, S, St, Sc, F, P, ReqBody, ResBody>(
+    mut inner: S,
+    store: St,
+    config: Arc<Config<Sc, F, P>>,
+    (claim, waiting_bytes, abandoned): (ClaimRequest, usize, Arc<AtomicBool>),
+    mut request: Request<RequestBody<ReqBody>>,
+) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+where
+    M: Mode<St>,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    St: Store,
+    Sc: Scope,
+    F: Fingerprinter,
+    P: StorePolicy,
+    ResBody: Body + Send + 'static,
+{
+    let settings = &config.settings;
+    // A streamed first response must end within the lease, or the max hold
+    // when the lease is renewed (counted from here, before the store counts
+    // it, less a margin), or it is recorded as not stored: see
+    // `finish_stream`.
+    let claimed_at = tokio::time::Instant::now();
+    let mut lease_end = claimed_at + stream_deadline(settings.lease);
+    let (id, token, fingerprint) = (claim.record_id(), claim.token, claim.fingerprint);
+    let claimed = claim_or_wait::<M, _>(&store, settings, claim, waiting_bytes, &abandoned).await;
+    let (hold, taken_over) = match claimed {
+        Ok(Ok((hold, taken_over))) => {
+            telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
+            (hold, taken_over)
+        }
+        Ok(Err(Refusal::Mismatch)) => {
+            telemetry::claim("mismatch");
+            return Ok(reject(settings, Outcome::Mismatch, Rejection::Mismatch));
+        }
+        Ok(Err(Refusal::InFlight { lease_remaining })) => {
+            telemetry::claim("in_flight");
+            let retry_after_secs = retry_after_secs(
+                lease_remaining,
+                settings.lease,
+                settings.in_flight_retry_after,
+            );
+            let rejection = Rejection::InFlight { retry_after_secs };
+            return Ok(reject(settings, Outcome::InFlight, rejection));
+        }
+        Ok(Err(Refusal::Completed(stored))) => {
+            telemetry::claim("replayed");
+            return Ok(replay_record(settings, &id, &fingerprint, stored));
+        }
+        Err(e) => {
+            telemetry::claim("store_error");
+            tracing::error!(error = %e, "idempotency store failed to claim; answering 503");
+            let rejection = Rejection::store_failed(&e, STORE_RETRY_AFTER_SECS);
+            return Ok(reject(settings, Outcome::StoreError, rejection));
+        }
+    };
+
+    // No live record, and first sent longer ago than the TTL: it may have
+    // run under a record that expired (`refuse_expired_retries`).
+    if let Some(rejection) =
+        first_sent::expired(settings, request.extensions()).filter(|_| !taken_over)
+    {
+        release(hold).await;
+        return Ok(settings.rejection_response(&rejection));
+    }
+    let sealer = settings.keyring.clone().map(|keyring| Sealer {
+        keyring,
+        id: id.clone(),
+        fingerprint,
+    });
+    request.headers_mut().remove(&settings.marker);
+    hold.attach(request.extensions_mut());
+    // The end of the hold, however it ends, wakes this key's waiters.
+    let wake = settings.wait.clone().map(|waiting| WakeOnEnd {
+        waiting,
+        id: id.clone(),
+    });
+    // Renewed until the record is completed or released (`renew_lease`).
+    let renewal = match (settings.max_hold, M::RENEWS) {
+        (Some(max_hold), true) => request.extensions().get::<ClaimedKey>().map(|claimed| {
+            renew::start(renew::Lease {
+                store: store.clone(),
+                id,
+                token,
+                lease: settings.lease,
+                max_hold,
+                signal: claimed.lease_signal(),
+            })
+        }),
+        _ => None,
+    };
+    if let (Some(_), Some(max_hold)) = (&renewal, settings.max_hold) {
+        // Renewed until the record is finished, but never past the max hold
+        // (and never less than the first lease).
+        lease_end = lease_end.max(claimed_at + stream_deadline(max_hold));
+    }
+    let mut hold = renew::Renewed {
+        hold,
+        renewal,
+        wake,
+    };
+    let response = match inner.call(request).await {
+        Ok(response) => response,
+        Err(e) => {
+            release(hold).await;
+            return Err(e);
+        }
+    };
+    // The handler's `DoNotStore` ("nothing happened") overrides the policy.
+    if response.extensions().get::<DoNotStore>().is_some()
+        || !config
+            .policy
+            .should_store(response.status(), response.headers())
+    {
+        release(hold).await;
+        let (mut parts, body) = response.into_parts();
+        parts.headers.remove(&settings.marker);
+        return Ok(Response::from_parts(parts, ResponseBody::inner(body)));
+    }
+    hold.answered();
+    let mut response = store_response(hold, &config, lease_end, response, sealer).await;
+    first_sent::advertise(settings, response.headers_mut());
+    Ok(response)
+}
+
+/// The atomic claim; a repeat that meets its key in flight, when the layer
+/// lets repeats wait (`wait_in_flight`), claims again until the key is no
+/// longer in flight or its wait is over (see [`crate::wait`]).
+async fn claim_or_wait<M: Mode<St>, St: Store>(
+    store: &St,
+    settings: &Settings,
+    claim: ClaimRequest,
+    waiting_bytes: usize,
+    abandoned: &AtomicBool,
+) -> Result<Result<(M::Hold, bool), Refusal>, StoreError> {
+    let once = || timed(Operation::Claim, M::claim(store, claim.clone()));
+    let first = once().await;
+    let (Some(waiting), Ok(Err(Refusal::InFlight { .. }))) = (&settings.wait, &first) else {
+        return first;
+    };
+    let Some(waiter) = waiting.enter(&claim.record_id(), waiting_bytes) else {
+        telemetry::wait("full");
+        return first;
+    };
+    let deadline = tokio::time::Instant::now() + waiting.bound;
+    let in_flight = |answer: &Result<Result<(M::Hold, bool), Refusal>, StoreError>| match answer {
+        Ok(Err(Refusal::InFlight { lease_remaining })) => Some(*lease_remaining),
+        _ => None,
+    };
+    match waiter
+        .claim_until(deadline, abandoned, once, in_flight)
+        .await
+    {
+        Ok(answer) => {
+            telemetry::wait("woken");
+            answer
+        }
+        Err(last) => {
+            telemetry::wait("timed_out");
+            last.unwrap_or(first)
+        }
+    }
+}
+
+/// The answer to a repeat of the completed record `id`, met by a request
+/// with `fingerprint`: the record opened (if it was sealed at rest, see
+/// [`crate::seal`]) and replayed, or 410 if its body was not stored. A
+/// sealed record that no configured key opens is never replayed: it is
+/// logged at ERROR, counted, and answered 503, as a corrupt record is. Every
+/// path that replays a stored record goes through here.
+pub(crate) fn replay_record<B: Body>(
+    settings: &Settings,
+    id: &RecordId,
+    fingerprint: &Fingerprint,
+    stored: StoredResponse,
+) -> Response<ResponseBody<B>> {
+    match seal::open(settings.keyring.as_ref(), id, fingerprint, stored) {
+        Ok(stored) => replay(settings, &stored),
+        Err(e) => {
+            telemetry::unopened();
+            tracing::error!(error = %e, "a stored response did not open and is never replayed; answering 503");
+            let retry_after_secs = STORE_RETRY_AFTER_SECS;
+            reject(
+                settings,
+                Outcome::StoreError,
+                Rejection::StoreUnavailable { retry_after_secs },
+            )
+        }
+    }
+}
+
+/// The replay of an open record (or 410 if its body was not stored).
+fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<ResponseBody<B>> {
+    if stored.body == StoredBody::Omitted {
+        return reject(settings, Outcome::NotStored, Rejection::ResponseNotStored);
+    }
+    telemetry::outcome(Outcome::Replayed);
+    let trailers = stored.trailer_map();
+    let mut response = stored
+        .replay(&settings.marker)
+        .map(|body| ResponseBody::full(body, trailers));
+    first_sent::advertise(settings, response.headers_mut());
+    response
+}
