@@ -9,10 +9,12 @@ use bytes::Bytes;
 use http::{HeaderName, Method, Response};
 
 use crate::body::ResponseBody;
+use crate::hooks::{EventKind, Hooks};
 use crate::key_source::KeySource;
 use crate::problem::Rejection;
 use crate::seal::Keyring;
 use crate::store::Clock;
+use crate::store::RecordId;
 use crate::wait::Waiting;
 
 /// The default request body limit, 1 MiB.
@@ -72,6 +74,8 @@ pub(crate) struct Settings {
     pub(crate) clock: Arc<dyn Clock>,
     /// Encryption at rest: the keys that seal and open stored responses.
     pub(crate) keyring: Option<Keyring>,
+    /// The namespace, the event hook and the replay hook.
+    pub(crate) hooks: Hooks,
 }
 
 impl Settings {
@@ -82,11 +86,18 @@ impl Settings {
         }
     }
 
-    /// [`Settings::rejection`] as the layer's response type.
+    /// [`Settings::rejection`] as the layer's response type, told to the
+    /// application's event hook with the record `id` when it is known.
     pub(crate) fn rejection_response<B: http_body::Body>(
         &self,
         rejection: &Rejection,
+        id: Option<&RecordId>,
     ) -> Response<ResponseBody<B>> {
+        let kind = EventKind::Rejected {
+            status: rejection.status(),
+            problem_type: rejection.problem_type(),
+        };
+        self.hooks.emit(kind, id);
         self.rejection(rejection)
             .map(|body| ResponseBody::full(body, None))
     }

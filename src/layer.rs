@@ -18,6 +18,7 @@ use crate::config::{
     Settings,
 };
 use crate::fingerprint::{DefaultFingerprinter, Fingerprinter};
+use crate::hooks::Hooks;
 use crate::mode::{Separate, Transactional};
 use crate::policy::{DefaultStorePolicy, StorePolicy};
 use crate::problem::Rejection;
@@ -145,6 +146,7 @@ impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
                     retention_header: None,
                     clock: Arc::new(crate::store::SystemClock),
                     keyring: None,
+                    hooks: Hooks::default(),
                 },
                 scope,
                 fingerprinter: DefaultFingerprinter::new(),

@@ -109,6 +109,7 @@ mod fencing;
 pub mod fingerprint;
 pub mod first_sent;
 pub mod guide;
+pub mod hooks;
 pub mod key;
 pub mod key_source;
 mod layer;

@@ -97,8 +97,10 @@ where
                     telemetry::outcome(Outcome::StoreError);
                     drop(hold);
                     let retry_after_secs = STORE_RETRY_AFTER_SECS;
-                    return settings
-                        .rejection_response(&Rejection::StoreUnavailable { retry_after_secs });
+                    return settings.rejection_response(
+                        &Rejection::StoreUnavailable { retry_after_secs },
+                        None,
+                    );
                 }
             },
             None => body.frame().await,
@@ -140,7 +142,8 @@ where
     .is_err()
     {
         let retry_after_secs = STORE_RETRY_AFTER_SECS;
-        return settings.rejection_response(&Rejection::StoreUnavailable { retry_after_secs });
+        return settings
+            .rejection_response(&Rejection::StoreUnavailable { retry_after_secs }, None);
     }
     let body = if omitted {
         ResponseBody::then_rest(frames, body)

@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::{Instant, timeout, timeout_at};
 
+use crate::hooks::{EventKind, Hooks};
 use crate::mode::Hold;
 use crate::response::StoredResponse;
 use crate::store::{Completion, FencingToken, RecordId, Store, StoreError};
@@ -55,6 +56,8 @@ pub(crate) struct Lease<St> {
     pub(crate) lease: Duration,
     pub(crate) max_hold: Duration,
     pub(crate) signal: Arc<LeaseSignal>,
+    /// The layer's event hook hears of a lost lease.
+    pub(crate) hooks: Hooks,
 }
 
 /// Starts renewing the lease of a claim made just now.
@@ -129,6 +132,7 @@ fn lost<St>(lease: &Lease<St>, stopped: &watch::Receiver<bool>, why: &'static st
         return;
     }
     lease.signal.set_lost();
+    lease.hooks.emit(EventKind::LeaseLost, Some(&lease.id));
     tracing::warn!(
         why,
         "an idempotency lease was lost while its request ran: another request may take the key over"

@@ -191,7 +191,7 @@ impl<Fut, B: Body, E> ResponseFuture<Fut, B, E> {
     fn rejected(settings: &Settings, rejection: &Rejection) -> Self {
         ResponseFuture {
             kind: Kind::Ready {
-                response: Some(settings.rejection_response(rejection)),
+                response: Some(settings.rejection_response(rejection, None)),
             },
         }
     }

@@ -18,6 +18,7 @@ use http_body_util::BodyExt;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 use tower_idempotency::IdempotencyLayer;
+use tower_idempotency::hooks::{Event, EventKind};
 use tower_idempotency::key::ClaimedKey;
 use tower_idempotency::scope::GlobalScope;
 use tower_idempotency::store::MemoryStore;
@@ -119,9 +120,16 @@ async fn without_renewal_the_repeat_takes_the_key_over_and_runs_again() {
 async fn a_renewal_that_finds_the_key_taken_over_signals_lease_lost() {
     let clock = ManualClock::new(1_700_000_000_000);
     let store = MemoryStore::with_clock(clock.clone());
+    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = events.clone();
     let layer = IdempotencyLayer::new(store, GlobalScope)
         .lease(Duration::from_millis(600))
-        .renew_lease(Duration::from_secs(60));
+        .renew_lease(Duration::from_secs(60))
+        .on_event(move |e: &Event<'_>| {
+            if matches!(e.kind, EventKind::TakenOver | EventKind::LeaseLost) {
+                log.lock().unwrap().push((e.kind, e.key.map(str::to_owned)));
+            }
+        });
     let (app, h) = app(layer);
     let first = tokio::spawn({
         let app = app.clone();
@@ -150,6 +158,15 @@ async fn a_renewal_that_finds_the_key_taken_over_signals_lease_lost() {
     // The 503 was not stored and released nothing: the replay is run 2's.
     assert_eq!(call(&app).await, (201, "run 2".to_owned()));
     assert_eq!(h.runs.load(Ordering::SeqCst), 2);
+    // The event hook heard both, once each, in order.
+    let key = Some("k".to_owned());
+    assert_eq!(
+        *events.lock().unwrap(),
+        [
+            (EventKind::TakenOver, key.clone()),
+            (EventKind::LeaseLost, key)
+        ]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

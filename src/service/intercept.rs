@@ -68,7 +68,7 @@ where
                     .map(|response| response.map(ResponseBody::inner));
             }
             body_key::Found::Rejected(rejection) => {
-                return Ok(reject(&config.settings, Outcome::Rejected, rejection));
+                return Ok(reject(&config.settings, None, Outcome::Rejected, rejection));
             }
         },
     };
@@ -77,12 +77,13 @@ where
     let Some(scope) = config.scope.scope(&parts) else {
         return Ok(reject(
             &config.settings,
+            None,
             Outcome::Rejected,
             Rejection::Unauthenticated,
         ));
     };
     if let Err(rejection) = first_sent::read(&config.settings, &mut parts) {
-        return Ok(reject(&config.settings, Outcome::Rejected, rejection));
+        return Ok(reject(&config.settings, None, Outcome::Rejected, rejection));
     }
     let span = telemetry::request_span(&scope, &key);
     async move {
@@ -91,14 +92,14 @@ where
             Pending::Read(bytes, trailers) => (bytes, trailers),
             Pending::Unread(body) => match buffer_request(body, settings.max_request_body).await {
                 Ok(buffered) => buffered,
-                Err(rejection) => return Ok(reject(settings, Outcome::Rejected, rejection)),
+                Err(rejection) => return Ok(reject(settings, None, Outcome::Rejected, rejection)),
             },
         };
         let fingerprint = match config.fingerprinter.fingerprint(&parts, &body) {
             Ok(fingerprint) => fingerprint,
             Err(e) => {
                 let rejection = Rejection::UnreadableBody(e.to_string());
-                return Ok(reject(settings, Outcome::Rejected, rejection));
+                return Ok(reject(settings, None, Outcome::Rejected, rejection));
             }
         };
         parts
@@ -106,7 +107,7 @@ where
             .insert(ClaimedKey::new(key.clone(), scope.clone()));
         let claim = ClaimRequest {
             scope,
-            key,
+            key: settings.hooks.stored_key(key),
             fingerprint,
             token: FencingToken::random(),
             lease: settings.lease,

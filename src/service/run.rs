@@ -14,6 +14,7 @@ use crate::body::{RequestBody, ResponseBody};
 use crate::config::{Config, Settings};
 use crate::fingerprint::Fingerprint;
 use crate::fingerprint::Fingerprinter;
+use crate::hooks::EventKind;
 use crate::key::ClaimedKey;
 use crate::mode::{Hold, Mode};
 use crate::policy::{DoNotStore, StorePolicy};
@@ -28,13 +29,15 @@ use crate::telemetry::{self, Operation, Outcome, timed};
 use crate::wait::WakeOnEnd;
 
 /// Records the outcome and answers with the rejection.
+/// `id` names the record for the application's event hook, once known.
 pub(super) fn reject<B: Body>(
     settings: &Settings,
+    id: Option<&RecordId>,
     outcome: Outcome,
     rejection: Rejection,
 ) -> Response<ResponseBody<B>> {
     telemetry::outcome(outcome);
-    settings.rejection_response(&rejection)
+    settings.rejection_response(&rejection, id)
 }
 
 /// The atomic claim, then the inner service, then the record's completion
@@ -67,11 +70,19 @@ where
     let (hold, taken_over) = match claimed {
         Ok(Ok((hold, taken_over))) => {
             telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
+            if taken_over {
+                settings.hooks.emit(EventKind::TakenOver, Some(&id));
+            }
             (hold, taken_over)
         }
         Ok(Err(Refusal::Mismatch)) => {
             telemetry::claim("mismatch");
-            return Ok(reject(settings, Outcome::Mismatch, Rejection::Mismatch));
+            return Ok(reject(
+                settings,
+                Some(&id),
+                Outcome::Mismatch,
+                Rejection::Mismatch,
+            ));
         }
         Ok(Err(Refusal::InFlight { lease_remaining })) => {
             telemetry::claim("in_flight");
@@ -81,7 +92,7 @@ where
                 settings.in_flight_retry_after,
             );
             let rejection = Rejection::InFlight { retry_after_secs };
-            return Ok(reject(settings, Outcome::InFlight, rejection));
+            return Ok(reject(settings, Some(&id), Outcome::InFlight, rejection));
         }
         Ok(Err(Refusal::Completed(stored))) => {
             telemetry::claim("replayed");
@@ -91,7 +102,7 @@ where
             telemetry::claim("store_error");
             tracing::error!(error = %e, "idempotency store failed to claim; answering 503");
             let rejection = Rejection::store_failed(&e, STORE_RETRY_AFTER_SECS);
-            return Ok(reject(settings, Outcome::StoreError, rejection));
+            return Ok(reject(settings, Some(&id), Outcome::StoreError, rejection));
         }
     };
 
@@ -101,7 +112,7 @@ where
         first_sent::expired(settings, request.extensions()).filter(|_| !taken_over)
     {
         release(hold).await;
-        return Ok(settings.rejection_response(&rejection));
+        return Ok(settings.rejection_response(&rejection, Some(&id)));
     }
     let sealer = settings.keyring.clone().map(|keyring| Sealer {
         keyring,
@@ -125,6 +136,7 @@ where
                 lease: settings.lease,
                 max_hold,
                 signal: claimed.lease_signal(),
+                hooks: settings.hooks.clone(),
             })
         }),
         _ => None,
@@ -215,13 +227,14 @@ pub(crate) fn replay_record<B: Body>(
     stored: StoredResponse,
 ) -> Response<ResponseBody<B>> {
     match seal::open(settings.keyring.as_ref(), id, fingerprint, stored) {
-        Ok(stored) => replay(settings, &stored),
+        Ok(stored) => replay(settings, id, &stored),
         Err(e) => {
             telemetry::unopened();
             tracing::error!(error = %e, "a stored response did not open and is never replayed; answering 503");
             let retry_after_secs = STORE_RETRY_AFTER_SECS;
             reject(
                 settings,
+                Some(id),
                 Outcome::StoreError,
                 Rejection::StoreUnavailable { retry_after_secs },
             )
@@ -230,9 +243,18 @@ pub(crate) fn replay_record<B: Body>(
 }
 
 /// The replay of an open record (or 410 if its body was not stored).
-fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<ResponseBody<B>> {
+fn replay<B: Body>(
+    settings: &Settings,
+    id: &RecordId,
+    stored: &StoredResponse,
+) -> Response<ResponseBody<B>> {
     if stored.body == StoredBody::Omitted {
-        return reject(settings, Outcome::NotStored, Rejection::ResponseNotStored);
+        return reject(
+            settings,
+            Some(id),
+            Outcome::NotStored,
+            Rejection::ResponseNotStored,
+        );
     }
     telemetry::outcome(Outcome::Replayed);
     let trailers = stored.trailer_map();
@@ -240,5 +262,7 @@ fn replay<B: Body>(settings: &Settings, stored: &StoredResponse) -> Response<Res
         .replay(&settings.marker)
         .map(|body| ResponseBody::full(body, trailers));
     first_sent::advertise(settings, response.headers_mut());
+    let status = response.status();
+    settings.hooks.replayed(id, status, response.headers_mut());
     response
 }
