@@ -21,15 +21,39 @@
 //! # The rules
 //!
 //! The IETF draft `draft-ietf-httpapi-idempotency-key-header` defines the field
-//! as an Item Structured Field whose value is a String (RFC 8941 §3.3.3), so the
-//! standard form is quoted: `"abc"`, with `\"` and `\\` as the only escapes.
-//! Many clients, Stripe's own examples among them, send the key unquoted; that
-//! bare form is accepted too and names the same key.
+//! as an Item Structured Field whose value is a String (RFC 9651 §3.3.3, which
+//! obsoletes RFC 8941), so the standard form is quoted: `"abc"`, with `\"` and
+//! `\\` as the only escapes. Many clients, Stripe's own examples among them,
+//! send the key unquoted; that bare form is accepted too and names the same
+//! key.
 //!
 //! A key is 1 to [`MAX_KEY_LEN`] characters of printable ASCII (`0x20..=0x7E`;
 //! a space only inside the quoted form). Stripe documents the same 255-character
 //! limit. Everything else is a [`KeyError`], which the layer answers with 400
 //! before the store is touched.
+//!
+//! # Bare values that are another structured type
+//!
+//! A bare value is read as the key it spells, except where every structured
+//! field parser would read it as a bare item of another type than String.
+//! Those are refused with [`KeyError::NotAString`], since the draft requires a
+//! String and the client (or the library that serialised the field) meant
+//! something else. Each type of RFC 9651 §3.3, and why:
+//!
+//! | bare value | RFC 9651 | here | why |
+//! |---|---|---|---|
+//! | `8e03978e-40d5`, `ch_1`, `abc` | Token, §3.3.4 | a key | Stripe's examples and many clients send keys this way |
+//! | `123`, `-7`, `1.5` | Integer §3.3.1, Decimal §3.3.2 | a key | numeric ids (a database row, an order number) are real keys; refusing them would break clients that work today |
+//! | `@1659578233` | Date, §3.3.7 | [`NotAString`](KeyError::NotAString) | a timestamp sent as a Date is not a key; no known client sends keys starting with `@` |
+//! | `%"caf%c3%a9"` | Display String, §3.3.8 | [`NotAString`](KeyError::NotAString) | Unicode text is no key (keys are printable ASCII); it could never be a bare key anyway (`"`) |
+//! | `:aGVsbG8=:` | Byte Sequence, §3.3.5 | [`NotAString`](KeyError::NotAString) | bytes, not a String; no known client sends keys wrapped in colons |
+//! | `?1`, `?0` | Boolean, §3.3.6 | [`NotAString`](KeyError::NotAString) | a flag, not a key; one bit cannot be unique |
+//!
+//! The refused shapes are exact: `@` followed by an sf-integer (an optional
+//! `-` and 1 to 15 digits), `%"` at the start, `:` base64 characters `:`, and
+//! `?0` or `?1`. A bare `@abc` or `?yes` is no structured value at all and
+//! stays a key. Quoted, each of them is a String and a key like any other:
+//! `"@1659578233"` is the key `@1659578233`.
 
 use std::fmt;
 use std::sync::Arc;
@@ -55,7 +79,7 @@ pub enum KeyError {
     TooLong,
     /// A byte outside printable ASCII: a control character or non-ASCII.
     NotPrintableAscii,
-    /// A quoted value that is not a valid RFC 8941 sf-string: unterminated,
+    /// A quoted value that is not a valid RFC 9651 sf-string: unterminated,
     /// or a backslash before anything but `"` or `\`.
     MalformedString,
     /// More than one member (an sf-list such as `"a", "b"`).
@@ -71,6 +95,12 @@ pub enum KeyError {
     /// The value where a key source looks is neither a string nor an
     /// integer (a boolean, a fraction, an object, an array).
     UnsupportedType,
+    /// A bare field value that structured fields read as another type than
+    /// String: a Date (`@1659578233`, RFC 9651 §3.3.7), a Display String
+    /// (`%"caf%c3%a9"`, §3.3.8), a Byte Sequence (`:aGVsbG8=:`, §3.3.5) or a
+    /// Boolean (`?1`, §3.3.6). Bare tokens, integers and decimals stay keys
+    /// (see [the module](self)).
+    NotAString,
 }
 
 impl KeyError {
@@ -84,7 +114,7 @@ impl KeyError {
                 "the idempotency key holds a byte outside printable ASCII"
             }
             KeyError::MalformedString => {
-                "the idempotency key is not a valid structured-field string (RFC 8941 section 3.3.3)"
+                "the idempotency key is not a valid structured-field string (RFC 9651 section 3.3.3)"
             }
             KeyError::List => "the idempotency key field holds a list; it must be one string",
             KeyError::Parameters => {
@@ -98,6 +128,9 @@ impl KeyError {
             }
             KeyError::UnsupportedType => {
                 "the idempotency key in the body is neither a string nor an integer"
+            }
+            KeyError::NotAString => {
+                "the idempotency key field holds a structured-field date, display string, byte sequence or boolean (RFC 9651 section 3.3), not a string; send the key as an sf-string"
             }
         }
     }
@@ -129,7 +162,7 @@ pub fn parse_key<K: AsHeaderName>(
     parse_value(value.as_bytes()).map(Some)
 }
 
-/// Parses one field value: an RFC 8941 sf-string or a bare key.
+/// Parses one field value: an RFC 9651 sf-string or a bare key.
 pub fn parse_value(raw: &[u8]) -> Result<String, KeyError> {
     // A tab is optional whitespace around the value (RFC 9110 §5.5), not key material.
     if raw
@@ -138,7 +171,7 @@ pub fn parse_value(raw: &[u8]) -> Result<String, KeyError> {
     {
         return Err(KeyError::NotPrintableAscii);
     }
-    // RFC 8941 §4.2: leading and trailing spaces are discarded.
+    // RFC 9651 §4.2: leading and trailing spaces are discarded.
     let value = trim(raw);
     let key = match value.first() {
         None => return Err(KeyError::Empty),
@@ -164,7 +197,7 @@ fn trim(mut raw: &[u8]) -> &[u8] {
     raw
 }
 
-/// RFC 8941 §4.2.5, followed by the end-of-item checks of §4.2.
+/// RFC 9651 §4.2.5, followed by the end-of-item checks of §4.2.
 fn parse_sf_string(value: &[u8]) -> Result<String, KeyError> {
     let mut key = String::new();
     let mut bytes = value[1..].iter();
@@ -189,6 +222,9 @@ fn parse_sf_string(value: &[u8]) -> Result<String, KeyError> {
 }
 
 fn parse_bare(value: &[u8]) -> Result<String, KeyError> {
+    if is_other_bare_item(value) {
+        return Err(KeyError::NotAString);
+    }
     if value.contains(&b',') {
         return Err(KeyError::List);
     }
@@ -200,6 +236,28 @@ fn parse_bare(value: &[u8]) -> Result<String, KeyError> {
     }
     // Every byte is printable ASCII here, so this cannot fail.
     String::from_utf8(value.to_vec()).map_err(|_| KeyError::NotPrintableAscii)
+}
+
+/// Whether a bare `value` is a structured field bare item that is neither a
+/// String nor one of the types kept as keys (Token, Integer, Decimal): see
+/// the table in the module's docs.
+fn is_other_bare_item(value: &[u8]) -> bool {
+    match value {
+        // Date (RFC 9651 §3.3.7): "@" sf-integer, sf-integer = ["-"] 1*15DIGIT.
+        [b'@', rest @ ..] => {
+            let digits = rest.strip_prefix(b"-").unwrap_or(rest);
+            (1..=15).contains(&digits.len()) && digits.iter().all(u8::is_ascii_digit)
+        }
+        // Display String (§3.3.8): it opens with `%"`.
+        [b'%', b'"', ..] => true,
+        // Byte Sequence (§3.3.5): ":" base64 ":".
+        [b':', inner @ .., b':'] => inner
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=')),
+        // Boolean (§3.3.6).
+        [b'?', b'0' | b'1'] => true,
+        _ => false,
+    }
 }
 
 /// The idempotency key of the request the handler is serving, and the scope
@@ -330,6 +388,85 @@ mod tests {
         assert_eq!(parse(b"a b"), Err(KeyError::MalformedToken));
         assert_eq!(parse(b"a\"b"), Err(KeyError::MalformedToken));
         assert_eq!(parse(b"\"a\tb\""), Err(KeyError::NotPrintableAscii));
+    }
+
+    #[test]
+    fn bare_items_of_other_types_are_refused() {
+        // RFC 9651 §3.3.7 (Date), §3.3.8 (Display String), §3.3.5 (Byte
+        // Sequence), §3.3.6 (Boolean).
+        for raw in [
+            &b"@1659578233"[..],
+            b"@-1659578233",
+            b"@0",
+            b"@123456789012345",
+            b"  @1659578233\t",
+            br#"%"caf%c3%a9""#,
+            br#"%"""#,
+            br#"%"a"#,
+            b":aGVsbG8=:",
+            b"::",
+            b":YQ==:",
+            b"?1",
+            b"?0",
+        ] {
+            assert_eq!(parse(raw), Err(KeyError::NotAString), "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn bare_keys_that_clients_send_are_kept() {
+        // Tokens (Stripe's examples), integers and decimals (numeric ids).
+        for raw in [
+            "8e03978e-40d5",
+            "8e03978e-40d5-43e8-bc93-6894a57f9324",
+            "ch_1NirD82eZvKYlo2CIvbtLWuY",
+            "123",
+            "-7",
+            "1.5",
+            "18446744073709551615",
+            "k:v",
+            "a=b",
+        ] {
+            assert_eq!(parse(raw.as_bytes()), Ok(raw.to_owned()));
+        }
+        // Near misses of the refused shapes are no structured value: keys.
+        for raw in [
+            "@abc",
+            "@",
+            "@-",
+            "@1234567890123456",
+            "@12a",
+            "a@1",
+            "%41",
+            "%",
+            "?2",
+            "?10",
+            "?",
+            ":",
+            ":abc",
+            "abc:",
+            ":a.b:",
+            ":a-b:",
+        ] {
+            assert_eq!(parse(raw.as_bytes()), Ok(raw.to_owned()), "{raw}");
+        }
+        // Quoted, every refused shape is a String, hence a key.
+        assert_eq!(parse(br#""@1659578233""#).unwrap(), "@1659578233");
+        assert_eq!(parse(br#""?1""#).unwrap(), "?1");
+        assert_eq!(parse(br#"":aGVsbG8=:""#).unwrap(), ":aGVsbG8=:");
+        assert_eq!(parse(br#""%\"caf\"""#).unwrap(), r#"%"caf""#);
+    }
+
+    #[test]
+    fn not_a_string_describes_without_the_key() {
+        let text = KeyError::NotAString.describe();
+        assert_eq!(
+            text,
+            "the idempotency key field holds a structured-field date, display string, \
+             byte sequence or boolean (RFC 9651 section 3.3), not a string; send the key \
+             as an sf-string"
+        );
+        assert_eq!(KeyError::NotAString.to_string(), text);
     }
 
     #[test]

@@ -30,8 +30,9 @@
 //!
 //! Status 400. The key field is malformed: empty, over 255 characters, bytes outside
 //! printable ASCII, an unterminated or wrongly escaped sf-string, a list,
-//! parameters, or the field sent twice (see [`crate::key`]). Nothing was
-//! recorded.
+//! parameters, a bare value that is a structured date, display string, byte
+//! sequence or boolean rather than a string (RFC 9651 §3.3), or the field sent
+//! twice (see [`crate::key`]). Nothing was recorded.
 //!
 //! ## body-too-large
 //!
@@ -154,7 +155,7 @@ pub(crate) const STORE_RETRY_AFTER_SECS: u64 = 1;
 pub enum Rejection {
     /// 400: the layer requires a key and the request has none (IETF draft §2.7).
     MissingKey,
-    /// 400: the key field is malformed (IETF draft §2.1, RFC 8941 §3.3.3).
+    /// 400: the key field is malformed (IETF draft §2.1, RFC 9651 §3.3.3).
     InvalidKey(KeyError),
     /// 413: the request body is larger than the limit, in bytes. No record
     /// was created.

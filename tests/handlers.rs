@@ -339,7 +339,7 @@ async fn the_handler_sees_the_claimed_key_and_scope() {
         }
         request.body(Body::empty()).unwrap()
     };
-    // The quoted (RFC 8941) form: the handler gets the key unquoted and unescaped.
+    // The quoted (RFC 9651) form: the handler gets the key unquoted and unescaped.
     let (status, _, body) = call(&app, request("/charges", Some(r#""order \"17\"""#))).await;
     assert_eq!(
         (status, &body[..]),

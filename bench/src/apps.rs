@@ -266,7 +266,7 @@ pub fn get_credit() -> Request<Full<Bytes>> {
         .expect("a valid request")
 }
 
-/// A quoted (RFC 8941 sf-string) key.
+/// A quoted (RFC 9651 sf-string) key.
 pub fn key(text: &str) -> HeaderValue {
     HeaderValue::from_str(&format!("\"{text}\"")).expect("a printable key")
 }

@@ -23,8 +23,10 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// on your own type for a scheme that can fail.
 ///
 /// The value is sent as returned. A server using this crate accepts an RFC
-/// 8941 sf-string (`"..."`) or a bare token of 1 to 255 printable ASCII
-/// characters ([`crate::key`]); the IETF draft's form is the sf-string.
+/// 9651 sf-string (`"..."`) or a bare token of 1 to 255 printable ASCII
+/// characters, except bare values that read as another structured type (a
+/// date such as `@1659578233`, a byte sequence, a boolean: see
+/// [`crate::key`]); the IETF draft's form is the sf-string.
 pub trait MakeIdempotencyKey<B> {
     /// The key for `request`. `Ok(None)` sends the request without a key
     /// (for a method that needs none, say); an error fails the call, and
@@ -76,7 +78,7 @@ impl std::error::Error for KeyUnavailable {}
 
 /// A new key: 16 bytes (128 bits) from the operating system's CSPRNG
 /// (`getrandom`, one call per key), as 32 lowercase hex digits quoted as an
-/// RFC 8941 sf-string: 34 bytes, e.g. `"5f0c9e0a2b7d41c38e1f6a9d0b4c2e77"`.
+/// RFC 9651 sf-string: 34 bytes, e.g. `"5f0c9e0a2b7d41c38e1f6a9d0b4c2e77"`.
 ///
 /// No key says anything about another: each is a fresh draw, with no
 /// process secret or counter behind it.

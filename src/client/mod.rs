@@ -41,7 +41,7 @@
 //! operation does. So [`IdempotencyKeyLayer`] sits outside `tower::retry`
 //! and gives each call a key, unless the request already has one. By default
 //! ([`RandomKey`], [`new_key`]) that is 128 bits from the operating system's
-//! CSPRNG, sent as an RFC 8941 sf-string: no key can be guessed from another,
+//! CSPRNG, sent as an RFC 9651 sf-string: no key can be guessed from another,
 //! which matters when a server scopes keys globally (whoever sends a known key
 //! first owns it, or gets its owner's stored response).
 //! [`IdempotencyKeyLayer::with_maker`] takes another scheme (UUIDv7, keys

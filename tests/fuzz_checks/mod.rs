@@ -103,7 +103,7 @@ fn assert_allocations_are_counted() {
 // ---------------------------------------------------------------------------
 // Target `key`: the Idempotency-Key field (src/key.rs)
 
-/// `key` as an RFC 8941 sf-string (§4.1.6): quoted, `"` and `\` escaped.
+/// `key` as an RFC 9651 sf-string (§4.1.6): quoted, `"` and `\` escaped.
 fn sf_string(key: &[u8]) -> Vec<u8> {
     let mut out = vec![b'"'];
     for &b in key {
@@ -114,6 +114,28 @@ fn sf_string(key: &[u8]) -> Vec<u8> {
     }
     out.push(b'"');
     out
+}
+
+/// Whether a bare value is an RFC 9651 bare item that src/key.rs refuses
+/// (`KeyError::NotAString`): a Date (§3.3.7), a Display String (§3.3.8), a
+/// Byte Sequence (§3.3.5) or a Boolean (§3.3.6). Written apart from the
+/// parser's own test, over text.
+fn refused_bare_item(value: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(value) else {
+        return false;
+    };
+    if let Some(date) = text.strip_prefix('@') {
+        let digits = date.strip_prefix('-').unwrap_or(date);
+        return !digits.is_empty()
+            && digits.len() <= 15
+            && digits.chars().all(|c| c.is_ascii_digit());
+    }
+    if let Some(bytes) = text.strip_prefix(':').and_then(|t| t.strip_suffix(':')) {
+        return bytes
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "+/=".contains(c));
+    }
+    text.starts_with("%\"") || text == "?0" || text == "?1"
 }
 
 /// Optional whitespace around a field value (RFC 9110 §5.5): spaces and tabs.
@@ -155,18 +177,27 @@ pub fn check_key(data: &[u8]) {
                 assert_eq!(sf_string(key.as_bytes()), value);
             }
         }
-        // A bare key of token-safe printable ASCII is the key itself.
+        // A bare key of token-safe printable ASCII is the key itself, unless
+        // it is a structured item of a type that is refused.
         Some(_) => {
             let bare = value
                 .iter()
                 .all(|&b| (0x21..=0x7e).contains(&b) && !matches!(b, b'"' | b'\\' | b',' | b';'));
             if bare {
-                let expected = if value.len() <= MAX_KEY_LEN {
+                let expected = if refused_bare_item(value) {
+                    Err(KeyError::NotAString)
+                } else if value.len() <= MAX_KEY_LEN {
                     Ok(String::from_utf8(value.to_vec()).unwrap())
                 } else {
                     Err(KeyError::TooLong)
                 };
                 assert_eq!(parsed, expected);
+            }
+            let printable = data
+                .iter()
+                .all(|&b| (0x20..=0x7e).contains(&b) || b == b'\t');
+            if printable && value.starts_with(b"%\"") {
+                assert_eq!(parsed, Err(KeyError::NotAString));
             }
         }
     }

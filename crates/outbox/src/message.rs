@@ -35,7 +35,7 @@ pub struct Message {
 pub enum MessageError {
     /// The key given to [`Message::with_key`] is empty, longer than
     /// [`MAX_KEY_LEN`] bytes, or has a character outside printable ASCII
-    /// (`0x20..=0x7e`), which an RFC 8941 sf-string cannot carry.
+    /// (`0x20..=0x7e`), which an RFC 9651 sf-string cannot carry.
     InvalidKey,
     /// The payload is larger than [`MAX_PAYLOAD`] bytes.
     PayloadTooLarge(usize),

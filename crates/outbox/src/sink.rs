@@ -99,7 +99,7 @@ pub fn classify(status: StatusCode) -> Outcome {
 
 /// Delivers each message as `POST <destination>` through any Tower HTTP
 /// client (a hyper-util legacy `Client`, say), with `Content-Type` and
-/// `Idempotency-Key: "<key>"` (an RFC 8941 sf-string), so that a receiver
+/// `Idempotency-Key: "<key>"` (an RFC 9651 sf-string), so that a receiver
 /// behind an `IdempotencyLayer` applies each message once however often it
 /// arrives. The answer's status is judged by [`classify`]; a client error
 /// (connection refused, reset, hung up) is [`Outcome::Retry`]. A retried
@@ -119,7 +119,7 @@ impl<S> HttpSink<S> {
     }
 }
 
-/// `key` as an RFC 8941 sf-string: quoted, `"` and `\` escaped.
+/// `key` as an RFC 9651 sf-string: quoted, `"` and `\` escaped.
 pub fn sf_string(key: &str) -> String {
     let mut out = String::with_capacity(key.len() + 2);
     out.push('"');
