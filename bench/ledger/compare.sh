@@ -26,7 +26,8 @@
 # ledger/naive ratios as Markdown. LEDGER_BIN=PATH measures another build
 # of the ledger (e.g. an older one); NO_BUILD=1 skips the builds; OUT=FILE
 # appends the raw windows to FILE; CHART=FILE.svg draws BENCHMARKS.md's
-# chart (bench/ledger/chart.py); PATHS and CONNS choose what is driven.
+# chart (bench/ledger/chart.py); PATHS and CONNS choose what is driven;
+# LEDGER_ARGS adds options to every ledger (the naive one is unchanged).
 # Needs wrk, curl, python3 (and psql for PostgreSQL).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

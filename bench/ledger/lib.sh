@@ -92,13 +92,19 @@ pg_schema() {
 start_all() {
   servers=(sqlite-naive sqlite-transactional sqlite-separate)
   start sqlite-naive "$naive" --db "$dir/naive.sqlite3"
-  start sqlite-transactional "$ledger" --db "$dir/t.sqlite3" --mode transactional
-  start sqlite-separate "$ledger" --db "$dir/s.sqlite3" --mode separate
+  # LEDGER_ARGS (split on spaces) go to every ledger: options to measure,
+  # e.g. "--encryption-key-file K --wait-in-flight-ms 2000".
+  # shellcheck disable=SC2086
+  start sqlite-transactional "$ledger" --db "$dir/t.sqlite3" --mode transactional ${LEDGER_ARGS:-}
+  # shellcheck disable=SC2086
+  start sqlite-separate "$ledger" --db "$dir/s.sqlite3" --mode separate ${LEDGER_ARGS:-}
   if [ -n "${PG_URL:-}" ]; then
     servers+=(postgres-naive postgres-transactional postgres-separate)
     start postgres-naive "$naive" --db "$(pg_schema bench_naive)"
-    start postgres-transactional "$ledger" --db "$(pg_schema bench_t)" --mode transactional
-    start postgres-separate "$ledger" --db "$(pg_schema bench_s)" --mode separate
+    # shellcheck disable=SC2086
+    start postgres-transactional "$ledger" --db "$(pg_schema bench_t)" --mode transactional ${LEDGER_ARGS:-}
+    # shellcheck disable=SC2086
+    start postgres-separate "$ledger" --db "$(pg_schema bench_s)" --mode separate ${LEDGER_ARGS:-}
   fi
 }
 # rss_mib PID: the process's resident set (VmRSS), MiB.
