@@ -217,6 +217,19 @@ async fn claim_or_wait<M: Mode<St>, St: Store>(
         .claim_until(deadline, abandoned, once, in_flight)
         .await
     {
+        // The caller went away while the claim that won the key was under
+        // way: nothing has run, so the key is given back (and its other
+        // waiters woken) rather than run for nobody.
+        Ok((_, Ok(Ok((hold, _))))) if abandoned.load(std::sync::atomic::Ordering::Relaxed) => {
+            telemetry::wait("timed_out");
+            let wake = WakeOnEnd {
+                waiting: waiting.clone(),
+                id: claim.record_id(),
+            };
+            release(hold).await;
+            drop(wake);
+            first
+        }
         Ok(answer) => {
             telemetry::wait("woken");
             answer
