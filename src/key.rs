@@ -281,13 +281,14 @@ fn is_other_bare_item(value: &[u8]) -> bool {
 pub struct ClaimedKey {
     key: String,
     scope: String,
+    namespace: Option<Arc<str>>,
     lease: Arc<LeaseSignal>,
 }
 
-/// Two claimed keys are equal when their keys and scopes are.
+/// Two claimed keys are equal when their keys, scopes and namespaces are.
 impl PartialEq for ClaimedKey {
     fn eq(&self, other: &Self) -> bool {
-        (&self.key, &self.scope) == (&other.key, &other.scope)
+        (&self.key, &self.scope, &self.namespace) == (&other.key, &other.scope, &other.namespace)
     }
 }
 
@@ -298,8 +299,15 @@ impl ClaimedKey {
         ClaimedKey {
             key,
             scope,
+            namespace: None,
             lease: Arc::default(),
         }
+    }
+
+    /// The same claim under the layer's namespace, if it has one.
+    pub(crate) fn in_namespace(mut self, namespace: Option<Arc<str>>) -> Self {
+        self.namespace = namespace;
+        self
     }
 
     pub(crate) fn lease_signal(&self) -> Arc<LeaseSignal> {
@@ -330,6 +338,15 @@ impl ClaimedKey {
     /// [`GlobalScope`](crate::scope::GlobalScope)).
     pub fn scope(&self) -> &str {
         &self.scope
+    }
+
+    /// The layer's [`namespace`](crate::IdempotencyLayer::namespace), if
+    /// it has one: the same key and scope under two namespaces are two
+    /// claims (two records, two runs), so whatever a handler derives from
+    /// its claim to keep runs apart (the outbox's message keys) must take
+    /// the namespace in too.
+    pub fn namespace(&self) -> Option<&str> {
+        self.namespace.as_deref()
     }
 }
 

@@ -102,9 +102,10 @@ where
                 return Ok(reject(settings, None, Outcome::Rejected, rejection));
             }
         };
-        parts
-            .extensions
-            .insert(ClaimedKey::new(key.clone(), scope.clone()));
+        parts.extensions.insert(
+            ClaimedKey::new(key.clone(), scope.clone())
+                .in_namespace(settings.hooks.namespace.clone()),
+        );
         let claim = ClaimRequest {
             scope,
             key: settings.hooks.stored_key(key),

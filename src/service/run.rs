@@ -63,10 +63,12 @@ where
     // when the lease is renewed (counted from here, before the store counts
     // it, less a margin), or it is recorded as not stored: see
     // `finish_stream`.
-    let claimed_at = tokio::time::Instant::now();
-    let mut lease_end = claimed_at + stream_deadline(settings.lease);
     let (id, token, fingerprint) = (claim.record_id(), claim.token, claim.fingerprint);
-    let claimed = claim_or_wait::<M, _>(&store, settings, claim, waiting_bytes, &abandoned).await;
+    // The instant the answering claim was sent: a repeat that waited and
+    // then claimed has a lease from its own claim, not from its arrival.
+    let (claimed_at, claimed) =
+        claim_or_wait::<M, _>(&store, settings, claim, waiting_bytes, &abandoned).await;
+    let mut lease_end = claimed_at + stream_deadline(settings.lease);
     let (hold, taken_over) = match claimed {
         Ok(Ok((hold, taken_over))) => {
             telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
@@ -175,19 +177,31 @@ where
     Ok(response)
 }
 
+/// The answer of one claim, and the instant it was sent.
+type Claimed<M, St> = (
+    tokio::time::Instant,
+    Result<Result<(<M as Mode<St>>::Hold, bool), Refusal>, StoreError>,
+);
+
 /// The atomic claim; a repeat that meets its key in flight, when the layer
 /// lets repeats wait (`wait_in_flight`), claims again until the key is no
-/// longer in flight or its wait is over (see [`crate::wait`]).
+/// longer in flight or its wait is over (see [`crate::wait`]). Answers with
+/// the instant the answering claim was sent (a claim acquired after a wait
+/// has its lease from then).
 async fn claim_or_wait<M: Mode<St>, St: Store>(
     store: &St,
     settings: &Settings,
     claim: ClaimRequest,
     waiting_bytes: usize,
     abandoned: &AtomicBool,
-) -> Result<Result<(M::Hold, bool), Refusal>, StoreError> {
-    let once = || timed(Operation::Claim, M::claim(store, claim.clone()));
+) -> Claimed<M, St> {
+    let once = || {
+        let sent = tokio::time::Instant::now();
+        let answer = timed(Operation::Claim, M::claim(store, claim.clone()));
+        async move { (sent, answer.await) }
+    };
     let first = once().await;
-    let (Some(waiting), Ok(Err(Refusal::InFlight { .. }))) = (&settings.wait, &first) else {
+    let (Some(waiting), Ok(Err(Refusal::InFlight { .. }))) = (&settings.wait, &first.1) else {
         return first;
     };
     let Some(waiter) = waiting.enter(&claim.record_id(), waiting_bytes) else {
@@ -195,7 +209,7 @@ async fn claim_or_wait<M: Mode<St>, St: Store>(
         return first;
     };
     let deadline = tokio::time::Instant::now() + waiting.bound;
-    let in_flight = |answer: &Result<Result<(M::Hold, bool), Refusal>, StoreError>| match answer {
+    let in_flight = |(_, answer): &Claimed<M, St>| match answer {
         Ok(Err(Refusal::InFlight { lease_remaining })) => Some(*lease_remaining),
         _ => None,
     };
@@ -203,6 +217,19 @@ async fn claim_or_wait<M: Mode<St>, St: Store>(
         .claim_until(deadline, abandoned, once, in_flight)
         .await
     {
+        // The caller went away while the claim that won the key was under
+        // way: nothing has run, so the key is given back (and its other
+        // waiters woken) rather than run for nobody.
+        Ok((_, Ok(Ok((hold, _))))) if abandoned.load(std::sync::atomic::Ordering::Relaxed) => {
+            telemetry::wait("timed_out");
+            let wake = WakeOnEnd {
+                waiting: waiting.clone(),
+                id: claim.record_id(),
+            };
+            release(hold).await;
+            drop(wake);
+            first
+        }
         Ok(answer) => {
             telemetry::wait("woken");
             answer

@@ -67,7 +67,9 @@ impl std::error::Error for MessageError {}
 /// The stable key of message `index` of the request that claimed `claimed`:
 /// `"obx1-"` and 64 hex digits of SHA-256 over a fixed label, the scope, the
 /// key (each framed by its length in 8 bytes, big-endian) and `index` (4
-/// bytes, big-endian).
+/// bytes, big-endian). Under a layer's namespace
+/// ([`ClaimedKey::namespace`]), the key is framed as the store keeps it:
+/// the namespace, U+001F, then the key.
 ///
 /// The same (scope, key, index) gives the same key in every process and
 /// after every restart, so a request that is rolled back and retried
@@ -78,7 +80,16 @@ impl std::error::Error for MessageError {}
 pub fn message_key(claimed: &ClaimedKey, index: u32) -> String {
     let mut h = Sha256::new();
     h.update(b"tower-idempotency outbox message key v1");
-    for part in [claimed.scope().as_bytes(), claimed.key().as_bytes()] {
+    // Under a layer's namespace the key is framed as the store keeps it,
+    // the namespace, U+001F and the key: the same key under two namespaces
+    // is two runs, and a key (printable ASCII) never holds U+001F, so no
+    // namespaced key frames as a plain one. Without a namespace the key is
+    // framed as before.
+    let key = match claimed.namespace() {
+        Some(namespace) => format!("{namespace}\u{1f}{}", claimed.key()),
+        None => claimed.key().to_owned(),
+    };
+    for part in [claimed.scope().as_bytes(), key.as_bytes()] {
         h.update((part.len() as u64).to_be_bytes());
         h.update(part);
     }
