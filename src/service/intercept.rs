@@ -188,6 +188,11 @@ impl<T: Send + 'static> Drop for DetachOnDrop<T> {
             return;
         };
         self.abandoned.store(true, Ordering::Relaxed);
+        // Unwinding from a panic inside it (a hook's, say): the future is
+        // spent and cannot be resumed; dropping it drops its hold.
+        if std::thread::panicking() {
+            return;
+        }
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => drop(runtime.spawn(future)),
             Err(_) => tracing::error!(

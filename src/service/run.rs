@@ -113,8 +113,15 @@ where
     if let Some(rejection) =
         first_sent::expired(settings, request.extensions()).filter(|_| !taken_over)
     {
-        release(hold).await;
-        return Ok(settings.rejection_response(&rejection, Some(&id)));
+        // The key is given back: its waiters claim again at once.
+        let _wake = settings.wait.clone().map(|waiting| WakeOnEnd {
+            waiting,
+            id: id.clone(),
+        });
+        if let Err(e) = timed(Operation::Release, hold.release()).await {
+            tracing::error!(error = %e, "releasing the key failed; it stays in flight until its lease ends");
+        }
+        return Ok(reject(settings, Some(&id), Outcome::Rejected, rejection));
     }
     let sealer = settings.keyring.clone().map(|keyring| Sealer {
         keyring,
