@@ -22,7 +22,9 @@ use crate::seal::Keyring;
 use crate::service::Idempotency;
 use crate::store::{DEFAULT_LEASE, DEFAULT_TTL};
 use crate::store::{Store, TransactionalStore};
-use crate::wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES, Waiting};
+use crate::wait::{
+    DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES, DEFAULT_SIGNALLED_POLL, Waiting,
+};
 
 /// Applies idempotency keys to the requests of a service: the first request
 /// with a key runs, and its response is replayed to every repeat.
@@ -137,6 +139,7 @@ impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
                     on_rejection: None,
                     wait: None,
                     waiter_limits: (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES),
+                    signalled_poll: DEFAULT_SIGNALLED_POLL,
                     refuse_expired: false,
                     retention_header: None,
                     clock: Arc::new(crate::store::SystemClock),
@@ -314,10 +317,21 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// - **Woken by the completion.** A first request in this process,
     ///   behind this layer (or a clone of it), wakes its waiters when its
     ///   record completes or its key is given back.
-    /// - **Polling for other servers.** A waiter also claims again after
-    ///   5 ms, then at doubling intervals up to 100 ms, and at the end of the
-    ///   first request's lease: a first request on another server is seen
-    ///   within 100 ms of its completion.
+    /// - **Woken by the store for other servers.** A store with a signal
+    ///   ([`Store::watch`](crate::store::Store::watch)) wakes a waiter when
+    ///   a first request on another server completes or gives its key back:
+    ///   `PostgresStore` with `notify_waiters` (PostgreSQL `LISTEN`/`NOTIFY`)
+    ///   and `RedisStore` on one server (pub/sub). Measured on loopback
+    ///   (`bench/wake`): a waiter on another server answers a median of
+    ///   about 1 ms after the first request's client has its response.
+    /// - **Polling as the backstop.** A waiter also claims again after
+    ///   5 ms, then at doubling intervals up to 100 ms (without a live
+    ///   signal: the memory and SQLite stores, MySQL, the sqlx PostgreSQL
+    ///   store, a Redis Cluster, or while the store's listener reconnects),
+    ///   or every [`signalled_poll_interval`](Self::signalled_poll_interval)
+    ///   (default 1 s) while the signal is live; and at the end of the first
+    ///   request's lease. Without a signal a first request on another server
+    ///   is seen within 100 ms of its completion.
     /// - **Holds nothing.** A waiter holds no store connection and no writer
     ///   slot while it waits; each claim is one short store call, as a
     ///   client's retry would be.
@@ -327,6 +341,15 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
         let (count, bytes) = self.config.settings.waiter_limits;
         self.config.settings.wait =
             (!max_wait.is_zero()).then(|| Arc::new(Waiting::new(max_wait, count, bytes)));
+        self
+    }
+
+    /// How often a waiting repeat claims again while its store's signal is
+    /// live (see [`wait_in_flight`](Self::wait_in_flight)): the backstop
+    /// for an announcement the store lost. Default 1 s; never later than
+    /// the end of the first request's lease.
+    pub fn signalled_poll_interval(mut self, interval: Duration) -> Self {
+        self.config.settings.signalled_poll = interval;
         self
     }
 

@@ -18,15 +18,17 @@
 //! layer's waiting bytes.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::store::RecordId;
+use crate::store::{RecordId, Watch};
 
 /// The default cap on repeats waiting at once behind one layer.
 pub const DEFAULT_MAX_WAITERS: usize = 256;
@@ -35,7 +37,10 @@ pub const DEFAULT_MAX_WAITING_BYTES: usize = 16 * 1024 * 1024;
 
 /// The first interval between a waiter's claims.
 const POLL_FIRST: Duration = Duration::from_millis(5);
-/// The longest interval between a waiter's claims.
+/// The default interval between a waiter's claims while the store's signal
+/// is live (`IdempotencyLayer::signalled_poll_interval`).
+pub const DEFAULT_SIGNALLED_POLL: Duration = Duration::from_secs(1);
+/// The longest interval between a waiter's claims without a live signal.
 const POLL_MAX: Duration = Duration::from_millis(100);
 
 /// The waiters of one layer: how long each may wait, how many may wait at
@@ -134,13 +139,17 @@ impl Drop for Waiter {
 
 impl Waiter {
     /// Runs `claim` until it stops answering "in flight" (`None`), waiting
-    /// between claims as the module docs say. Returns the last answer, and
-    /// `None` only if the waiter gives up first (its bound passed, or
-    /// `abandoned` was set because the caller went away).
+    /// between claims as the module docs say: woken by this layer's
+    /// completion, by the store's `watch` of the key, or by the poll timer
+    /// (`signalled_poll` apart while the watch is live and saw no
+    /// reconnect since the claim, else 5 ms doubling to 100 ms). Returns the
+    /// last answer, and `None` only if the waiter gives up first (its bound
+    /// passed, or `abandoned` was set because the caller went away).
     pub(crate) async fn claim_until<T, Fut>(
         &self,
         deadline: Instant,
         abandoned: &AtomicBool,
+        (watch, signalled_poll): (Option<&Watch>, Duration),
         mut claim: impl FnMut() -> Fut,
         mut in_flight: impl FnMut(&T) -> Option<Duration>,
     ) -> Result<T, Option<T>>
@@ -154,6 +163,11 @@ impl Waiter {
             // claim and the wait is not missed.
             let mut woken = pin!(self.notify.notified());
             woken.as_mut().enable();
+            let mut changed = pin!(watch.map(Watch::changed));
+            if let Some(changed) = changed.as_mut().as_pin_mut() {
+                changed.enable();
+            }
+            let live = watch.and_then(Watch::live);
             if abandoned.load(Ordering::Relaxed) {
                 return Err(last);
             }
@@ -162,10 +176,27 @@ impl Waiter {
                 return Ok(answer);
             };
             last = Some(answer);
+            // The store's signal was live through the claim: no change was
+            // missed, so polling is only the backstop.
+            let trusted = live.is_some() && watch.and_then(Watch::live) == live;
+            let wait = if trusted { signalled_poll } else { interval };
             // The key may be taken over at the end of its lease: claim then.
-            let next = (Instant::now() + interval.min(lease_remaining)).min(deadline);
-            let _ = tokio::time::timeout_at(next, woken).await;
-            interval = (interval * 2).min(POLL_MAX);
+            let next = (Instant::now() + wait.min(lease_remaining)).min(deadline);
+            let either = std::future::poll_fn(|cx| {
+                let signalled = match changed.as_mut().as_pin_mut() {
+                    Some(changed) => changed.poll(cx).is_ready(),
+                    None => false,
+                };
+                if signalled || woken.as_mut().poll(cx).is_ready() {
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending
+                }
+            });
+            let _ = tokio::time::timeout_at(next, either).await;
+            if !trusted {
+                interval = (interval * 2).min(POLL_MAX);
+            }
             if Instant::now() >= deadline || abandoned.load(Ordering::Relaxed) {
                 return Err(last);
             }
@@ -230,6 +261,7 @@ mod tests {
         let claim = waiter.claim_until(
             start + Duration::from_secs(10),
             &never,
+            (None, DEFAULT_SIGNALLED_POLL),
             || {
                 claims.fetch_add(1, Ordering::Relaxed);
                 let finished = done.load(Ordering::Relaxed);
@@ -255,6 +287,7 @@ mod tests {
             .claim_until(
                 start + Duration::from_millis(300),
                 &never,
+                (None, DEFAULT_SIGNALLED_POLL),
                 || {
                     times.lock().unwrap().push(start.elapsed().as_millis());
                     async {}
@@ -279,6 +312,7 @@ mod tests {
             .claim_until(
                 start + Duration::from_secs(10),
                 &abandoned,
+                (None, DEFAULT_SIGNALLED_POLL),
                 || {
                     let n = claims.fetch_add(1, Ordering::Relaxed);
                     if n == 1 {
@@ -293,5 +327,40 @@ mod tests {
         assert_eq!(answer, Err(Some(())));
         assert_eq!(claims.load(Ordering::Relaxed), 2);
         assert_eq!(start.elapsed(), Duration::from_millis(4));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_live_store_signal_wakes_the_waiter_and_slows_its_polling() {
+        use crate::store::kit::feed::{Feed, change_key, change_payload};
+        let waiting = Arc::new(Waiting::new(Duration::from_secs(120), 8, 1024));
+        let waiter = waiting.enter(&id("k"), 0).unwrap();
+        let feed = Feed::new(8);
+        let listener = feed.listener();
+        listener.set_live();
+        let watch = feed.watch(change_key("t", "s", "k")).unwrap();
+        let times = Mutex::new(Vec::new());
+        let done = AtomicBool::new(false);
+        let never = AtomicBool::new(false);
+        let start = Instant::now();
+        let announce = async {
+            // Two polls a minute apart, then another server completes.
+            tokio::time::sleep(Duration::from_secs(90)).await;
+            done.store(true, Ordering::Relaxed);
+            listener.deliver(&change_payload("t", "s", "k"));
+        };
+        let claim = waiter.claim_until(
+            start + Duration::from_secs(120),
+            &never,
+            (Some(&watch), Duration::from_secs(60)),
+            || {
+                times.lock().unwrap().push(start.elapsed().as_secs());
+                let finished = done.load(Ordering::Relaxed);
+                async move { finished }
+            },
+            |finished| (!finished).then_some(Duration::from_secs(600)),
+        );
+        let (answer, ()) = tokio::join!(claim, announce);
+        assert_eq!(answer, Ok(true));
+        assert_eq!(*times.lock().unwrap(), [0, 60, 90]);
     }
 }
