@@ -8,10 +8,22 @@
 //! - **the completion itself**, when the first request runs in this process
 //!   behind the same layer: the end of its hold (completed, released, rolled
 //!   back or abandoned) wakes every waiter of its key at once;
-//! - **polling**, for a first request on another server: the waiter claims
-//!   again after 5 ms, then at doubling intervals up to 100 ms, and never
-//!   later than the end of the first request's lease, when the key may be
-//!   taken over.
+//! - **the store**, for a first request on another server, when the store
+//!   has a signal ([`Store::watch`](crate::store::Store::watch)):
+//!   `PostgresStore` with `notify_waiters(true)` (`LISTEN`/`NOTIFY`) and
+//!   `RedisStore` on one server (pub/sub) announce every completion and
+//!   release; one listener connection per store wakes the waiters of that
+//!   key. Measured (`bench/wake`, loopback, 200 runs): p50 0.4 ms / p99
+//!   2.1 ms after the first request's client has its answer on PostgreSQL,
+//!   p50 0.6 ms / p99 6.1 ms on Redis;
+//! - **polling**, always, as the backstop: the waiter claims again after
+//!   5 ms, then at doubling intervals up to 100 ms (p50 29 ms / p99 96 ms
+//!   in the same measurement) — or, while the store's signal is live and
+//!   saw no reconnect since the claim, every
+//!   [`signalled_poll_interval`](crate::IdempotencyLayer::signalled_poll_interval)
+//!   (1 s) — and never later than the end of the first request's lease,
+//!   when the key may be taken over. A lost announcement (a listener that
+//!   reconnects, a full feed) delays a waiter, never strands it.
 //!
 //! A waiter holds no database connection and no writer slot: between its
 //! claims it holds only its buffered request, which counts against the

@@ -155,7 +155,12 @@ async fn woken_by_the_store<A: Store, B: Store>(a: A, b: B, fail: bool) {
 async fn postgres_pair() -> (PostgresStore, PostgresStore) {
     let url = common::services::postgres_url();
     let table = format!("wake_{:012x}", FencingToken::random().0 >> 16);
-    let open = || PostgresStore::builder(&url).table(table.clone()).open();
+    let open = || {
+        PostgresStore::builder(&url)
+            .table(table.clone())
+            .notify_waiters(true)
+            .open()
+    };
     (open().await.unwrap(), open().await.unwrap())
 }
 
