@@ -66,6 +66,9 @@ pub(crate) struct Settings {
     pub(crate) wait: Option<Arc<Waiting>>,
     /// The caps on waiters (`max_waiters`): how many, and how many bytes.
     pub(crate) waiter_limits: (usize, usize),
+    /// How often a waiter claims while the store's signal is live
+    /// (`signalled_poll_interval`).
+    pub(crate) signalled_poll: Duration,
     /// Refuse a fresh claim first sent longer ago than the TTL (`first_sent`).
     pub(crate) refuse_expired: bool,
     /// The field that advertises the TTL on first responses and replays.

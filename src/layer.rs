@@ -27,7 +27,7 @@ use crate::seal::Keyring;
 use crate::service::Idempotency;
 use crate::store::{DEFAULT_LEASE, DEFAULT_TTL};
 use crate::store::{Store, TransactionalStore};
-use crate::wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES};
+use crate::wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES, DEFAULT_SIGNALLED_POLL};
 
 /// Applies idempotency keys to the requests of a service: the first request
 /// with a key runs, and its response is replayed to every repeat.
@@ -142,6 +142,7 @@ impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
                     on_rejection: None,
                     wait: None,
                     waiter_limits: (DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES),
+                    signalled_poll: DEFAULT_SIGNALLED_POLL,
                     refuse_expired: false,
                     retention_header: None,
                     clock: Arc::new(crate::store::SystemClock),

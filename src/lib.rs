@@ -162,4 +162,4 @@ pub use service::{Idempotency, ResponseFuture};
 pub use store::SqliteStore;
 pub use store::{DEFAULT_LEASE, DEFAULT_TTL};
 pub use store::{MemoryStore, Store, StoreError};
-pub use wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES};
+pub use wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES, DEFAULT_SIGNALLED_POLL};

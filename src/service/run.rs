@@ -215,13 +215,21 @@ async fn claim_or_wait<M: Mode<St>, St: Store>(
         telemetry::wait("full");
         return first;
     };
+    // Watched before the next claim, so that its change is not missed.
+    let watch = store.watch(&claim.record_id());
     let deadline = tokio::time::Instant::now() + waiting.bound;
     let in_flight = |(_, answer): &Claimed<M, St>| match answer {
         Ok(Err(Refusal::InFlight { lease_remaining })) => Some(*lease_remaining),
         _ => None,
     };
     match waiter
-        .claim_until(deadline, abandoned, once, in_flight)
+        .claim_until(
+            deadline,
+            abandoned,
+            (watch.as_ref(), settings.signalled_poll),
+            once,
+            in_flight,
+        )
         .await
     {
         // The caller went away while the claim that won the key was under

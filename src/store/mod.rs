@@ -111,6 +111,7 @@ pub use clock::{Clock, SystemClock};
 pub(crate) use decide::{Decision, Existing, Kind, decide, retry_after_secs};
 pub use error::StoreError;
 pub use inspect::{Inspect, RecordCounts, RecordSummary};
+pub use kit::feed::Watch;
 pub use memory::MemoryStore;
 #[cfg(feature = "sqlite")]
 pub use sqlite::{
@@ -337,6 +338,18 @@ pub trait Store: Clone + Send + Sync + 'static {
         token: FencingToken,
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// A watch on `id` for a repeat waiting on it
+    /// ([`IdempotencyLayer::wait_in_flight`](crate::IdempotencyLayer::wait_in_flight)):
+    /// woken when any server completes or releases the record, through the
+    /// store's own signal (PostgreSQL `LISTEN`/`NOTIFY`, Redis pub/sub; see
+    /// [`kit::feed`]). The waiter still polls, more slowly while the watch
+    /// is live. The default, `None`, is a store without a signal: waiters
+    /// on other servers are woken by polling alone.
+    fn watch(&self, id: &RecordId) -> Option<Watch> {
+        let _ = id;
+        None
+    }
 }
 
 /// A store that can claim a key inside a transaction the handler writes

@@ -73,4 +73,8 @@ where
     ) -> Result<bool, StoreError> {
         self.inner.renew(id, token, lease).await
     }
+
+    fn watch(&self, id: &RecordId) -> Option<crate::store::Watch> {
+        self.inner.watch(id)
+    }
 }

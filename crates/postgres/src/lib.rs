@@ -5,6 +5,7 @@
 // `transaction.rs` `PostgresTransaction` and transactional mode (the
 // kit's two phases); `inspect.rs` `Inspect`
 // in SQL; `connect.rs` the URL's libpq TLS parameters and start-up errors;
+// `listen.rs` the LISTEN connection that wakes waiting repeats;
 // `sslmode.rs` `sslmode` and `sslrootcert`; `tls.rs` the rustls connector
 // (feature `tls`).
 #![deny(unsafe_code, unreachable_pub)]
@@ -20,13 +21,15 @@ use tokio_postgres::Statement;
 use tower_idempotency::response::StoredResponse;
 use tower_idempotency::store::kit::builder::{Limits, Settings};
 use tower_idempotency::store::kit::claim::{ClaimSteps, Met, claim_in};
+use tower_idempotency::store::kit::feed::{DEFAULT_MAX_WATCHED_KEYS, Feed, change_payload};
 use tower_idempotency::store::kit::pg_sql::{PgSql, advisory_key, answer_completed, schema};
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, duration_ms,
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, Watch, duration_ms,
 };
 
 mod connect;
 mod inspect;
+mod listen;
 mod sslmode;
 #[cfg(feature = "tls")]
 mod tls;
@@ -91,6 +94,10 @@ pub struct PostgresStore {
     sql: Arc<Sql>,
     /// Max hold, the transactions held past it, the test clock offset.
     limits: Limits,
+    /// Completions and releases announced to waiting repeats
+    /// (`notify_waiters`): the feed their watches share, and where its
+    /// listener connects.
+    notify: Option<(Feed, Arc<connect::Target>)>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -107,6 +114,7 @@ pub struct PostgresStoreBuilder {
     url: String,
     pool_size: u32,
     wait_timeout: Duration,
+    notify: bool,
     settings: Settings,
 }
 
@@ -150,6 +158,28 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// Whether completions and releases wake repeats waiting on other
+    /// servers ([`IdempotencyLayer::wait_in_flight`](tower_idempotency::IdempotencyLayer::wait_in_flight))
+    /// through PostgreSQL's `NOTIFY` (default off). On, the completion's and
+    /// the release's statement also run `pg_notify` on the channel
+    /// `tower_idempotency` with a 16-hex-digit hash of the table, scope and
+    /// key (no key is sent), delivered when they commit (in transactional
+    /// mode, with the handler's transaction); the store keeps one more
+    /// connection, outside the pool, that `LISTEN`s, opened when the first
+    /// repeat waits. A waiter on another server then answers within about a
+    /// millisecond of the completion instead of up to 100 ms (polling).
+    ///
+    /// Off by default because PostgreSQL serialises the commits of
+    /// transactions that `NOTIFY` (one lock on the notification queue, held
+    /// through the commit): with 8 clients completing records at once,
+    /// 335 completions a second with `NOTIFY` against 1,760-2,010 without,
+    /// on one local server (pgbench, 4,000 completions each). Turn it on
+    /// where repeats wait often and completions are not the bottleneck.
+    pub fn notify_waiters(mut self, on: bool) -> Self {
+        self.notify = on;
+        self
+    }
+
     /// Connects and creates the table if it is missing.
     ///
     /// # Errors
@@ -169,7 +199,7 @@ impl PostgresStoreBuilder {
     /// `connect_timeout`, `keepalives_idle`, `tcp_user_timeout`, ...
     pub async fn open(self) -> Result<PostgresStore, StoreError> {
         tower_idempotency::store::kit::table::check_table_name(&self.settings.table)?;
-        let target = connect::parse(&self.url)?;
+        let target = Arc::new(connect::parse(&self.url)?);
         let manager = connect::manager(&target)?;
         let pool = Pool::builder(manager)
             .max_size(self.pool_size as usize)
@@ -197,6 +227,9 @@ impl PostgresStoreBuilder {
             pool,
             sql: Arc::new(sql),
             limits: self.settings.limits(),
+            notify: self
+                .notify
+                .then(|| (Feed::new(DEFAULT_MAX_WATCHED_KEYS), target)),
         })
     }
 }
@@ -217,6 +250,7 @@ impl PostgresStore {
             url: url.to_owned(),
             pool_size: 16,
             wait_timeout: Duration::from_secs(5),
+            notify: false,
             settings: Settings::default(),
         }
     }
@@ -235,6 +269,18 @@ impl PostgresStore {
 
     fn offset_ms(&self) -> i64 {
         self.limits.offset_ms()
+    }
+
+    /// The completion's statement and its parameters after the first
+    /// four: with `notify_waiters`, the announcing one and its payload.
+    fn completion(&self, id: &RecordId) -> (&str, Option<String>) {
+        match &self.notify {
+            Some(_) => (
+                &self.sql.complete_notify,
+                Some(change_payload(&self.sql.table, id.scope(), id.key())),
+            ),
+            None => (&self.sql.complete, None),
+        }
     }
 
     async fn client(&self) -> Result<Object, StoreError> {
@@ -372,14 +418,18 @@ impl Store for PostgresStore {
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
+        let (statement, payload) = self.completion(&id);
         let (scope, key) = id.into_parts();
         let blob = response.encode();
         let client = self.client().await?;
+        let statement = cached(&client, statement).await?;
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+            vec![&scope, &key, &token.0, &blob];
+        if let Some(payload) = &payload {
+            params.push(payload);
+        }
         let updated = client
-            .execute(
-                &cached(&client, &self.sql.complete).await?,
-                &[&scope, &key, &token.0, &blob],
-            )
+            .execute(&statement, &params)
             .await
             .map_err(unavailable)?;
         Ok(if updated == 1 {
@@ -390,15 +440,23 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
-        let (scope, key) = id.into_parts();
         let client = self.client().await?;
-        let deleted = client
-            .execute(
-                &cached(&client, &self.sql.release).await?,
-                &[&scope, &key, &token.0],
-            )
-            .await
-            .map_err(unavailable)?;
+        let deleted = match &self.notify {
+            Some(_) => {
+                let payload = change_payload(&self.sql.table, id.scope(), id.key());
+                let statement = cached(&client, &self.sql.release_notify).await?;
+                client
+                    .execute(&statement, &[&id.scope(), &id.key(), &token.0, &payload])
+                    .await
+            }
+            None => {
+                let statement = cached(&client, &self.sql.release).await?;
+                client
+                    .execute(&statement, &[&id.scope(), &id.key(), &token.0])
+                    .await
+            }
+        }
+        .map_err(unavailable)?;
         Ok(deleted == 1)
     }
 
@@ -419,6 +477,18 @@ impl Store for PostgresStore {
             .await
             .map_err(unavailable)?;
         Ok(renewed == 1)
+    }
+
+    /// With `notify_waiters`: woken by the `NOTIFY` of any server's
+    /// completion or release of `id`; starts the `LISTEN` connection.
+    fn watch(&self, id: &RecordId) -> Option<Watch> {
+        let (feed, target) = self.notify.as_ref()?;
+        listen::start(feed, target);
+        feed.watch(tower_idempotency::store::kit::feed::change_key(
+            &self.sql.table,
+            id.scope(),
+            id.key(),
+        ))
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -173,10 +173,18 @@ impl TwoPhase for PostgresStore {
         response: &StoredResponse,
     ) -> Result<bool, StoreError> {
         let client = tx.client();
-        let statement = cached(client, &self.sql.complete).await?;
+        // With `notify_waiters` the announcement is delivered at the commit.
+        let (statement, payload) = self.completion(id);
+        let statement = cached(client, statement).await?;
         let blob = response.encode();
+        let (scope, key) = (id.scope(), id.key());
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+            vec![&scope, &key, &token.0, &blob];
+        if let Some(payload) = &payload {
+            params.push(payload);
+        }
         let updated = client
-            .execute(&statement, &[&id.scope(), &id.key(), &token.0, &blob])
+            .execute(&statement, &params)
             .await
             .map_err(unavailable)?;
         Ok(updated == 1)

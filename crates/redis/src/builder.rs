@@ -12,6 +12,7 @@ use super::eviction::{self, Eviction};
 use super::{
     CLAIM_SCRIPT, COMPLETE_SCRIPT, INSPECT_SCRIPT, PURGE_SCRIPT, RELEASE_SCRIPT, RedisStore,
 };
+use tower_idempotency::store::kit::feed::Feed;
 use tower_idempotency::store::{Clock, StoreError};
 
 /// Reconnection attempts after the first, while Redis is unreachable.
@@ -204,6 +205,7 @@ impl RedisStoreBuilder {
             ));
         }
         let mut single = String::new();
+        let mut subscriber = None;
         let mut conn = match self.target {
             Target::Single(url) => {
                 #[cfg(feature = "tls")]
@@ -221,6 +223,7 @@ impl RedisStoreBuilder {
                 let client = ::redis::Client::open(url.as_str());
                 let client = client.map_err(StoreError::config)?;
                 single = client.get_connection_info().addr().to_string();
+                subscriber = Some(client.clone());
                 Conn::Single(
                     ConnectionManager::new_with_config(client, connection_config())
                         .await
@@ -285,9 +288,16 @@ impl RedisStoreBuilder {
         }
         Ok(RedisStore {
             conn,
+            channel: super::listen::channel(&self.prefix).into(),
             prefix: self.prefix.into(),
             offset: self.offset,
             eviction,
+            feed: subscriber.map(|client| {
+                (
+                    Feed::new(tower_idempotency::store::kit::feed::DEFAULT_MAX_WATCHED_KEYS),
+                    client,
+                )
+            }),
         })
     }
 

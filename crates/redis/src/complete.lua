@@ -12,4 +12,5 @@ if remaining <= 0 then
 end
 redis.call('HSET', key, 'state', 'completed', 'response', ARGV[3])
 redis.call('PEXPIRE', key, int(remaining))
+redis.call('PUBLISH', ARGV[4], ARGV[5])
 return 1

@@ -2,7 +2,8 @@
 // Source map (for contributors; docs/architecture.md maps every file):
 // `lib.rs` holds `RedisStore` and its `Store` methods; `builder.rs` where
 // it connects; `conn.rs` one server or a cluster; `eviction.rs` the
-// `maxmemory-policy` guard; `inspect.rs` `Inspect`. Each Lua script is a
+// `maxmemory-policy` guard; `inspect.rs` `Inspect`; `listen.rs` the
+// pub/sub connection that wakes waiting repeats. Each Lua script is a
 // `.lua` file beside them, loaded with `include_str!`.
 #![deny(unsafe_code, unreachable_pub)]
 #![warn(missing_docs)]
@@ -14,14 +15,17 @@ use std::time::Duration;
 use ::redis::{Script, Value};
 
 use tower_idempotency::StoredResponse;
+use tower_idempotency::store::kit::feed::{Feed, change_key, change_payload};
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError, duration_ms,
+    Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError, Watch,
+    duration_ms,
 };
 
 mod builder;
 mod conn;
 mod eviction;
 mod inspect;
+mod listen;
 mod reply;
 
 pub use builder::RedisStoreBuilder;
@@ -246,6 +250,11 @@ pub struct RedisStore {
     offset: Option<Arc<dyn Clock>>,
     /// The last eviction check and the timer, shared by every clone.
     eviction: Arc<Eviction>,
+    /// The channel that `complete` and `release` announce on.
+    channel: Arc<str>,
+    /// The feed that wakes waiting repeats, and the client its subscriber
+    /// connects with (one server; `None` on a cluster: waiters poll).
+    feed: Option<(Feed, ::redis::Client)>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -375,6 +384,8 @@ impl Store for RedisStore {
             .arg(self.offset_ms())
             .arg(token.0)
             .arg(response.encode())
+            .arg(&*self.channel)
+            .arg(change_payload(&self.prefix, &scope, &key))
             .invoke_async(&mut conn)
             .await
             .map_err(StoreError::unavailable)?;
@@ -392,10 +403,20 @@ impl Store for RedisStore {
             .key(self.record_key(&scope, &key))
             .arg(self.offset_ms())
             .arg(token.0)
+            .arg(&*self.channel)
+            .arg(change_payload(&self.prefix, &scope, &key))
             .invoke_async(&mut conn)
             .await
             .map_err(StoreError::unavailable)?;
         parse_flag("release", reply)
+    }
+
+    /// One server: woken by the `PUBLISH` of any server's completion or
+    /// release of `id`; starts the subscriber. A cluster: `None` (polling).
+    fn watch(&self, id: &RecordId) -> Option<Watch> {
+        let (feed, client) = self.feed.as_ref()?;
+        listen::start(feed, client, &self.channel);
+        feed.watch(change_key(&self.prefix, id.scope(), id.key()))
     }
 
     async fn renew(

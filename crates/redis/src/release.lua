@@ -5,6 +5,7 @@ end
 local r = redis.call('HMGET', key, 'token', 'state')
 if r[1] == ARGV[2] and r[2] == 'in_flight' then
   redis.call('DEL', key)
+  redis.call('PUBLISH', ARGV[3], ARGV[4])
   return 1
 end
 return 0

@@ -20,6 +20,8 @@
 //!   shared by every PostgreSQL store so that they exclude each other on one
 //!   key; [`sqlite_sql`]: the schema every SQLite store shares, and its
 //!   migration.
+//! * [`feed`]: the change feed that wakes waiting repeats on other servers
+//!   (`Store::watch`): the watched keys, the listener's state.
 //! * [`transaction_extractor!`]: a store's transaction type as an axum
 //!   extractor.
 //!
@@ -31,6 +33,7 @@ pub mod builder;
 pub mod claim;
 mod extractor;
 pub mod fate;
+pub mod feed;
 pub mod pg_sql;
 pub mod release;
 pub mod sqlite_sql;

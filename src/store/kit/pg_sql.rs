@@ -59,6 +59,12 @@ use crate::fingerprint::Hasher;
 use crate::response::StoredResponse;
 use crate::store::{Claim, ClaimRequest, Refusal, StoreError};
 
+/// The channel on which PostgreSQL stores announce completions and
+/// releases (`complete_notify`, `release_notify`) to waiting repeats on
+/// other servers; the payload is
+/// [`change_payload`](crate::store::kit::feed::change_payload)`(table, scope, key)`.
+pub const NOTIFY_CHANNEL: &str = "tower_idempotency";
+
 /// The statements of a PostgreSQL store, with the table name in them, each
 /// as the driver keeps a statement (`S`: `String` for tokio-postgres,
 /// `sqlx::SqlStr` for sqlx).
@@ -79,6 +85,13 @@ pub struct PgSql<S> {
     pub complete: S,
     /// The release, fenced by the token.
     pub release: S,
+    /// [`PgSql::complete`] that also announces the change (`pg_notify` on
+    /// [`NOTIFY_CHANNEL`], payload `$5`, delivered at commit) when it
+    /// completed the record; its row count is the records completed.
+    pub complete_notify: S,
+    /// [`PgSql::release`] that also announces the change, as
+    /// [`PgSql::complete_notify`] does.
+    pub release_notify: S,
     /// The lease renewal, fenced by the token: `($1 scope, $2 key,
     /// $3 token, $4 clock offset ms, $5 lease ms)`.
     pub renew: S,
@@ -121,6 +134,20 @@ impl<S> PgSql<S> {
             release: statement(format!(
                 "DELETE FROM {table}
                  WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
+            )),
+            complete_notify: statement(format!(
+                "WITH done AS (
+                    UPDATE {table} SET state = 'completed', response = $4
+                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'
+                    RETURNING 1)
+                 SELECT pg_notify('{NOTIFY_CHANNEL}', $5::text) FROM done"
+            )),
+            release_notify: statement(format!(
+                "WITH gone AS (
+                    DELETE FROM {table}
+                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'
+                    RETURNING 1)
+                 SELECT pg_notify('{NOTIFY_CHANNEL}', $4::text) FROM gone"
             )),
             renew: statement(format!(
                 "UPDATE {table} SET lease_until = {now} + $5::bigint

@@ -1,0 +1,245 @@
+//! Repeats waiting on another server are woken by the store: two layers
+//! ("servers", each with its own waiters) over two store handles (their own
+//! connections) to one PostgreSQL database or one Redis. The first request
+//! is held at a gate on server A; repeats on server B meet the key in
+//! flight and wait; the gate opens. Server B polls only once a minute while
+//! its store's signal is live, so every repeat answered within seconds,
+//! after exactly one more claim, was woken by the store's announcement
+//! (`NOTIFY`, `PUBLISH`), not by polling.
+
+#![cfg(all(feature = "postgres", feature = "redis"))]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use common::{Harness, Raw, eventually, send, serve};
+use tower_idempotency::IdempotencyLayer;
+use tower_idempotency::scope::GlobalScope;
+use tower_idempotency::store::{Claim, FencingToken, RecordId, Refusal, Store};
+use tower_idempotency::test_util::WatchClaims;
+use tower_idempotency_postgres::PostgresStore;
+use tower_idempotency_redis::RedisStore;
+
+const REPEATS: usize = 3;
+
+async fn credit(State(h): State<Harness>, headers: HeaderMap) -> (StatusCode, String) {
+    let n = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    h.wait_at_gate(&headers).await;
+    if headers.contains_key("x-fail") {
+        return (StatusCode::INTERNAL_SERVER_ERROR, format!("run {n} failed"));
+    }
+    (StatusCode::CREATED, format!("run {n}"))
+}
+
+async fn server<St: Store>(
+    layer: IdempotencyLayer<St, GlobalScope>,
+    h: &Harness,
+) -> std::net::SocketAddr {
+    let app = Router::new()
+        .route("/credit", post(credit))
+        .route_layer(layer.require_key(true))
+        .with_state(h.clone());
+    serve(app).await
+}
+
+async fn post_key(addr: std::net::SocketAddr, extra: &[(&str, &[u8])]) -> Raw {
+    let mut headers: Vec<(&str, &[u8])> = vec![("idempotency-key", b"\"k\"")];
+    headers.extend_from_slice(extra);
+    send(addr, "POST", "/credit", &headers, b"{\"amount\":5}").await
+}
+
+fn replayed(r: &Raw) -> bool {
+    r.header("idempotent-replayed") == Some(b"true")
+}
+
+/// Server B's claims: all of them, and those answered "in flight".
+#[derive(Clone, Default)]
+struct Claims {
+    all: Arc<AtomicUsize>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl Claims {
+    fn counted<St: Store>(&self, store: St) -> impl Store {
+        let claims = self.clone();
+        WatchClaims::new(store, move |claim: &Claim| {
+            claims.all.fetch_add(1, Ordering::SeqCst);
+            if let Claim::Refused(Refusal::InFlight { .. }) = claim {
+                claims.in_flight.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    }
+}
+
+/// Starts server B's listener and waits until it is subscribed, so that
+/// the repeats below trust the signal from their first wait on.
+async fn listening<St: Store>(store: &St) {
+    let watch = store
+        .watch(&RecordId::new("warm-up", "k"))
+        .expect("the store has a signal");
+    eventually(Duration::from_secs(20), || watch.live().is_some()).await;
+}
+
+/// The first request on A, held; `REPEATS` on B, waiting; the gate opens.
+/// `fail`: the first answers 500 and gives its key back, so one waiter runs
+/// and the others replay it.
+async fn woken_by_the_store<A: Store, B: Store>(a: A, b: B, fail: bool) {
+    let h = Harness::default();
+    let claims = Claims::default();
+    let b = claims.counted(b);
+    listening(&b).await;
+    let addr_a = server(IdempotencyLayer::new(a, GlobalScope), &h).await;
+    let addr_b = server(
+        IdempotencyLayer::new(b, GlobalScope)
+            .wait_in_flight(Duration::from_secs(120))
+            .signalled_poll_interval(Duration::from_secs(60))
+            .lease(Duration::from_secs(120)),
+        &h,
+    )
+    .await;
+    let mut entered = h.watch();
+    let extra: &[(&str, &[u8])] = if fail {
+        &[("x-gate", b"g"), ("x-fail", b"1")]
+    } else {
+        &[("x-gate", b"g")]
+    };
+    let extra: Vec<(&'static str, &'static [u8])> = extra.to_vec();
+    let first = tokio::spawn(async move { post_key(addr_a, &extra).await });
+    assert_eq!(entered.recv().await.as_deref(), Some("g"));
+    let waiting: Vec<_> = (0..REPEATS)
+        .map(|_| tokio::spawn(async move { post_key(addr_b, &[]).await }))
+        .collect();
+    // Each repeat claimed twice (its claim, and the waiter's first), in flight.
+    eventually(Duration::from_secs(20), || {
+        claims.in_flight.load(Ordering::SeqCst) >= 2 * REPEATS
+    })
+    .await;
+    let opened = tokio::time::Instant::now();
+    h.open("g");
+    let first = first.await.unwrap();
+    assert_eq!(first.status, if fail { 500 } else { 201 });
+    let mut answers = Vec::new();
+    for repeat in waiting {
+        let repeat = repeat.await.unwrap();
+        answers.push((repeat.status, replayed(&repeat), repeat.body));
+    }
+    // Woken, not polled: the next poll was a minute away.
+    assert!(
+        opened.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        opened.elapsed()
+    );
+    answers.sort();
+    if fail {
+        // One waiter ran (run 2); the others waited for it and replay it.
+        assert_eq!(h.runs(), 2);
+        let mut expected = vec![(201, true, b"run 2".to_vec()); REPEATS - 1];
+        expected.insert(0, (201, false, b"run 2".to_vec()));
+        assert_eq!(answers, expected);
+    } else {
+        assert_eq!(h.runs(), 1);
+        assert_eq!(answers, vec![(201, true, b"run 1".to_vec()); REPEATS]);
+        // Two claims each while in flight, then one after the announcement.
+        assert_eq!(claims.all.load(Ordering::SeqCst), 3 * REPEATS);
+        assert_eq!(claims.in_flight.load(Ordering::SeqCst), 2 * REPEATS);
+    }
+}
+
+async fn postgres_pair() -> (PostgresStore, PostgresStore) {
+    let url = common::services::postgres_url();
+    let table = format!("wake_{:012x}", FencingToken::random().0 >> 16);
+    let open = || {
+        PostgresStore::builder(&url)
+            .table(table.clone())
+            .notify_waiters(true)
+            .open()
+    };
+    (open().await.unwrap(), open().await.unwrap())
+}
+
+async fn redis_pair() -> (RedisStore, RedisStore) {
+    let url = common::services::redis_url();
+    let prefix = format!("tower-idempotency-wake:{:016x}:", FencingToken::random().0);
+    let open = || {
+        RedisStore::builder(url.clone())
+            .prefix(prefix.clone())
+            .open()
+    };
+    (open().await.unwrap(), open().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_notify_wakes_waiters_on_another_server() {
+    let (a, b) = postgres_pair().await;
+    woken_by_the_store(a, b, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_notify_of_a_release_wakes_waiters_on_another_server() {
+    let (a, b) = postgres_pair().await;
+    woken_by_the_store(a, b, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_notify_at_a_transactional_commit_wakes_waiters_on_another_server() {
+    let (a, b) = postgres_pair().await;
+    let h = Harness::default();
+    let claims = Claims::default();
+    let b = claims.counted(b);
+    listening(&b).await;
+    let app = Router::new()
+        .route("/credit", post(credit))
+        .route_layer(
+            IdempotencyLayer::new(a, GlobalScope)
+                .require_key(true)
+                .transactional(),
+        )
+        .with_state(h.clone());
+    let addr_a = serve(app).await;
+    let addr_b = server(
+        IdempotencyLayer::new(b, GlobalScope)
+            .wait_in_flight(Duration::from_secs(120))
+            .signalled_poll_interval(Duration::from_secs(60))
+            .lease(Duration::from_secs(120)),
+        &h,
+    )
+    .await;
+    let mut entered = h.watch();
+    let first = tokio::spawn(async move { post_key(addr_a, &[("x-gate", b"g")]).await });
+    assert_eq!(entered.recv().await.as_deref(), Some("g"));
+    let repeat = tokio::spawn(async move { post_key(addr_b, &[]).await });
+    eventually(Duration::from_secs(20), || {
+        claims.in_flight.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    let opened = tokio::time::Instant::now();
+    h.open("g");
+    assert_eq!(first.await.unwrap().status, 201);
+    let repeat = repeat.await.unwrap();
+    assert_eq!(
+        (repeat.status, replayed(&repeat), repeat.body.as_slice()),
+        (201, true, b"run 1".as_slice())
+    );
+    assert!(opened.elapsed() < Duration::from_secs(10));
+    assert_eq!(claims.all.load(Ordering::SeqCst), 3);
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_publish_wakes_waiters_on_another_server() {
+    let (a, b) = redis_pair().await;
+    woken_by_the_store(a, b, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_publish_of_a_release_wakes_waiters_on_another_server() {
+    let (a, b) = redis_pair().await;
+    woken_by_the_store(a, b, true).await;
+}
