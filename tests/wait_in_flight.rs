@@ -11,11 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use axum::Router;
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
-use axum::routing::post;
-use common::{Harness, Raw, eventually, send, serve};
+use common::waiting::{post_key, replayed, server};
+use common::{Harness, Raw, eventually};
 use tokio::sync::Barrier;
 use tower_idempotency::scope::GlobalScope;
 use tower_idempotency::store::{Claim, MemoryStore, Refusal, Store};
@@ -50,34 +47,6 @@ impl<St> Counting<St> {
     }
 }
 
-/// Each run answers 201 with its number, or 500 (the key is given back)
-/// when asked to fail; a request with `x-gate` waits at that gate first.
-async fn credit(State(h): State<Harness>, headers: HeaderMap) -> (StatusCode, String) {
-    let n = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
-    h.wait_at_gate(&headers).await;
-    if headers.contains_key("x-fail") {
-        return (StatusCode::INTERNAL_SERVER_ERROR, format!("run {n} failed"));
-    }
-    (StatusCode::CREATED, format!("run {n}"))
-}
-
-async fn server<St: Store>(
-    layer: IdempotencyLayer<St, GlobalScope>,
-    h: &Harness,
-) -> std::net::SocketAddr {
-    let app = Router::new()
-        .route("/credit", post(credit))
-        .route_layer(layer.require_key(true))
-        .with_state(h.clone());
-    serve(app).await
-}
-
-async fn post_key(addr: std::net::SocketAddr, extra: &[(&str, &[u8])]) -> Raw {
-    let mut headers: Vec<(&str, &[u8])> = vec![("idempotency-key", b"\"k\"")];
-    headers.extend_from_slice(extra);
-    send(addr, "POST", "/credit", &headers, b"{\"amount\":5}").await
-}
-
 /// Sends `n` repeats at once (a barrier releases them together).
 fn repeats(addr: std::net::SocketAddr, n: usize) -> Vec<tokio::task::JoinHandle<Raw>> {
     let barrier = Arc::new(Barrier::new(n));
@@ -98,10 +67,6 @@ async fn first_held(addr: std::net::SocketAddr, h: &Harness) -> tokio::task::Joi
     let first = tokio::spawn(async move { post_key(addr, &[("x-gate", b"g")]).await });
     assert_eq!(entered.recv().await.as_deref(), Some("g"));
     first
-}
-
-fn replayed(r: &Raw) -> bool {
-    r.header("idempotent-replayed") == Some(b"true")
 }
 
 async fn repeats_wait_and_get_the_replay<St: Store>(store: St) {

@@ -16,10 +16,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
-use common::{Harness, Raw, eventually, send, serve};
+use common::waiting::{credit, post_key, replayed, server};
+use common::{Harness, eventually, serve};
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::scope::GlobalScope;
 use tower_idempotency::store::{Claim, FencingToken, RecordId, Refusal, Store};
@@ -28,36 +27,6 @@ use tower_idempotency_postgres::PostgresStore;
 use tower_idempotency_redis::RedisStore;
 
 const REPEATS: usize = 3;
-
-async fn credit(State(h): State<Harness>, headers: HeaderMap) -> (StatusCode, String) {
-    let n = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
-    h.wait_at_gate(&headers).await;
-    if headers.contains_key("x-fail") {
-        return (StatusCode::INTERNAL_SERVER_ERROR, format!("run {n} failed"));
-    }
-    (StatusCode::CREATED, format!("run {n}"))
-}
-
-async fn server<St: Store>(
-    layer: IdempotencyLayer<St, GlobalScope>,
-    h: &Harness,
-) -> std::net::SocketAddr {
-    let app = Router::new()
-        .route("/credit", post(credit))
-        .route_layer(layer.require_key(true))
-        .with_state(h.clone());
-    serve(app).await
-}
-
-async fn post_key(addr: std::net::SocketAddr, extra: &[(&str, &[u8])]) -> Raw {
-    let mut headers: Vec<(&str, &[u8])> = vec![("idempotency-key", b"\"k\"")];
-    headers.extend_from_slice(extra);
-    send(addr, "POST", "/credit", &headers, b"{\"amount\":5}").await
-}
-
-fn replayed(r: &Raw) -> bool {
-    r.header("idempotent-replayed") == Some(b"true")
-}
 
 /// Server B's claims: all of them, and those answered "in flight".
 #[derive(Clone, Default)]

@@ -6,6 +6,7 @@
 pub mod charge;
 pub mod logs;
 pub mod services;
+pub mod waiting;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
