@@ -20,9 +20,9 @@
 //! | no `Repeatability-First-Sent` | as without the guard: **the guard needs the field** |
 //! | first sent within the TTL | as without the guard |
 //! | first sent longer ago than the TTL, and the claim found a live record | that record's answer (replay, 409, 422) |
-//! | first sent longer ago than the TTL, and the claim found no live record | the claim is given back, the handler does not run: 412 [`Rejection::ExpiredRetry`] |
-//! | the field is not an HTTP date, or is sent twice | 400 [`Rejection::InvalidFirstSent`], before the store is touched |
-//! | first sent more than [`FIRST_SENT_MAX_SKEW`] ahead of the layer's clock | 400 [`Rejection::InvalidFirstSent`] |
+//! | first sent longer ago than the TTL, and the claim found no live record | the claim is given back, the handler does not run: 412 [`Rejection::ExpiredRetry`](crate::problem::Rejection::ExpiredRetry) |
+//! | the field is not an HTTP date, or is sent twice | 400 [`Rejection::InvalidFirstSent`](crate::problem::Rejection::InvalidFirstSent), before the store is touched |
+//! | first sent more than [`FIRST_SENT_MAX_SKEW`] ahead of the layer's clock | 400 [`Rejection::InvalidFirstSent`](crate::problem::Rejection::InvalidFirstSent) |
 //!
 //! Why the TTL is the bound: the record is claimed no earlier than the first
 //! attempt, so while the first attempt is younger than the TTL a record it

@@ -15,7 +15,7 @@
 //!     // Orders and refunds share the store; the same key in each is two records.
 //!     .namespace("orders")
 //!     // Every replay says so to caches and proxies too.
-//!     .on_replay(|_event: &Event<'_>, headers: &mut http::HeaderMap| {
+//!     .on_replay(|_event, headers| {
 //!         headers.insert("cache-status", "tower-idempotency; hit".parse().unwrap());
 //!     })
 //!     // An audit trail without parsing logs.

@@ -57,9 +57,10 @@
 //!   [`mode::Transactional`] commits the handler's writes, the record and the
 //!   response together, exactly once across crashes.
 //! * **Choose a store** ([`guide::stores`]): [`MemoryStore`], `SqliteStore`
-//!   (default feature `sqlite`), `PostgresStore`, `SqlxPostgresStore`,
-//!   `SqlxSqliteStore` and `MySqlStore`, each behind its feature, and
-//!   `RedisStore` in the crate `tower-idempotency-redis`.
+//!   (default feature `sqlite`); `PostgresStore` in the crate
+//!   `tower-idempotency-postgres`; `SqlxPostgresStore`, `SqlxSqliteStore`
+//!   and `MySqlStore` in `tower-idempotency-sqlx` (one feature each); and
+//!   `RedisStore` in `tower-idempotency-redis`.
 //! * **Configure the layer** ([`guide::configuration`]): the scope (whose key
 //!   it is), the layer's place inside authentication, lease, TTL, body
 //!   limits, fingerprint, which responses are stored.

@@ -270,7 +270,7 @@ impl Rejection {
     pub fn detail(&self) -> String {
         match self {
             Rejection::MissingKey => {
-                "this endpoint requires an Idempotency-Key header; send a new unique key with each new operation and reuse it for retries".into()
+                "this endpoint requires an idempotency key (the Idempotency-Key header, or where the endpoint documents it); send a new unique key with each new operation and reuse it for retries".into()
             }
             Rejection::InvalidKey(e) => e.describe().into(),
             Rejection::BodyTooLarge { limit } => {

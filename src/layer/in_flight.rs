@@ -125,9 +125,9 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
 
     /// Caps the repeats that wait at once behind this layer (see
     /// [`wait_in_flight`](Self::wait_in_flight)): at most `count` of them
-    /// (default [`DEFAULT_MAX_WAITERS`], 256), holding at most `bytes` of
+    /// (default [`DEFAULT_MAX_WAITERS`](crate::DEFAULT_MAX_WAITERS), 256), holding at most `bytes` of
     /// buffered request bodies between them (default
-    /// [`DEFAULT_MAX_WAITING_BYTES`], 16 MiB). A repeat beyond either cap
+    /// [`DEFAULT_MAX_WAITING_BYTES`](crate::DEFAULT_MAX_WAITING_BYTES), 16 MiB). A repeat beyond either cap
     /// gets 409 at once.
     pub fn max_waiters(mut self, count: usize, bytes: usize) -> Self {
         if let Some(wait) = &self.config.settings.wait {

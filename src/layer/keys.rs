@@ -29,12 +29,11 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// [`check_key`](crate::key_source::check_key).
     ///
     /// ```
-    /// use http::request::Parts;
     /// use tower_idempotency::{IdempotencyLayer, MemoryStore, key::KeyError, scope::GlobalScope};
     ///
     /// // The key is the first line of a text body.
     /// let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope).key_from_fn(
-    ///     |_: &Parts, body: &[u8]| -> Result<Option<String>, KeyError> {
+    ///     |_head, body| -> Result<Option<String>, KeyError> {
     ///         let text = std::str::from_utf8(body).map_err(|_| KeyError::NotPrintableAscii)?;
     ///         Ok(text.lines().next().map(str::to_owned))
     ///     },
@@ -58,7 +57,7 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
         self
     }
 
-    /// Refuses, with 412 [`Rejection::ExpiredRetry`] and without running the
+    /// Refuses, with 412 [`Rejection::ExpiredRetry`](crate::problem::Rejection::ExpiredRetry) and without running the
     /// handler, a request whose `Repeatability-First-Sent` is older than the
     /// [`ttl`](Self::ttl) when its claim finds no live record: a retry whose
     /// record may have expired (off by default). Requests without the field

@@ -30,7 +30,7 @@ impl std::fmt::Debug for SealingKey {
 
 impl SealingKey {
     /// The key `bytes` with the id `id`, which the records it seals name.
-    /// Ids are the caller's choice; within one [`Keyring`] each is unique.
+    /// Ids are the caller's choice; within one [`Keyring`](super::Keyring) each is unique.
     pub fn new(id: u32, bytes: [u8; KEY_LEN]) -> Self {
         let bytes = Zeroizing::new(bytes);
         SealingKey {
@@ -47,17 +47,18 @@ impl SealingKey {
     ///
     /// # Errors
     ///
-    /// [`KeyError::Read`] if the file cannot be read, [`KeyError::Length`] if
+    /// [`SealingKeyError::Read`] if the file cannot be read, [`SealingKeyError::Length`] if
     /// it does not hold exactly 32 bytes (the error gives the length found).
-    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, KeyError> {
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, SealingKeyError> {
         let path = path.as_ref();
-        let bytes = Zeroizing::new(std::fs::read(path).map_err(|source| KeyError::Read {
-            path: path.to_owned(),
-            source,
-        })?);
+        let bytes =
+            Zeroizing::new(std::fs::read(path).map_err(|source| SealingKeyError::Read {
+                path: path.to_owned(),
+                source,
+            })?);
         let mut key = Zeroizing::new([0u8; KEY_LEN]);
         if bytes.len() != KEY_LEN {
-            return Err(KeyError::Length {
+            return Err(SealingKeyError::Length {
                 path: path.to_owned(),
                 len: bytes.len(),
             });
@@ -76,10 +77,10 @@ impl SealingKey {
     }
 }
 
-/// A [`SealingKey`] could not be read, or a [`Keyring`] made.
+/// A [`SealingKey`] could not be read, or a [`Keyring`](super::Keyring) made.
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum KeyError {
+pub enum SealingKeyError {
     /// The key file could not be read.
     Read {
         /// The file.
@@ -100,27 +101,27 @@ pub enum KeyError {
     DuplicateId(u32),
 }
 
-impl std::fmt::Display for KeyError {
+impl std::fmt::Display for SealingKeyError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            KeyError::Read { path, source } => {
+            SealingKeyError::Read { path, source } => {
                 write!(f, "cannot read the key file {}: {source}", path.display())
             }
-            KeyError::Length { path, len } => write!(
+            SealingKeyError::Length { path, len } => write!(
                 f,
                 "the key file {} holds {len} bytes; a key file holds exactly {KEY_LEN} random bytes",
                 path.display()
             ),
-            KeyError::NoKeys => f.write_str("a keyring needs at least one key"),
-            KeyError::DuplicateId(id) => write!(f, "two keys have the id {id}"),
+            SealingKeyError::NoKeys => f.write_str("a keyring needs at least one key"),
+            SealingKeyError::DuplicateId(id) => write!(f, "two keys have the id {id}"),
         }
     }
 }
 
-impl std::error::Error for KeyError {
+impl std::error::Error for SealingKeyError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            KeyError::Read { source, .. } => Some(source),
+            SealingKeyError::Read { source, .. } => Some(source),
             _ => None,
         }
     }

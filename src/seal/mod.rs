@@ -99,7 +99,7 @@ use crate::response::{StoredBody, StoredResponse};
 use crate::store::RecordId;
 
 mod key;
-pub use key::{KEY_LEN, KeyError, SealingKey};
+pub use key::{KEY_LEN, SealingKey, SealingKeyError};
 
 const FORMAT: u8 = 1;
 const NONCE_LEN: usize = 24;
@@ -117,16 +117,16 @@ impl Keyring {
     ///
     /// # Errors
     ///
-    /// [`KeyError::NoKeys`] for none, [`KeyError::DuplicateId`] if two keys
+    /// [`SealingKeyError::NoKeys`] for none, [`SealingKeyError::DuplicateId`] if two keys
     /// share an id.
-    pub fn new(keys: impl IntoIterator<Item = SealingKey>) -> Result<Self, KeyError> {
+    pub fn new(keys: impl IntoIterator<Item = SealingKey>) -> Result<Self, SealingKeyError> {
         let keys: Arc<[SealingKey]> = keys.into_iter().collect();
         if keys.is_empty() {
-            return Err(KeyError::NoKeys);
+            return Err(SealingKeyError::NoKeys);
         }
         for (i, key) in keys.iter().enumerate() {
             if keys[..i].iter().any(|k| k.id == key.id) {
-                return Err(KeyError::DuplicateId(key.id));
+                return Err(SealingKeyError::DuplicateId(key.id));
             }
         }
         Ok(Keyring { keys })

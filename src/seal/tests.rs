@@ -198,12 +198,12 @@ fn keys_from_files_and_keyring_errors() {
         let path = dir.join(name);
         std::fs::write(&path, bytes).unwrap();
         let err = SealingKey::from_file(&path).unwrap_err();
-        assert!(matches!(err, KeyError::Length { len, .. } if len == bytes.len()));
+        assert!(matches!(err, SealingKeyError::Length { len, .. } if len == bytes.len()));
         assert!(err.to_string().contains("exactly 32 random bytes"), "{err}");
     }
     let missing = SealingKey::from_file(dir.join("missing.key")).unwrap_err();
-    assert!(matches!(missing, KeyError::Read { .. }), "{missing}");
-    assert!(matches!(Keyring::new([]), Err(KeyError::NoKeys)));
+    assert!(matches!(missing, SealingKeyError::Read { .. }), "{missing}");
+    assert!(matches!(Keyring::new([]), Err(SealingKeyError::NoKeys)));
     let twice = Keyring::new([a, b]);
-    assert!(matches!(twice, Err(KeyError::DuplicateId(_))));
+    assert!(matches!(twice, Err(SealingKeyError::DuplicateId(_))));
 }
