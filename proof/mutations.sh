@@ -40,7 +40,7 @@ done
 check none
 if [ "$rc" -eq 0 ]; then
     echo "=== unmutated model: passes ($took s)"
-    grep '^proof:' <<<"$out"
+    grep -o 'proof: .*' <<<"$out"
 else
     echo "=== unmutated model: FAILS"
     tail -40 <<<"$out"

@@ -409,7 +409,7 @@ impl Protocol {
     /// further ahead than one lease.
     fn lease_alive(&self, lease_until: u8, now: u8) -> bool {
         match self.mutation {
-            Mutation::TakeoverWhileLeaseAlive => true,
+            Mutation::TakeoverWhileLeaseAlive => false,
             Mutation::LeaseTrustsSteppedClock => lease_until > now,
             _ => lease_until > now && lease_until - now <= self.bounds.lease,
         }
