@@ -658,7 +658,19 @@ impl Protocol {
                 }
                 self.answer(s, req, false);
             }
-            Server::Enqueue { req, .. } => self.answer(s, req, false),
+            Server::Enqueue {
+                req,
+                key,
+                completed,
+                ..
+            } => {
+                // Separate mode: the effect committed, its record in flight.
+                if !completed && self.mode == Mode::Separate {
+                    s.ghost.excused[key as usize] = true;
+                    s.ghost.crash_window[key as usize] = true;
+                }
+                self.answer(s, req, false)
+            }
             Server::Idle => unreachable!(),
         }
         s.servers[server as usize] = Server::Idle;
