@@ -202,21 +202,27 @@ async fn claim_or_wait<M: Mode<St>, St: Store>(
     waiting_bytes: usize,
     abandoned: &AtomicBool,
 ) -> Claimed<M, St> {
+    let Some(waiting) = &settings.wait else {
+        // No waiting: one claim, and the request's own copy goes to it.
+        let sent = tokio::time::Instant::now();
+        return (sent, timed(Operation::Claim, M::claim(store, claim)).await);
+    };
     let once = || {
         let sent = tokio::time::Instant::now();
         let answer = timed(Operation::Claim, M::claim(store, claim.clone()));
         async move { (sent, answer.await) }
     };
     let first = once().await;
-    let (Some(waiting), Ok(Err(Refusal::InFlight { .. }))) = (&settings.wait, &first.1) else {
+    let Ok(Err(Refusal::InFlight { .. })) = &first.1 else {
         return first;
     };
-    let Some(waiter) = waiting.enter(&claim.record_id(), waiting_bytes) else {
+    let id = claim.record_id();
+    let Some(waiter) = waiting.enter(&id, waiting_bytes) else {
         telemetry::wait("full");
         return first;
     };
     // Watched before the next claim, so that its change is not missed.
-    let watch = store.watch(&claim.record_id());
+    let watch = store.watch(&id);
     let deadline = tokio::time::Instant::now() + waiting.bound;
     let in_flight = |(_, answer): &Claimed<M, St>| match answer {
         Ok(Err(Refusal::InFlight { lease_remaining })) => Some(*lease_remaining),
@@ -239,7 +245,7 @@ async fn claim_or_wait<M: Mode<St>, St: Store>(
             telemetry::wait("timed_out");
             let wake = WakeOnEnd {
                 waiting: waiting.clone(),
-                id: claim.record_id(),
+                id: id.clone(),
             };
             release(hold).await;
             drop(wake);
