@@ -147,6 +147,8 @@ mod sql;
 pub mod sqlite;
 #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite", feature = "mysql"))]
 pub mod sqlx;
+#[cfg(feature = "test-util")]
+pub mod test_util;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -293,6 +295,18 @@ impl Outbox {
             queue: Arc::new(queue),
             wake: Arc::new(Notify::new()),
         })
+    }
+
+    /// The outbox over a table of the caller's own: for tests that run the
+    /// real [`Relay`] against a queue they control (the deterministic
+    /// simulation in `tests/simulation/` reaches one over a simulated
+    /// network).
+    #[cfg(feature = "test-util")]
+    pub fn from_queue(queue: impl Queue) -> Outbox {
+        Outbox {
+            queue: Arc::new(queue),
+            wake: Arc::new(Notify::new()),
+        }
     }
 
     /// A relay delivering this outbox's messages through `sink`, with the

@@ -8,26 +8,45 @@ use std::time::Duration;
 use super::Message;
 use tower_idempotency::StoreError;
 
-pub(crate) type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+/// A boxed future, as [`Queue`]'s methods return.
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub))]
+pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A message a relay has claimed: it holds the lease until it finishes it
 /// or the lease ends. `attempt` (1 for the first) and `lease_until_ms` (the
 /// claim's lease deadline, which every claim sets anew) fence the finish:
 /// attempts alone restart at 1 after a requeue.
 #[derive(Debug)]
-pub(crate) struct Claimed {
-    pub(crate) id: i64,
-    pub(crate) attempt: u32,
-    pub(crate) lease_until_ms: i64,
-    pub(crate) message: Message,
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub))]
+pub struct Claimed {
+    /// The message's row id.
+    pub id: i64,
+    /// This attempt's number, 1 for the first.
+    pub attempt: u32,
+    /// The claim's lease deadline, in milliseconds since the Unix epoch.
+    pub lease_until_ms: i64,
+    /// What to deliver.
+    pub message: Message,
 }
 
 /// How an attempt ended, as the relay records it.
 #[derive(Debug, Clone)]
-pub(crate) enum Fate {
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub))]
+pub enum Fate {
+    /// Delivered: never sent again.
     Done,
-    Retry { after: Duration, error: String },
-    Dead { error: String },
+    /// Failed: due again `after` from now.
+    Retry {
+        /// How long until the next attempt.
+        after: Duration,
+        /// Why it failed.
+        error: String,
+    },
+    /// A dead letter: never sent again until requeued.
+    Dead {
+        /// Why.
+        error: String,
+    },
 }
 
 /// Which messages [`Outbox::list`](crate::Outbox::list) shows.
@@ -81,7 +100,8 @@ pub struct Counts {
 }
 
 /// The outbox table of one database.
-pub(crate) trait Queue: Send + Sync + 'static {
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub))]
+pub trait Queue: Send + Sync + 'static {
     /// Claims up to `limit` due messages for `owner`, for `lease`.
     fn claim(
         &self,
@@ -100,7 +120,10 @@ pub(crate) trait Queue: Send + Sync + 'static {
     ) -> BoxFut<'_, Result<bool, StoreError>>;
     /// Deletes up to `limit` messages delivered more than `older_than` ago.
     fn purge(&self, older_than: Duration, limit: usize) -> BoxFut<'_, Result<u64, StoreError>>;
+    /// Up to `limit` messages in the state `view`, oldest first.
     fn list(&self, view: View, limit: usize) -> BoxFut<'_, Result<Vec<Entry>, StoreError>>;
+    /// Makes dead letter `id` pending again; `false` when it is not one.
     fn requeue(&self, id: i64) -> BoxFut<'_, Result<bool, StoreError>>;
+    /// How many messages are in each state.
     fn counts(&self) -> BoxFut<'_, Result<Counts, StoreError>>;
 }
