@@ -227,6 +227,53 @@ macro_rules! outbox_suite {
                 backend.teardown().await;
             }
 
+            /// A lease deadline an hour ahead is what a claim leaves when
+            /// the database's clock steps back an hour after it: no claim
+            /// made at or before now set it, so the relay takes the
+            /// message at once (found by the simulation, issue 24), as
+            /// the records' claims do. Before, it waited out the hour.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_lease_from_before_the_clock_stepped_back_does_not_hold_a_message() {
+                let _turn = TURN.lock().await;
+                let backend = setup().await;
+                {
+                    let mut tx = backend.begin().await;
+                    let m = Message::with_key("stepped", "d", "text/plain", b"x".to_vec()).unwrap();
+                    assert!(outbox::sqlx::enqueue(&mut tx, &m).await.unwrap());
+                    tx.commit().await.unwrap();
+                }
+                let now_ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_millis() as i64;
+                let hold = format!(
+                    "UPDATE tower_idempotency_outbox SET attempts = 1, lease_until_ms = {}",
+                    now_ms + 3_600_000
+                );
+                sqlx::query(sqlx::AssertSqlSafe(hold))
+                    .execute(backend.store.pool())
+                    .await
+                    .unwrap();
+                let c = backend.outbox.counts().await.unwrap();
+                assert_eq!((c.pending, c.in_flight, c.done), (0, 1, 0));
+                let attempts: Arc<Mutex<Vec<u32>>> = Arc::default();
+                let seen = attempts.clone();
+                let relay = backend
+                    .outbox
+                    .relay(from_fn(move |d: Delivery| {
+                        seen.lock().unwrap().push(d.attempt);
+                        async { Outcome::Delivered }
+                    }))
+                    .lease(Duration::from_secs(5))
+                    .poll_interval(Duration::from_millis(10))
+                    .spawn();
+                until_done(&backend.outbox, 1).await;
+                relay.shutdown().await;
+                // Delivered once, as the second attempt.
+                assert_eq!(*attempts.lock().unwrap(), vec![2]);
+                backend.teardown().await;
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_rejected_message_is_a_dead_letter_until_requeued_then_delivered() {
                 let _turn = TURN.lock().await;

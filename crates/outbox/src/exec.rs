@@ -236,7 +236,8 @@ impl<E: Exec> Queue for SqlQueue<E> {
             let rows = match &self.sql.claim {
                 ClaimSql::Returning { probe, update } => {
                     if let Some(probe) = probe {
-                        let due = self.exec.fetch(probe, Vec::new(), EXISTS).await?;
+                        let params = vec![Value::Int(ms(lease))];
+                        let due = self.exec.fetch(probe, params, EXISTS).await?;
                         if due.first().and_then(|row| row.first()) != Some(&Cell::Int(1)) {
                             return Ok(Vec::new());
                         }
