@@ -1,0 +1,163 @@
+//! The invariants, judged after each run against the store's tables, the
+//! clients' answers, the downstream's log and the audit.
+//!
+//! 1. The audit found no takeover of a live lease, no completion or
+//!    release by a stale holder, and no replay its holder did not store.
+//! 2. Transactional mode applies at most one credit per key, and the
+//!    balances are the sums of the credits applied.
+//! 3. Liveness: every credit was answered 201 by the client deadline, after
+//!    every fault had been healed; every 201 for a key (the run's and the
+//!    replays) is byte for byte the same, and is the credit applied.
+//! 4. A key reused with another amount is answered 422.
+//! 5. The outbox: each applied credit's message is in the table with the
+//!    payload committed with it, and the downstream acted on it at least
+//!    once, never on anything else; no two relays sent one message at once.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::world::{CLIENT_DEADLINE, Shared};
+
+/// A step back of the store's clock longer than this may stall the outbox
+/// past the end of the run.
+const STALL_MS: i64 = 10_000;
+
+/// A run's trace and what was wrong with it.
+pub struct Outcome {
+    pub trace: Vec<String>,
+    pub problems: Vec<String>,
+}
+
+impl Outcome {
+    pub fn failed(&self) -> bool {
+        !self.problems.is_empty()
+    }
+
+    pub fn verdict(&self) -> String {
+        if self.problems.is_empty() {
+            "ok".into()
+        } else {
+            format!("FAILED\n  - {}", self.problems.join("\n  - "))
+        }
+    }
+}
+
+pub fn judge(shared: &Shared, elapsed: Duration, error: Option<String>) -> Outcome {
+    let mut problems = Vec::new();
+    if let Some(e) = error {
+        problems.push(format!("the simulation stopped: {e}"));
+    }
+    let db = shared.db.lock().unwrap();
+    let asked = shared.asked.lock().unwrap();
+    let downstream = shared.downstream.lock().unwrap();
+    problems.extend(db.violations.iter().cloned());
+
+    let mut balances: BTreeMap<String, i64> = BTreeMap::new();
+    for (id, credits) in &db.applied {
+        if credits.len() > 1 {
+            problems.push(format!("{}: {} credits applied", id.key, credits.len()));
+        }
+        for credit in credits {
+            *balances.entry(credit.account.clone()).or_default() += credit.amount;
+        }
+    }
+    let nonzero: BTreeMap<_, _> = db.balances.iter().filter(|(_, v)| **v != 0).collect();
+    if nonzero != balances.iter().collect() {
+        problems.push(format!(
+            "balances {:?}, credits applied {balances:?}",
+            db.balances
+        ));
+    }
+
+    let rows = db.rows();
+    for (key, asked) in asked.iter() {
+        let applied = db.applied.iter().find(|(id, _)| id.key == *key);
+        let Some(first) = asked.created.first() else {
+            let by = CLIENT_DEADLINE.as_secs();
+            problems.push(format!("{key}: no 201 within {by} s (liveness)"));
+            continue;
+        };
+        if asked.created.len() != 2 {
+            problems.push(format!(
+                "{key}: {} answers of 2 were 201",
+                asked.created.len()
+            ));
+        }
+        if let Some(other) = asked.created.iter().find(|a| a.body != first.body) {
+            problems.push(format!(
+                "{key}: answered {:?}, then {:?}",
+                first.body, other.body
+            ));
+        }
+        match applied.map(|(_, credits)| &credits[..]) {
+            Some([credit]) if credit.amount == asked.amount && credit.account == asked.account => {}
+            other => problems.push(format!("{key}: answered 201, credits applied {other:?}")),
+        }
+        match &asked.reused {
+            Some(answer) if answer.status == 422 => {}
+            other => problems.push(format!("{key} reused with another amount: {other:?}")),
+        }
+        // The message of the credit the answer reports.
+        let message = rows.iter().find(|(_, payload)| **payload == first.body[..]);
+        match message {
+            None => problems.push(format!(
+                "{key}: no outbox message with the answered payload"
+            )),
+            Some((msg_key, payload)) => {
+                if db.committed.get(msg_key).map(Vec::len) != Some(1) {
+                    problems.push(format!(
+                        "{key}: message {msg_key} committed {:?}",
+                        db.committed.get(msg_key)
+                    ));
+                }
+                match downstream.acted.get(msg_key) {
+                    // A retry is due at a time on the database's clock:
+                    // one scheduled before the clock stepped back waits
+                    // for the step too. Not lost: it must still be due,
+                    // and not held (a lease from before the step is over).
+                    None if db.stepped_back_ms() > STALL_MS && db.due_later(msg_key) => {}
+                    None => {
+                        problems.push(format!("{key}: its message never reached the downstream"))
+                    }
+                    Some(seen) if seen.iter().any(|b| b[..] != payload[..]) => {
+                        problems.push(format!("{key}: the downstream saw {seen:?}"));
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+    }
+    for (msg_key, payload) in &rows {
+        match db.committed.get(msg_key) {
+            Some(committed) if committed.first() == Some(payload) => {}
+            other => problems.push(format!(
+                "outbox row {msg_key} holds {:?}; committed {other:?}",
+                String::from_utf8_lossy(payload)
+            )),
+        }
+    }
+    for key in downstream.acted.keys() {
+        if !rows.contains_key(key) {
+            problems.push(format!(
+                "the downstream acted on {key}, which no commit enqueued"
+            ));
+        }
+    }
+    if db.dead() > 0 {
+        problems.push(format!("{} dead letters", db.dead()));
+    }
+    let sending = shared.sending.lock().unwrap();
+    for key in &sending.overlaps {
+        problems.push(format!("two relays sent {key} at once"));
+    }
+    let mut trace = shared.trace.lock().unwrap().clone();
+    trace.push(format!(
+        "{:>6} ms  end: balances {:?}, {} messages, downstream acted {} times, refused {}",
+        elapsed.as_millis(),
+        db.balances,
+        rows.len(),
+        downstream.acted.values().map(Vec::len).sum::<usize>(),
+        downstream.refused
+    ));
+    Outcome { trace, problems }
+}
