@@ -120,14 +120,43 @@ impl Db {
             .collect()
     }
 
-    /// Whether message `key` waits for a retry due later (not done, not
-    /// dead, not held).
-    pub fn due_later(&self, key: &str) -> bool {
+    /// Whether message `key` waits only for its due time: pending, due
+    /// later, and held by no live lease (`lease_ms`: the relays' lease).
+    pub fn due_later(&self, key: &str, lease_ms: i64) -> bool {
         let now = self.clock.now_ms();
         let rows = self.outbox.iter();
-        rows.filter(|r| r.message.key == key).any(|r| {
-            matches!(r.state, RowState::Pending { due_ms, lease_until_ms: None } if due_ms > now)
-        })
+        rows.filter(|r| r.message.key == key)
+            .any(|r| match r.state {
+                RowState::Pending {
+                    due_ms,
+                    lease_until_ms,
+                } => {
+                    due_ms > now && !lease_until_ms.is_some_and(|l| l > now && l <= now + lease_ms)
+                }
+                _ => false,
+            })
+    }
+
+    /// Message `key`'s row as the table holds it, times relative to now.
+    pub fn row(&self, key: &str) -> String {
+        let now = self.clock.now_ms();
+        let rows = self.outbox.iter();
+        let row = rows
+            .filter(|r| r.message.key == key)
+            .map(|r| match r.state {
+                RowState::Pending {
+                    due_ms,
+                    lease_until_ms,
+                } => format!(
+                    "pending, {} attempts, due in {} ms, lease ends in {:?} ms",
+                    r.attempts,
+                    due_ms - now,
+                    lease_until_ms.map(|l| l - now)
+                ),
+                RowState::Done => "done".into(),
+                RowState::Dead => "dead".into(),
+            });
+        row.collect::<Vec<_>>().join("; ")
     }
 
     /// How far the clock was stepped back, in milliseconds.
