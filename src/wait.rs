@@ -10,10 +10,10 @@
 //!   back or abandoned) wakes every waiter of its key at once;
 //! - **the store**, for a first request on another server, when the store
 //!   has a signal ([`Store::watch`](crate::store::Store::watch)):
-//!   `PostgresStore` with `notify_waiters(true)` (`LISTEN`/`NOTIFY`) and
-//!   `RedisStore` on one server (pub/sub) announce every completion and
-//!   release; one listener connection per store wakes the waiters of that
-//!   key. Measured (`bench/wake`, loopback, 200 runs): p50 0.4 ms / p99
+//!   `PostgresStore` and `SqlxPostgresStore` with `notify_waiters(true)`
+//!   (`LISTEN`/`NOTIFY`) and `RedisStore` on one server (pub/sub) announce
+//!   every completion and release; one listener connection per store wakes
+//!   the waiters of that key. Measured (`bench/wake`, loopback, 200 runs): p50 0.4 ms / p99
 //!   2.1 ms after the first request's client has its answer on PostgreSQL,
 //!   p50 0.6 ms / p99 6.1 ms on Redis;
 //! - **polling**, always, as the backstop: the waiter claims again after

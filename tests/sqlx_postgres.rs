@@ -59,10 +59,16 @@ fn table() -> String {
 }
 
 async fn sqlx_postgres(clock: ManualClock) -> (SqlxPostgresStore, DropTable) {
+    open(clock, false).await
+}
+
+/// A store on a table of its own; `notify`: with `notify_waiters`.
+async fn open(clock: ManualClock, notify: bool) -> (SqlxPostgresStore, DropTable) {
     let table = table();
     let store = SqlxPostgresStore::builder(pool().await)
         .table(table.clone())
         .clock_offset(ClockOffset(clock))
+        .notify_waiters(notify)
         .open()
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {} is required for these tests: {e}", url()));
@@ -70,6 +76,18 @@ async fn sqlx_postgres(clock: ManualClock) -> (SqlxPostgresStore, DropTable) {
 }
 
 store_suite!(sqlx_postgres_store, sqlx_postgres, inspect);
+
+/// With `notify_waiters`: the completion and the release run the notifying
+/// statements, whose row counts the store reads as stored or fenced.
+async fn sqlx_postgres_notifying(clock: ManualClock) -> (SqlxPostgresStore, DropTable) {
+    open(clock, true).await
+}
+
+store_suite!(
+    sqlx_postgres_notifying_store,
+    sqlx_postgres_notifying,
+    inspect
+);
 
 /// Two app servers (two pools) on one table: one winner per key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

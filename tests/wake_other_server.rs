@@ -1,6 +1,9 @@
 //! Repeats waiting on another server are woken by the store: two layers
 //! ("servers", each with its own waiters) over two store handles (their own
-//! connections) to one PostgreSQL database or one Redis. The first request
+//! connections) to one PostgreSQL database or one Redis. PostgreSQL with
+//! `PostgresStore` and, with the feature `sqlx-postgres`,
+//! `SqlxPostgresStore` (each alone, and one waking the other on a shared
+//! table). The first request
 //! is held at a gate on server A; repeats on server B meet the key in
 //! flight and wait; the gate opens. Server B polls only once a minute while
 //! its store's signal is live, so every repeat answered within seconds,
@@ -21,7 +24,7 @@ use common::waiting::{credit, post_key, replayed, server};
 use common::{Harness, eventually, serve};
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency::store::{Claim, FencingToken, RecordId, Refusal, Store};
+use tower_idempotency::store::{Claim, FencingToken, RecordId, Refusal, Store, TransactionalStore};
 use tower_idempotency::test_util::WatchClaims;
 use tower_idempotency_postgres::PostgresStore;
 use tower_idempotency_redis::RedisStore;
@@ -121,16 +124,18 @@ async fn woken_by_the_store<A: Store, B: Store>(a: A, b: B, fail: bool) {
     }
 }
 
+async fn postgres_store(table: &str) -> PostgresStore {
+    PostgresStore::builder(&common::services::postgres_url())
+        .table(table)
+        .notify_waiters(true)
+        .open()
+        .await
+        .unwrap()
+}
+
 async fn postgres_pair() -> (PostgresStore, PostgresStore) {
-    let url = common::services::postgres_url();
-    let table = format!("wake_{:012x}", FencingToken::random().0 >> 16);
-    let open = || {
-        PostgresStore::builder(&url)
-            .table(table.clone())
-            .notify_waiters(true)
-            .open()
-    };
-    (open().await.unwrap(), open().await.unwrap())
+    let table = postgres_table();
+    (postgres_store(&table).await, postgres_store(&table).await)
 }
 
 async fn redis_pair() -> (RedisStore, RedisStore) {
@@ -156,9 +161,9 @@ async fn postgres_notify_of_a_release_wakes_waiters_on_another_server() {
     woken_by_the_store(a, b, true).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn postgres_notify_at_a_transactional_commit_wakes_waiters_on_another_server() {
-    let (a, b) = postgres_pair().await;
+/// The first request on A in transactional mode, held; one repeat on B,
+/// waiting; the gate opens: the announcement leaves with A's commit.
+async fn woken_at_a_transactional_commit<A: TransactionalStore, B: Store>(a: A, b: B) {
     let h = Harness::default();
     let claims = Claims::default();
     let b = claims.counted(b);
@@ -198,7 +203,18 @@ async fn postgres_notify_at_a_transactional_commit_wakes_waiters_on_another_serv
     );
     assert!(opened.elapsed() < Duration::from_secs(10));
     assert_eq!(claims.all.load(Ordering::SeqCst), 3);
+    assert_eq!(claims.in_flight.load(Ordering::SeqCst), 2);
     assert_eq!(h.runs(), 1);
+}
+
+fn postgres_table() -> String {
+    format!("wake_{:012x}", FencingToken::random().0 >> 16)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_notify_at_a_transactional_commit_wakes_waiters_on_another_server() {
+    let (a, b) = postgres_pair().await;
+    woken_at_a_transactional_commit(a, b).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -211,4 +227,116 @@ async fn redis_publish_wakes_waiters_on_another_server() {
 async fn redis_publish_of_a_release_wakes_waiters_on_another_server() {
     let (a, b) = redis_pair().await;
     woken_by_the_store(a, b, true).await;
+}
+
+/// `SqlxPostgresStore` with `notify_waiters(true)`: the same announcements
+/// as `PostgresStore`, heard through sqlx's `PgListener`.
+#[cfg(feature = "sqlx-postgres")]
+mod sqlx_postgres {
+    use std::str::FromStr;
+
+    use sqlx::PgPool;
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    use tower_idempotency_sqlx::SqlxPostgresStore;
+
+    use super::*;
+
+    /// A pool of its own (its own connections), its connections named
+    /// `application_name` in `pg_stat_activity`.
+    async fn pool(application_name: &str) -> PgPool {
+        let options = PgConnectOptions::from_str(&common::services::postgres_url())
+            .unwrap()
+            .application_name(application_name);
+        PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(options)
+            .await
+            .unwrap()
+    }
+
+    async fn sqlx_store(table: &str, application_name: &str) -> SqlxPostgresStore {
+        SqlxPostgresStore::builder(pool(application_name).await)
+            .table(table)
+            .notify_waiters(true)
+            .open()
+            .await
+            .unwrap()
+    }
+
+    async fn sqlx_pair() -> (SqlxPostgresStore, SqlxPostgresStore) {
+        let table = postgres_table();
+        (
+            sqlx_store(&table, "wake-a").await,
+            sqlx_store(&table, "wake-b").await,
+        )
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn notify_wakes_waiters_on_another_server() {
+        let (a, b) = sqlx_pair().await;
+        woken_by_the_store(a, b, false).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn notify_of_a_release_wakes_waiters_on_another_server() {
+        let (a, b) = sqlx_pair().await;
+        woken_by_the_store(a, b, true).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn notify_at_a_transactional_commit_wakes_waiters_on_another_server() {
+        let (a, b) = sqlx_pair().await;
+        woken_at_a_transactional_commit(a, b).await;
+    }
+
+    /// One table, both PostgreSQL stores: `PostgresStore`'s completion
+    /// wakes `SqlxPostgresStore`'s waiters, and the other way round.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_store_and_sqlx_store_wake_each_other() {
+        let table = postgres_table();
+        let (a, b) = (
+            postgres_store(&table).await,
+            sqlx_store(&table, "wake-b").await,
+        );
+        woken_by_the_store(a, b, false).await;
+        let table = postgres_table();
+        let (a, b) = (
+            sqlx_store(&table, "wake-a").await,
+            postgres_store(&table).await,
+        );
+        woken_at_a_transactional_commit(a, b).await;
+    }
+
+    /// The listener's connection is killed: the listener connects again
+    /// (a new generation of the feed), and the next completion still wakes
+    /// the waiters at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn the_listener_reconnects_after_its_connection_is_killed() {
+        let table = postgres_table();
+        let name = format!("wake-listen-{:012x}", FencingToken::random().0 >> 16);
+        let a = sqlx_store(&table, "wake-a").await;
+        let b = sqlx_store(&table, &name).await;
+        let watch = b
+            .watch(&RecordId::new("warm-up", "k"))
+            .expect("the store has a signal");
+        eventually(Duration::from_secs(20), || watch.live().is_some()).await;
+        let generation = watch.live().unwrap();
+        let admin = pool("wake-admin").await;
+        let killed: i64 = sqlx::query_scalar(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+             WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+        )
+        .bind(&name)
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        assert_eq!(killed, 1, "the one listener of store B");
+        eventually(Duration::from_secs(20), || {
+            watch.live() == Some(generation + 1)
+        })
+        .await;
+        drop(watch);
+        woken_by_the_store(a, b, false).await;
+    }
 }

@@ -16,7 +16,8 @@
 //! (negative when B answers first: A's completion is committed before A's
 //! response leaves the layer). Prints p50, p99 and max per store: PostgreSQL
 //! without the signal (polling 5 ms doubling to 100 ms), PostgreSQL with
-//! `NOTIFY`, Redis with `PUBLISH`. URLs from `TOWER_IDEMPOTENCY_POSTGRES_URL`
+//! `NOTIFY` (`PostgresStore`, and `SqlxPostgresStore` with the feature
+//! `sqlx-postgres`), Redis with `PUBLISH`. URLs from `TOWER_IDEMPOTENCY_POSTGRES_URL`
 //! and `TOWER_IDEMPOTENCY_REDIS_URL` (defaults: the local services).
 
 use std::sync::Arc;
@@ -162,6 +163,24 @@ async fn main() {
     report("postgres, polling (no NOTIFY)", measure(a, b, runs).await);
     let (a, b) = (postgres(true).await.unwrap(), postgres(true).await.unwrap());
     report("postgres, LISTEN/NOTIFY", measure(a, b, runs).await);
+    #[cfg(feature = "sqlx-postgres")]
+    {
+        use tower_idempotency_sqlx::SqlxPostgresStore;
+        let sqlx_postgres = || async {
+            let pool = sqlx::PgPool::connect(&pg).await.unwrap();
+            SqlxPostgresStore::builder(pool)
+                .table(table.clone())
+                .notify_waiters(true)
+                .open()
+                .await
+                .unwrap()
+        };
+        let (a, b) = (sqlx_postgres().await, sqlx_postgres().await);
+        report(
+            "sqlx postgres, PgListener/NOTIFY",
+            measure(a, b, runs).await,
+        );
+    }
     let prefix = format!(
         "tower-idempotency-wake-bench:{:016x}:",
         FencingToken::random().0

@@ -7,7 +7,8 @@
 // its builder and its `Store` methods, `transaction.rs` its transaction
 // (PostgreSQL and MySQL on the core kit's two phases), `inspect.rs`
 // `Inspect` in SQL, and its statements
-// (`sql.rs`, `claim.rs`). The PostgreSQL statements are the core kit's
+// (`sql.rs`, `claim.rs`); `postgres/listen.rs` the LISTEN connection that
+// wakes waiting repeats (`notify_waiters`, on the kit's feed). The PostgreSQL statements are the core kit's
 // (`store::kit::pg_sql`), shared with `tower-idempotency-postgres`; the
 // SQLite schema is the kit's too (`store::kit::sqlite_sql`), shared with the
 // core's `SqliteStore`.

@@ -11,6 +11,12 @@
 //! [`Feed::new`]'s `max_keys` of them: a waiter beyond that, or any waiter
 //! while the listener is not connected, is woken by polling alone, so a lost
 //! announcement delays a waiter and never strands it.
+//!
+//! A store supplies its listener's connection as a [`Subscriber`] (one
+//! session: connect, subscribe, deliver until the connection ends);
+//! [`Feed::start`] runs it on the first watch and runs it again, with
+//! backoff, whenever its connection ends, until the last store handle is
+//! dropped.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -19,12 +25,21 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 
+use std::time::Duration;
+
 use tokio::sync::{Notify, oneshot};
 
 use crate::fingerprint::Hasher;
 
 /// The default cap on the keys one store's feed watches at once.
 pub const DEFAULT_MAX_WATCHED_KEYS: usize = 4096;
+
+/// The listener's first wait before it connects again; it doubles after
+/// each session that did not subscribe, up to [`BACKOFF_MAX`].
+pub const BACKOFF_FIRST: Duration = Duration::from_millis(100);
+
+/// The listener's longest wait before it connects again.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// The announcement of a change to `(scope, key)` in `namespace` (a table,
 /// a key prefix): the first 8 bytes of a domain-separated SHA-256.
@@ -88,8 +103,26 @@ impl Feed {
         }
     }
 
+    /// Starts the feed's listener once, in a task on the current Tokio
+    /// runtime (outside one it does nothing, and waiters poll): a session
+    /// of `subscriber()`, and another whenever one ends, after a backoff
+    /// ([`BACKOFF_FIRST`] doubling to [`BACKOFF_MAX`], back to the first
+    /// after a session that subscribed) during which the feed is down and
+    /// waiters poll quickly. A failed session is logged at WARN. The task
+    /// ends when the last store handle is dropped. `subscriber` is called
+    /// only by the call that starts it.
+    pub fn start<S: Subscriber>(&self, subscriber: impl FnOnce() -> S) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.start_once() {
+            runtime.spawn(run(self.listener(), subscriber()));
+        }
+    }
+
     /// `true` exactly once, for the caller that starts the listener: it
-    /// then runs [`Feed::listener`]'s handle in a task of its own.
+    /// then runs [`Feed::listener`]'s handle in a task of its own
+    /// ([`Feed::start`] does both).
     pub fn start_once(&self) -> bool {
         !self.shared.started.swap(true, Ordering::AcqRel)
     }
@@ -191,6 +224,74 @@ impl FeedListener {
     pub async fn stopped(&mut self) {
         std::future::poll_fn(|cx| self.poll_stopped(cx)).await;
     }
+
+    /// The count of [`FeedListener::set_live`] calls so far (`None` once
+    /// the store is gone).
+    fn generation(&self) -> Option<u64> {
+        let shared = self.shared.upgrade()?;
+        Some(shared.state.load(Ordering::Acquire) >> 1)
+    }
+}
+
+/// How a [`Subscriber`]'s session ended without an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// [`FeedListener::poll_stopped`] was ready: every store handle is
+    /// gone, and the listener stops.
+    Stopped,
+    /// The connection closed: the listener connects again after its
+    /// backoff.
+    Closed,
+}
+
+/// A store's listener connection, run by [`Feed::start`].
+pub trait Subscriber: Send + 'static {
+    /// A failed session: logged, then the listener connects again after
+    /// its backoff.
+    type Error: std::fmt::Display + Send;
+
+    /// What the log calls the connection (`"LISTEN"`, `"pub/sub"`).
+    const CONNECTION: &'static str;
+
+    /// One session: connects and subscribes, calls
+    /// [`FeedListener::set_live`] once subscribed, then hands every
+    /// announcement to [`FeedListener::deliver`] until the connection ends
+    /// ([`Ended::Closed`], or the error) or
+    /// [`FeedListener::poll_stopped`] is ready ([`Ended::Stopped`]; poll it
+    /// no more after that). [`Feed::start`] marks the feed down after each
+    /// session.
+    fn session(
+        &mut self,
+        feed: &mut FeedListener,
+    ) -> impl Future<Output = Result<Ended, Self::Error>> + Send;
+}
+
+/// The listener's task: sessions of `subscriber`, with backoff between
+/// them, until the store is gone.
+async fn run<S: Subscriber>(mut feed: FeedListener, mut subscriber: S) {
+    let mut backoff = BACKOFF_FIRST;
+    loop {
+        let before = feed.generation();
+        match subscriber.session(&mut feed).await {
+            Ok(Ended::Stopped) => return,
+            Ok(Ended::Closed) => {}
+            Err(e) => tracing::warn!(
+                error = %e,
+                "the idempotency store's {} connection failed; waiters poll until it is back",
+                S::CONNECTION
+            ),
+        }
+        // A session that subscribed was a working connection: the next is
+        // tried soon; one that did not keeps the backoff growing.
+        if feed.generation() != before {
+            backoff = BACKOFF_FIRST;
+        }
+        feed.set_down();
+        if tokio::time::timeout(backoff, feed.stopped()).await.is_ok() {
+            return;
+        }
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
 }
 
 /// A waiter's watch on one key: [`Watch::changed`] is woken by the store's
@@ -281,6 +382,88 @@ mod tests {
         let mut listener = feed.listener();
         drop(feed);
         listener.stopped().await;
+    }
+
+    /// A subscriber that plays `script`, one step a session, then waits
+    /// for the store to go; it reports each session's start (the paused
+    /// clock's instant, and whether the feed was live then).
+    struct Scripted {
+        script: std::collections::VecDeque<Step>,
+        sessions: tokio::sync::mpsc::UnboundedSender<(tokio::time::Instant, bool)>,
+    }
+
+    #[derive(Clone, Copy)]
+    enum Step {
+        Closed { subscribed: bool },
+        Failed,
+    }
+
+    impl Subscriber for Scripted {
+        type Error = &'static str;
+        const CONNECTION: &'static str = "scripted";
+
+        async fn session(&mut self, feed: &mut FeedListener) -> Result<Ended, &'static str> {
+            let live = feed
+                .shared
+                .upgrade()
+                .is_some_and(|s| s.state.load(Ordering::Acquire) & 1 == 1);
+            self.sessions
+                .send((tokio::time::Instant::now(), live))
+                .unwrap();
+            match self.script.pop_front() {
+                Some(Step::Closed { subscribed }) => {
+                    if subscribed {
+                        feed.set_live();
+                    }
+                    Ok(Ended::Closed)
+                }
+                Some(Step::Failed) => Err("refused"),
+                None => {
+                    feed.set_live();
+                    feed.stopped().await;
+                    Ok(Ended::Stopped)
+                }
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_listener_reconnects_with_backoff_reset_by_a_subscribed_session() {
+        let feed = Feed::new(1);
+        let (tx, mut sessions) = tokio::sync::mpsc::unbounded_channel();
+        let script = [
+            Step::Closed { subscribed: false },
+            Step::Failed,
+            Step::Closed { subscribed: true },
+            Step::Closed { subscribed: false },
+        ];
+        let t0 = tokio::time::Instant::now();
+        feed.start(|| Scripted {
+            script: script.into(),
+            sessions: tx.clone(),
+        });
+        feed.start(|| -> Scripted { unreachable!("started once") });
+        drop(tx);
+        let mut at = Vec::new();
+        for _ in 0..5 {
+            let (instant, live) = sessions.recv().await.unwrap();
+            assert!(!live, "down between sessions");
+            at.push((instant - t0).as_millis());
+        }
+        // 100 ms, doubled to 200 after two sessions that never subscribed;
+        // back to 100 after one that did, then 200 again.
+        assert_eq!(at, [0, 100, 300, 400, 600]);
+        let watch = feed.watch(change_key("t", "s", "k")).unwrap();
+        eventually_live(&watch).await;
+        drop(watch);
+        drop(feed);
+        assert!(sessions.recv().await.is_none(), "the task ended");
+    }
+
+    async fn eventually_live(watch: &Watch) {
+        while watch.live().is_none() {
+            tokio::task::yield_now().await;
+        }
     }
 
     fn futures_poll_once<F: Future>(f: Pin<&mut F>) -> Poll<F::Output> {

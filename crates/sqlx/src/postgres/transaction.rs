@@ -118,6 +118,7 @@ impl TwoPhase for SqlxPostgresStore {
         token: FencingToken,
         response: &StoredResponse,
     ) -> Result<bool, StoreError> {
+        // With `notify_waiters` the announcement is delivered at the commit.
         let completed = self
             .complete_on(tx, id.scope(), id.key(), token, response)
             .await
