@@ -114,8 +114,8 @@ pub fn judge(shared: &Shared, elapsed: Duration, error: Option<String>) -> Outco
                 match downstream.acted.get(msg_key) {
                     // A message is due at a time on the database's clock
                     // (its enqueue's, or its retry's): one due before the
-                    // clock stepped back waits for the step too (not yet
-                    // fixed; see docs/testing.md). Not lost: it must
+                    // clock stepped back waits for the step too (the
+                    // outbox's docs say so). Not lost: it must
                     // still be pending and held by no live lease (a lease
                     // from before the step is over).
                     None if db.stepped_back_ms() > STALL_MS

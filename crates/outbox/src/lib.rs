@@ -87,6 +87,12 @@
 //!   below the lease, so it ends before another relay may start one. A
 //!   relay that dies leaves its messages claimed until the lease ends; then
 //!   any relay delivers them.
+//! * Times are the database's clock. If it steps back, a lease deadline
+//!   further ahead than one lease counts as ended (as the records' do), so
+//!   no message waits out the step while held; but a message's due time
+//!   (its enqueue's, or its next retry's) is on the same clock, so one due
+//!   within the step is attempted up to the step later. Late, never lost,
+//!   as a record's TTL is longer by the step.
 //! * No order. Messages are claimed oldest due first, but attempts run
 //!   concurrently and a failing message is retried after a backoff while
 //!   later messages go ahead: receivers must not rely on arrival order (a
