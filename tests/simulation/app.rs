@@ -287,7 +287,8 @@ impl Queue for SimQueue {
 #[derive(Default)]
 pub struct Sending {
     pub now: BTreeMap<String, usize>,
-    pub overlaps: Vec<String>,
+    /// (key, when, in ms of simulated time)
+    pub overlaps: Vec<(String, u64)>,
 }
 
 struct SendingGuard(Arc<Mutex<Sending>>, String);
@@ -388,7 +389,8 @@ pub async fn serve(setup: ServerSetup) -> turmoil::Result {
                 let n = s.now.entry(key.clone()).or_default();
                 *n += 1;
                 if *n > 1 {
-                    s.overlaps.push(key.clone());
+                    let at = turmoil::sim_elapsed().unwrap_or_default().as_millis() as u64;
+                    s.overlaps.push((key.clone(), at));
                 }
             }
             let _guard = SendingGuard(sending, key);

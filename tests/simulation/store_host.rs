@@ -91,6 +91,8 @@ pub struct Db {
     outbox: Vec<Row>,
     holders: BTreeMap<Id, Holder>,
     pub violations: Vec<String>,
+    /// When the clock was stepped back, in ms of simulated time.
+    pub steps_at_ms: Vec<u64>,
     /// Injected failures per thousand calls.
     pub error_rate: Arc<AtomicU32>,
     rng: StdRng,
@@ -108,6 +110,7 @@ impl Db {
             outbox: Vec::new(),
             holders: BTreeMap::new(),
             violations: Vec::new(),
+            steps_at_ms: Vec::new(),
             error_rate: Arc::new(AtomicU32::new(0)),
             rng: StdRng::seed_from_u64(seed ^ 0x5707e),
         }))

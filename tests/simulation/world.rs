@@ -142,8 +142,9 @@ fn apply(sim: &mut turmoil::Sim<'_>, shared: &Shared, fault: &Fault) {
             db.error_rate.store(*rate, Ordering::SeqCst);
         }
         Fault::ClockBack(ms) => {
-            let db = shared.db.lock().unwrap();
+            let mut db = shared.db.lock().unwrap();
             db.clock.offset_ms.fetch_sub(*ms, Ordering::SeqCst);
+            db.steps_at_ms.push(sim.elapsed().as_millis() as u64);
         }
         Fault::Downstream(mood) => shared.downstream.lock().unwrap().mood = Some(*mood),
     }
@@ -210,13 +211,16 @@ async fn client(shared: Shared, index: usize, seed: u64) -> turmoil::Result {
             ..Asked::default()
         };
         shared.asked.lock().unwrap().insert(key.clone(), asked);
-        // The first send, and a repeat sent at once as a hasty client would.
-        for _ in 0..2 {
-            if let Some(answer) = until_answered(&shared, &mut rng, &user, &key, body(amount)).await
-            {
-                let mut asked = shared.asked.lock().unwrap();
-                asked.get_mut(&key).expect("asked").created.push(answer);
-            }
+        // Sent twice at once, as a double-clicked button does: one runs,
+        // the other meets it in flight.
+        let mut twin = StdRng::seed_from_u64(rng.random());
+        let (a, b) = tokio::join!(
+            until_answered(&shared, &mut rng, &user, &key, body(amount)),
+            until_answered(&shared, &mut twin, &user, &key, body(amount)),
+        );
+        for answer in [a, b].into_iter().flatten() {
+            let mut asked = shared.asked.lock().unwrap();
+            asked.get_mut(&key).expect("asked").created.push(answer);
         }
         let reused = until_answered(&shared, &mut rng, &user, &key, body(amount + 1)).await;
         shared
