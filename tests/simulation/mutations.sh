@@ -32,7 +32,9 @@ run() {
         return
     fi
     rm -rf "$scratch/p"
-    rsync -a --exclude target --exclude .git "$repo/" "$scratch/p/"
+    # Not -a: fresh mtimes, so that cargo rebuilds a file the last
+    # mutation changed and this copy restores.
+    rsync -rlp --exclude target --exclude .git "$repo/" "$scratch/p/"
     shift
     if [ "$name" != none ]; then
         plant "$@" || { echo "=== mutation $name: could not be planted"; failed=$((failed + 1)); return; }

@@ -134,7 +134,8 @@ impl Db {
                     due_ms,
                     lease_until_ms,
                 } => {
-                    due_ms > now && !lease_until_ms.is_some_and(|l| l > now && l <= now + lease_ms)
+                    due_ms > now
+                        && !lease_until_ms.is_some_and(|l| l > now && l <= now + 2 * lease_ms)
                 }
                 _ => false,
             })
@@ -395,9 +396,10 @@ impl Db {
             else {
                 continue;
             };
-            // As the SQL: a lease further ahead than one lease is from
+            // As the SQL: a lease further ahead than two leases is from
             // before a step back of the clock, and over.
-            let leased = lease_until_ms.is_some_and(|until| until > now && until <= now + lease_ms);
+            let leased =
+                lease_until_ms.is_some_and(|until| until > now && until <= now + 2 * lease_ms);
             if *due_ms > now || leased {
                 continue;
             }

@@ -88,7 +88,7 @@
 //!   relay that dies leaves its messages claimed until the lease ends; then
 //!   any relay delivers them.
 //! * Times are the database's clock. If it steps back, a lease deadline
-//!   further ahead than one lease counts as ended (as the records' do), so
+//!   further ahead than two leases counts as ended (a record's, one), so
 //!   no message waits out the step while held; but a message's due time
 //!   (its enqueue's, or its next retry's) is on the same clock, so one due
 //!   within the step is attempted up to the step later. Late, never lost,

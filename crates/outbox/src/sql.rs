@@ -17,10 +17,14 @@ pub(crate) enum ClaimSql {
     /// optional read (`lease_ms`) that says whether anything is due, so
     /// an idle relay polls without taking a write lock.
     ///
-    /// Every claim takes a message whose lease ends further ahead than one
-    /// lease from now as free, as the records' claims do: no claim made at
-    /// or before now set it, so the database's clock stepped back since,
-    /// and trusting it would hold the message for as long as the step.
+    /// Every claim takes a message whose lease ends further ahead than two
+    /// leases from now as free: no claim made at or before now set it, so
+    /// the database's clock stepped back since, and trusting it would hold
+    /// the message for as long as the step. (The records' claims allow one
+    /// lease, reading the clock after the row is locked; a claim here may
+    /// read it before another relay's claim of the same row commits, so
+    /// the second lease is the margin for that, and the clock is read in
+    /// the condition itself, row by row, where the dialect allows.)
     #[cfg_attr(
         not(any(
             feature = "sqlite",
@@ -36,7 +40,7 @@ pub(crate) enum ClaimSql {
     },
     /// MySQL/MariaDB, which have no `UPDATE ... RETURNING`: in one
     /// transaction, `now` (no parameters), then the due ids locked with
-    /// `SKIP LOCKED` (`now, now, now + lease_ms, limit`), then `update` (`owner,
+    /// `SKIP LOCKED` (`now, now, lease_ms, limit`), then `update` (`owner,
     /// lease_until, ids...`) and `select` (`ids...`), whose `{ids}` is
     /// replaced by one placeholder per id.
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
@@ -155,7 +159,7 @@ impl OutboxSql {
                      WHERE id IN (SELECT id FROM {TABLE} WHERE state = 'pending'
                        AND due_ms <= (SELECT ms FROM now)
                        AND (lease_until_ms IS NULL OR lease_until_ms <= (SELECT ms FROM now)
-                         OR lease_until_ms > (SELECT ms FROM now) + $2::bigint)
+                         OR lease_until_ms > {NOW} + 2 * $2::bigint)
                        ORDER BY due_ms, id LIMIT $3::bigint FOR UPDATE SKIP LOCKED)
                      RETURNING id, attempts::bigint, lease_until_ms, msg_key, destination, content_type, payload"
                 ),
@@ -239,12 +243,12 @@ impl OutboxSql {
                 probe: Some(format!(
                     "SELECT EXISTS (SELECT 1 FROM {TABLE}, (SELECT {NOW} AS ms) n
                      WHERE state = 'pending' AND due_ms <= n.ms
-                       AND (lease_until_ms IS NULL OR lease_until_ms <= n.ms OR lease_until_ms > n.ms + ?1))"
+                       AND (lease_until_ms IS NULL OR lease_until_ms <= n.ms OR lease_until_ms > n.ms + 2 * ?1))"
                 )),
                 update: format!(
                     "UPDATE {TABLE} SET lease_owner = ?1, lease_until_ms = {NOW} + ?2, attempts = attempts + 1
                      WHERE id IN (SELECT id FROM {TABLE} WHERE state = 'pending' AND due_ms <= {NOW}
-                       AND (lease_until_ms IS NULL OR lease_until_ms <= {NOW} OR lease_until_ms > {NOW} + ?2)
+                       AND (lease_until_ms IS NULL OR lease_until_ms <= {NOW} OR lease_until_ms > {NOW} + 2 * ?2)
                        ORDER BY due_ms, id LIMIT ?3)
                      RETURNING id, attempts, lease_until_ms, msg_key, destination, content_type, payload"
                 ),
@@ -335,7 +339,7 @@ impl OutboxSql {
                 now: format!("SELECT {NOW}"),
                 lock: format!(
                     "SELECT id FROM {TABLE} WHERE state = 'pending' AND due_ms <= ?
-                       AND (lease_until_ms IS NULL OR lease_until_ms <= ? OR lease_until_ms > ?)
+                       AND (lease_until_ms IS NULL OR lease_until_ms <= ? OR lease_until_ms > {NOW} + 2 * ?)
                      ORDER BY due_ms, id LIMIT ? FOR UPDATE SKIP LOCKED"
                 ),
                 update: format!(

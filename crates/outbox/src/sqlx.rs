@@ -359,7 +359,7 @@ where
             let ids: Vec<i64> = sqlx::query_scalar::<DB, i64>(text(lock))
                 .bind(now)
                 .bind(now)
-                .bind(now + lease_ms)
+                .bind(lease_ms)
                 .bind(limit)
                 .fetch_all(&mut *tx)
                 .await
