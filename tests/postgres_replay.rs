@@ -1,5 +1,5 @@
-//! The PostgreSQL stores' read-first replay: a completed record is answered
-//! by a plain `SELECT` that takes no lock, and an expired one is not
+//! The PostgreSQL stores' first statement: a completed record is answered,
+//! and a new key claimed, without a lock, and an expired record is not
 //! replayed. Needs a PostgreSQL server: `TOWER_IDEMPOTENCY_POSTGRES_URL`, or
 //! the local `test` database.
 
@@ -57,7 +57,8 @@ async fn complete<S: Store>(store: &S, key: &str) {
 
 /// With another session holding the key's advisory lock and the record's
 /// row lock, replays (and a 422) are answered; a new key's claim is not
-/// blocked either, while an in-flight check of the locked key waits.
+/// blocked by its advisory lock either, while a repeat of a key in flight
+/// takes the locking path and waits.
 async fn replays_under_locks<S: Store + Clone + 'static>(store: &S, table: &str) {
     complete(store, "k").await;
     let (locker, connection) = tokio_postgres::connect(&url(), tokio_postgres::NoTls)
@@ -66,9 +67,10 @@ async fn replays_under_locks<S: Store + Clone + 'static>(store: &S, table: &str)
     tokio::spawn(connection);
     locker
         .batch_execute(&format!(
-            "BEGIN; SELECT pg_advisory_xact_lock({}); \
+            "BEGIN; SELECT pg_advisory_xact_lock({}); SELECT pg_advisory_xact_lock({}); \
              SELECT 1 FROM {table} WHERE scope = 's' AND key = 'k' FOR UPDATE",
-            advisory_key(table, "k")
+            advisory_key(table, "k"),
+            advisory_key(table, "k3")
         ))
         .await
         .unwrap();
@@ -87,8 +89,20 @@ async fn replays_under_locks<S: Store + Clone + 'static>(store: &S, table: &str)
         .expect("a mismatch waited on a lock")
         .unwrap();
     assert!(matches!(mismatch, Claim::Refused(Refusal::Mismatch)));
-    // The control: a claim of a key without a completed record takes the
-    // locking path, and waits for the advisory lock the other session holds.
+    // A new key is claimed by the insert alone: its advisory lock, held by
+    // the other session, is not taken.
+    let new_key = tokio::time::timeout(Duration::from_secs(20), store.claim(claim("k3", 1)))
+        .await
+        .expect("a new key's claim waited on a lock")
+        .unwrap();
+    assert!(matches!(new_key, Claim::Acquired { taken_over: false }));
+    // The control: a repeat of a key in flight takes the locking path, and
+    // waits for the advisory lock the other session holds.
+    let k2 = claim("k2", 1);
+    assert!(matches!(
+        store.claim(k2).await.unwrap(),
+        Claim::Acquired { taken_over: false }
+    ));
     locker
         .execute(
             "SELECT pg_advisory_xact_lock($1)",
@@ -124,7 +138,7 @@ async fn replays_under_locks<S: Store + Clone + 'static>(store: &S, table: &str)
     locker.batch_execute("ROLLBACK").await.unwrap();
     assert!(matches!(
         waiting.await.unwrap().unwrap(),
-        Claim::Acquired { taken_over: false }
+        Claim::Refused(Refusal::InFlight { .. })
     ));
 }
 
