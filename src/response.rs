@@ -215,8 +215,23 @@ impl StoredResponse {
     /// reserved, and a length before its bytes are copied, so a hostile count
     /// or length is an error, not a large allocation. The largest single
     /// allocation is one list entry (a `(HeaderName, HeaderValue)`, 72 bytes
-    /// on 64-bit targets) per 8 input bytes.
+    /// on 64-bit targets) per 8 input bytes, and the body's copy.
     pub fn decode(input: &[u8]) -> Result<Self, DecodeError> {
+        Self::decode_with(input, |body| Bytes::copy_from_slice(&input[body]))
+    }
+
+    /// [`StoredResponse::decode`] of an encoding already in a [`Bytes`]: the
+    /// body is a slice of `input`, not a copy, so a large replay costs no
+    /// second copy of its body (it keeps `input`'s buffer alive while it is
+    /// held).
+    pub fn decode_bytes(input: Bytes) -> Result<Self, DecodeError> {
+        Self::decode_with(&input, |body| input.slice(body))
+    }
+
+    fn decode_with(
+        input: &[u8],
+        body: impl FnOnce(std::ops::Range<usize>) -> Bytes,
+    ) -> Result<Self, DecodeError> {
         let mut r = Reader(input);
         if r.take(4)? != MAGIC {
             return Err(DecodeError("unknown format"));
@@ -233,14 +248,8 @@ impl StoredResponse {
         let headers = decode_fields(&mut r)?;
         let len = u64::from_be_bytes(r.array()?);
         let len = usize::try_from(len).map_err(|_| DecodeError("body length"))?;
-        let bytes = Bytes::copy_from_slice(r.take(len)?);
-        let body = if flags & FLAG_OMITTED != 0 {
-            StoredBody::Omitted
-        } else if flags & FLAG_SEALED != 0 {
-            StoredBody::Sealed(bytes)
-        } else {
-            StoredBody::Complete(bytes)
-        };
+        let start = input.len() - r.0.len();
+        r.take(len)?;
         let trailers = if flags & FLAG_TRAILERS != 0 {
             Some(decode_fields(&mut r)?)
         } else {
@@ -249,6 +258,14 @@ impl StoredResponse {
         if !r.0.is_empty() {
             return Err(DecodeError("trailing bytes"));
         }
+        let bytes = body(start..start + len);
+        let body = if flags & FLAG_OMITTED != 0 {
+            StoredBody::Omitted
+        } else if flags & FLAG_SEALED != 0 {
+            StoredBody::Sealed(bytes)
+        } else {
+            StoredBody::Complete(bytes)
+        };
         Ok(StoredResponse {
             status,
             headers,
@@ -378,5 +395,24 @@ mod tests {
         let mut huge_count = bytes.clone();
         huge_count[7..11].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(StoredResponse::decode(&huge_count).is_err());
+        for n in 0..bytes.len() {
+            let prefix = Bytes::copy_from_slice(&bytes[..n]);
+            assert!(StoredResponse::decode_bytes(prefix).is_err(), "prefix {n}");
+        }
+        assert!(StoredResponse::decode_bytes(Bytes::from(huge_count)).is_err());
+    }
+
+    #[test]
+    fn decode_bytes_slices_the_body_out_of_its_input() {
+        let s = sample();
+        let encoded = Bytes::from(s.encode());
+        let decoded = StoredResponse::decode_bytes(encoded.clone()).unwrap();
+        assert_eq!(decoded, s);
+        let StoredBody::Complete(body) = &decoded.body else {
+            panic!("{:?}", decoded.body)
+        };
+        let within = encoded.as_ptr_range();
+        assert!(within.contains(&body.as_ptr()), "the body was copied");
+        assert_eq!(&body[..], b"\xff\x00\xfe");
     }
 }

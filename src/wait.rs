@@ -13,11 +13,11 @@
 //!   `PostgresStore` and `SqlxPostgresStore` with `notify_waiters(true)`
 //!   (`LISTEN`/`NOTIFY`) and `RedisStore` on one server (pub/sub) announce
 //!   every completion and release; one listener connection per store wakes
-//!   the waiters of that key. Measured (`bench/wake`, loopback, 200 runs): p50 0.4 ms / p99
-//!   2.1 ms after the first request's client has its answer on PostgreSQL,
-//!   p50 0.6 ms / p99 6.1 ms on Redis;
+//!   the waiters of that key. Measured (`bench/wake`, loopback, 200 runs): p50 0.30 ms / p99
+//!   0.50 ms after the first request's client has its answer on PostgreSQL,
+//!   p50 0.27 ms / p99 0.41 ms on Redis (BENCHMARKS.md);
 //! - **polling**, always, as the backstop: the waiter claims again after
-//!   5 ms, then at doubling intervals up to 100 ms (p50 29 ms / p99 96 ms
+//!   5 ms, then at doubling intervals up to 100 ms (p50 36 ms / p99 99 ms
 //!   in the same measurement) — or, while the store's signal is live and
 //!   saw no reconnect since the claim, every
 //!   [`signalled_poll_interval`](crate::IdempotencyLayer::signalled_poll_interval)

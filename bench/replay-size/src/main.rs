@@ -47,7 +47,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let db = db.ok_or("--db PATH is required")?;
     // Printable bytes, so that a reader of one answer sees what it got.
     let bytes: Bytes = (0..MAX).map(|i| b'a' + (i % 26) as u8).collect::<Vec<u8>>().into();
-    let store = SqliteStore::builder(&db).replay_cache(1024).open().await?;
+    let store = SqliteStore::builder(&db)
+        .replay_cache(1024)
+        .replay_cache_bytes(16 << 20)
+        .open()
+        .await?;
     let layer = IdempotencyLayer::new(store, scope::header("x-user"))
         .require_key(true)
         .max_response_body(MAX);

@@ -64,7 +64,7 @@ impl Found {
             Found::Acquired { taken_over } => return Ok(Ok(taken_over)),
             Found::Mismatch => Refusal::Mismatch,
             Found::InFlight(lease_remaining) => Refusal::InFlight { lease_remaining },
-            Found::Completed(blob) => Refusal::Completed(decode_stored(&blob)?),
+            Found::Completed(blob) => Refusal::Completed(decode_stored(blob)?),
         }))
     }
 
@@ -77,13 +77,14 @@ impl Found {
     }
 }
 
-/// A completed record's response, decoded.
+/// A completed record's response, decoded; its body is a slice of `blob`,
+/// not a copy ([`StoredResponse::decode_bytes`]).
 ///
 /// # Errors
 ///
 /// [`StoreError::Corrupt`] when it does not decode.
-pub fn decode_stored(blob: &[u8]) -> Result<StoredResponse, StoreError> {
-    StoredResponse::decode(blob).map_err(|e| StoreError::Corrupt(e.to_string()))
+pub fn decode_stored(blob: Vec<u8>) -> Result<StoredResponse, StoreError> {
+    StoredResponse::decode_bytes(blob.into()).map_err(|e| StoreError::Corrupt(e.to_string()))
 }
 
 /// A SQL store's statements for one claim, run inside its transaction after

@@ -6,7 +6,7 @@
 //! record's [`change_key`] (a short hash of the store's namespace, the scope
 //! and the key: bounded, and it names no key) to every server; one listener
 //! connection per store, started when the first waiter watches
-//! ([`Feed::start_once`]), hands each announcement to
+//! ([`Feed::start`]), hands each announcement to
 //! [`FeedListener::deliver`]. Only keys somebody waits on are kept, at most
 //! [`Feed::new`]'s `max_keys` of them: a waiter beyond that, or any waiter
 //! while the listener is not connected, is woken by polling alone, so a lost
@@ -123,14 +123,14 @@ impl Feed {
     /// `true` exactly once, for the caller that starts the listener: it
     /// then runs [`Feed::listener`]'s handle in a task of its own
     /// ([`Feed::start`] does both).
-    pub fn start_once(&self) -> bool {
+    pub(crate) fn start_once(&self) -> bool {
         !self.shared.started.swap(true, Ordering::AcqRel)
     }
 
     /// The listener's side of the feed. It holds the feed weakly: once
     /// every store handle is gone, [`FeedListener::stopped`] resolves and
     /// [`FeedListener::deliver`] does nothing. Call it once.
-    pub fn listener(&self) -> FeedListener {
+    pub(crate) fn listener(&self) -> FeedListener {
         let stopped = lock(&self.shared.stopped).take();
         FeedListener {
             shared: Arc::downgrade(&self.shared),

@@ -41,6 +41,7 @@ pub struct SqliteStoreBuilder {
     group_commit: usize,
     concurrent_transactions: usize,
     replay_cache: usize,
+    replay_cache_bytes: usize,
     max_hold: Duration,
     writer_queue: usize,
     on_connect: Option<ConnectHook>,
@@ -126,10 +127,21 @@ impl SqliteStoreBuilder {
     /// store's clock, so a cached replay is the one the database would
     /// give. Only a record changed behind the store's back (by hand, with
     /// SQL) is not seen until its entry is evicted. Bounds: `records`
-    /// entries, 4 MiB of encoded responses in all, none over 64 KiB; the
-    /// oldest goes first.
+    /// entries and [`SqliteStoreBuilder::replay_cache_bytes`] of encoded
+    /// responses in all; the oldest goes first. A cached replay's body is
+    /// shared, not copied.
     pub fn replay_cache(mut self, records: usize) -> Self {
         self.replay_cache = records;
+        self
+    }
+
+    /// The replay cache's bound in bytes of encoded responses (the body
+    /// and the header fields, as stored; default 4 MiB). A record larger
+    /// than a quarter of it is never cached, so one large record does not
+    /// push out the rest: with the default, records up to 1 MiB. Used only
+    /// with [`SqliteStoreBuilder::replay_cache`].
+    pub fn replay_cache_bytes(mut self, bytes: usize) -> Self {
+        self.replay_cache_bytes = bytes;
         self
     }
 
@@ -259,7 +271,10 @@ impl SqliteStoreBuilder {
                 lock_wait: busy_timeout,
             },
             writer: Arc::new(std::sync::OnceLock::new()),
-            completed: Arc::new(super::cache::Completed::new(self.replay_cache)),
+            completed: Arc::new(super::cache::Completed::new(
+                self.replay_cache,
+                self.replay_cache_bytes,
+            )),
         })
     }
 }
@@ -309,6 +324,7 @@ impl SqliteStore {
             group_commit: 32,
             concurrent_transactions: 1,
             replay_cache: 0,
+            replay_cache_bytes: super::cache::DEFAULT_BYTES,
             max_hold: Duration::from_secs(30),
             writer_queue: 1024,
             on_connect: None,

@@ -7,8 +7,9 @@
 //! another one sharing the file. Every hit is checked against the store's
 //! clock, and an expired entry is never used (the claim then reads the
 //! database). Bounds: the builder's number of records (0, the default,
-//! turns it off), [`MAX_BYTES`] of encoded responses in all, none larger
-//! than [`MAX_ENTRY`]; the oldest entry goes first.
+//! turns it off) and bytes of encoded responses in all ([`DEFAULT_BYTES`]
+//! unless set), none larger than a quarter of those bytes; the oldest entry
+//! goes first. A hit hands out the cached body without a copy (`Bytes`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -17,10 +18,8 @@ use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 use crate::store::Refusal;
 
-/// At most this many bytes of encoded responses are cached in all.
-pub(super) const MAX_BYTES: usize = 4 << 20;
-/// A response whose encoding is larger than this (bytes) is not cached.
-pub(super) const MAX_ENTRY: usize = 64 << 10;
+/// Bytes of encoded responses cached in all, unless the builder sets it.
+pub(super) const DEFAULT_BYTES: usize = 4 << 20;
 
 type Id = (String, String);
 
@@ -44,14 +43,23 @@ pub(super) struct Completed {
     inner: Mutex<Inner>,
     /// At most this many records; 0: nothing is cached.
     capacity: usize,
+    /// At most this many bytes of encoded responses in all.
+    max_bytes: usize,
 }
 
 impl Completed {
-    pub(super) fn new(capacity: usize) -> Self {
+    pub(super) fn new(capacity: usize, max_bytes: usize) -> Self {
         Completed {
             inner: Mutex::default(),
             capacity,
+            max_bytes,
         }
+    }
+
+    /// A response whose encoding is larger than this (bytes) is not cached,
+    /// so that one entry never pushes out more than a quarter of the rest.
+    fn max_entry(&self) -> usize {
+        self.max_bytes / 4
     }
 
     /// The refusal for a claim of `(scope, key)` with `fingerprint` at `now`
@@ -94,7 +102,7 @@ impl Completed {
         let Ok(fingerprint) = <[u8; 32]>::try_from(fingerprint) else {
             return;
         };
-        if size > MAX_ENTRY || self.capacity == 0 {
+        if size > self.max_entry() || self.capacity == 0 {
             return;
         }
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
@@ -102,7 +110,7 @@ impl Completed {
         if inner.entries.contains_key(&id) {
             return;
         }
-        while inner.entries.len() >= self.capacity || inner.bytes + size > MAX_BYTES {
+        while inner.entries.len() >= self.capacity || inner.bytes + size > self.max_bytes {
             let Some(oldest) = inner.order.pop_front() else {
                 break;
             };
@@ -141,7 +149,7 @@ mod tests {
 
     #[test]
     fn a_hit_replays_or_refuses_and_an_expired_entry_is_never_used() {
-        let cache = Completed::new(4);
+        let cache = Completed::new(4, DEFAULT_BYTES);
         let fp = Fingerprint([7; 32]);
         cache.insert("s", "k", &fp.0, 1_000, &response(b"one"), 3);
         match cache.refusal("s", "k", &fp, 999) {
@@ -158,7 +166,7 @@ mod tests {
 
     #[test]
     fn a_capacity_of_zero_caches_nothing() {
-        let cache = Completed::new(0);
+        let cache = Completed::new(0, DEFAULT_BYTES);
         let fp = Fingerprint([7; 32]);
         cache.insert("s", "k", &fp.0, i64::MAX, &response(b"one"), 3);
         assert!(cache.refusal("s", "k", &fp, 0).is_none());
@@ -167,7 +175,9 @@ mod tests {
     #[test]
     fn it_holds_at_most_its_bounds_and_drops_the_oldest_first() {
         const MAX_ENTRIES: usize = 1024;
-        let cache = Completed::new(MAX_ENTRIES);
+        const MAX_BYTES: usize = 1 << 20;
+        const MAX_ENTRY: usize = MAX_BYTES / 4;
+        let cache = Completed::new(MAX_ENTRIES, MAX_BYTES);
         let fp = Fingerprint([1; 32]);
         for i in 0..MAX_ENTRIES + 10 {
             cache.insert("s", &i.to_string(), &fp.0, i64::MAX, &response(b"x"), 1);
@@ -180,6 +190,8 @@ mod tests {
         drop(inner);
         cache.insert("s", "big", &fp.0, i64::MAX, &response(b"x"), MAX_ENTRY + 1);
         assert!(cache.refusal("s", "big", &fp, 0).is_none());
+        cache.insert("s", "quarter", &fp.0, i64::MAX, &response(b"x"), MAX_ENTRY);
+        assert!(cache.refusal("s", "quarter", &fp, 0).is_some());
         for i in 0..8 {
             let name = format!("half-{i}");
             cache.insert("s", &name, &fp.0, i64::MAX, &response(b"x"), MAX_BYTES / 4);

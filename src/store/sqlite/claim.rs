@@ -3,7 +3,7 @@
 
 use rusqlite::{OptionalExtension, params};
 
-use crate::response::StoredResponse;
+use crate::store::kit::claim::decode_stored;
 use crate::store::{
     Claim, ClaimRequest, Completion, Decision, Existing, FencingToken, Refusal, StoreError, decide,
     duration_ms,
@@ -36,9 +36,7 @@ impl Refused {
         match self {
             Refused::Mismatch => Ok(Refusal::Mismatch),
             Refused::InFlight(lease_remaining) => Ok(Refusal::InFlight { lease_remaining }),
-            Refused::Completed(blob) => StoredResponse::decode(&blob)
-                .map(Refusal::Completed)
-                .map_err(|e| StoreError::Corrupt(e.to_string())),
+            Refused::Completed(blob) => decode_stored(blob).map(Refusal::Completed),
         }
     }
 }
@@ -53,6 +51,16 @@ pub(super) struct Record {
 }
 
 impl Record {
+    /// A completed record's response (empty if none was stored),
+    /// fingerprint and expiry, moved out without a copy.
+    pub(super) fn into_completed(self) -> (Vec<u8>, Vec<u8>, i64) {
+        (
+            self.response.unwrap_or_default(),
+            self.fingerprint,
+            self.expires_at,
+        )
+    }
+
     pub(super) fn existing(&self) -> Existing<'_> {
         Existing {
             fingerprint: &self.fingerprint,

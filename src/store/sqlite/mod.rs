@@ -374,20 +374,21 @@ impl SqliteStore {
                 let Some(record) = read_record(conn, &scope, &key)? else {
                     return Ok(None);
                 };
-                let existing = record.existing();
-                Ok(
-                    match decide(&existing, &fingerprint, clock.now_ms(), lease) {
-                        Decision::Replace { .. } => None,
-                        Decision::Mismatch => Some((Refused::Mismatch, None)),
-                        Decision::Replay => Some((
-                            Refused::Completed(record.response.clone().unwrap_or_default()),
-                            Some((existing.fingerprint.to_vec(), existing.expires_at)),
-                        )),
-                        Decision::InFlight(lease_remaining) => {
-                            Some((Refused::InFlight(lease_remaining), None))
-                        }
-                    },
-                )
+                let decision = decide(&record.existing(), &fingerprint, clock.now_ms(), lease);
+                Ok(match decision {
+                    Decision::Replace { .. } => None,
+                    Decision::Mismatch => Some((Refused::Mismatch, None)),
+                    Decision::Replay => {
+                        let (response, fingerprint, expires_at) = record.into_completed();
+                        Some((
+                            Refused::Completed(response),
+                            Some((fingerprint, expires_at)),
+                        ))
+                    }
+                    Decision::InFlight(lease_remaining) => {
+                        Some((Refused::InFlight(lease_remaining), None))
+                    }
+                })
             })
             .await?;
         let Some((refused, completed)) = found else {
