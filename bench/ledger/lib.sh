@@ -33,7 +33,7 @@ launch() {
   local name=$1; shift
   "$@" --listen 127.0.0.1:0 > "$dir/$name.out" 2> "$dir/$name.err" &
   pids[$name]=$!
-  for _ in $(seq 1 200); do grep -q "listening on" "$dir/$name.out" && break; sleep 0.05; done
+  for _ in $(seq 1 200); do grep -qs "listening on" "$dir/$name.out" && break; sleep 0.05; done
   urls[$name]=$(grep -o 'http://[0-9.:]*' "$dir/$name.out" | head -1)
   [ -n "${urls[$name]}" ] || fail "$name did not start: $(cat "$dir/$name.err")"
   url=${urls[$name]}
