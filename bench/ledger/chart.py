@@ -6,7 +6,9 @@
 One horizontal bar per backend, path and mode: the ledger's requests/s (the
 median over the rounds) as a ratio to the naive ledger's, on a logarithmic
 axis, with the issue's goal for that bar drawn as a tick and 1.0 (the naive
-ledger) as a line. Python 3 standard library only.
+ledger) as a line. Backends in table.py's order and names; the issue set
+credit goals for SQLite and PostgreSQL (tokio-postgres) only, so the other
+backends' credit bars have no tick. Python 3 standard library only.
 """
 
 import math
@@ -14,6 +16,9 @@ import statistics
 import sys
 from collections import defaultdict
 from xml.sax.saxutils import escape
+
+sys.dont_write_bytecode = True  # table.py, beside this file: no __pycache__ in bench/
+from table import backend_name, backend_order  # noqa: E402
 
 # (path, baseline path, label); goals per (backend, path, mode), from issue 14.
 PATHS = (("get", "get", "GET, passed through"), ("credit", "credit", "credit, new key"),
@@ -24,7 +29,8 @@ GOALS.update({("sqlite", "credit", "transactional"): 3.0, ("sqlite", "credit", "
               ("postgres", "credit", "transactional"): 1.0, ("postgres", "credit", "separate"): 0.8})
 COLOR = {"transactional": "#2b6cb0", "separate": "#dd6b20"}
 LO, HI = 0.05, 5.0  # the axis, as ratios
-LABEL_W, BAR_W, ROW, TOP = 300, 560, 22, 56
+# LABEL_W fits the longest label, "PostgreSQL (sqlx): replay vs naive GET, transactional".
+LABEL_W, BAR_W, ROW, TOP = 370, 560, 22, 56
 
 
 def x_of(ratio):
@@ -41,15 +47,14 @@ def main():
             v[(f[1], f[2], f[3])].append(float(f[4]))
     med = {k: statistics.median(x) for k, x in v.items()}
     bars = []
-    for backend in ("sqlite", "postgres"):
+    for backend in sorted({b for b, _, _ in med}, key=backend_order):
         for path, base, label in PATHS:
             n = med.get((backend, "naive", base))
             for mode in ("transactional", "separate"):
                 x = med.get((backend, mode, path))
                 if n and x:
                     goal = GOALS.get((backend, path, mode), GOALS.get((path, mode)))
-                    name = "SQLite" if backend == "sqlite" else "PostgreSQL"
-                    bars.append((f"{name}: {label}, {mode}", x / n, goal, mode))
+                    bars.append((f"{backend_name(backend)}: {label}, {mode}", x / n, goal, mode))
     height = TOP + ROW * len(bars) + 50
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LABEL_W + BAR_W + 80}" height="{height}" '
            'font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="12">',

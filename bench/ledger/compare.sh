@@ -5,14 +5,29 @@
 #
 #   bench/ledger/compare.sh                 # SQLite
 #   PG_URL=postgres://postgres@127.0.0.1:5432/DB bench/ledger/compare.sh   # also PostgreSQL
+#   PG_URL=... SQLX_PG=1 bench/ledger/compare.sh      # also PostgreSQL through sqlx
+#   MYSQL_URL=mysql://root@127.0.0.1:3306/DB bench/ledger/compare.sh       # also MySQL/MariaDB
+#   ALL=1 bench/ledger/compare.sh           # every backend, on the local services
 #
-# Builds both (release), starts the naive ledger, the ledger in
-# transactional mode and the ledger in separate mode (each on a fresh
-# database; with PG_URL the same three again on PostgreSQL, each in a fresh
-# schema of that database), and then, for ROUNDS rounds (default 3), drives
-# each path on every server in turn with wrk -t1 -c$CONNS (default 32) for
-# DUR seconds (default 5), so that the windows compared are neighbours in
-# time:
+# ALL=1 sets whichever of PG_URL (postgres://postgres@127.0.0.1:5432/test),
+# SQLX_PG (1) and MYSQL_URL (mysql://root@127.0.0.1:3306/test) is unset, so
+# that one command gives the whole table: SQLite, PostgreSQL through
+# tokio-postgres and through sqlx, MySQL/MariaDB (one set empty, e.g.
+# MYSQL_URL=, stays off).
+#
+# Builds both (release; the ledger with the features the backends need),
+# starts the naive ledger, the ledger in transactional mode and the ledger
+# in separate mode (each on a fresh database), and the same three again on
+# every other backend asked for: with PG_URL on PostgreSQL through
+# tokio-postgres, each in a fresh schema of that database; with SQLX_PG=1
+# too, on PostgreSQL through sqlx (the ledger's and the naive ledger's
+# --db-driver sqlx), in fresh schemas again; with MYSQL_URL on MySQL/MariaDB
+# through sqlx, each in a fresh database of that server (bench_naive,
+# bench_t, bench_s, dropped and created anew: the URL's user needs the right
+# to). Each naive ledger uses the client library its ledger uses. Then, for
+# ROUNDS rounds (default 3), drives each path on every server in turn with
+# wrk -t1 -c$CONNS (default 32) for DUR seconds (default 5), so that the
+# windows compared are neighbours in time:
 #   get     GET /accounts/1 (passed through by the layer)
 #   credit  POST /accounts/1/credits with a new Idempotency-Key per request
 #   replay  the same credit and key again and again (ledger only; its
@@ -28,8 +43,14 @@
 # appends the raw windows to FILE; CHART=FILE.svg draws BENCHMARKS.md's
 # chart (bench/ledger/chart.py); PATHS and CONNS choose what is driven;
 # LEDGER_ARGS adds options to every ledger (the naive one is unchanged).
-# Needs wrk, curl, python3 (and psql for PostgreSQL).
+# Needs wrk, curl, python3 (and psql for PostgreSQL, the mariadb or mysql
+# client for MySQL).
 set -euo pipefail
+if [ -n "${ALL:-}" ]; then
+  PG_URL=${PG_URL-postgres://postgres@127.0.0.1:5432/test}
+  SQLX_PG=${SQLX_PG-${PG_URL:+1}}
+  MYSQL_URL=${MYSQL_URL-mysql://root@127.0.0.1:3306/test}
+fi
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 rounds=${ROUNDS:-3}; dur=${DUR:-5}; conns=${CONNS:-32}

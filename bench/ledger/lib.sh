@@ -1,12 +1,20 @@
 # Shared by compare.sh and scale.sh (sourced, not run; the caller sets $here
-# and $root): builds the release ledger (with PostgreSQL if PG_URL is set)
-# and the naive ledger unless NO_BUILD=1, makes a scratch directory $dir
-# removed on exit with every server started, and defines what starts
-# servers on free ports, drives them with wrk and reads the balance back.
+# and $root): builds the release ledger (with PostgreSQL if PG_URL is set,
+# its sqlx driver too if SQLX_PG is, MySQL if MYSQL_URL is) and the naive
+# ledger unless NO_BUILD=1, makes a scratch directory $dir removed on exit
+# with every server started, and defines what starts servers on free ports,
+# drives them with wrk and reads the balance back.
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
-features=""; [ -n "${PG_URL:-}" ] && features="--features postgres"
+fail() { echo "FAILED: $*" >&2; exit 1; }
+[ -z "${SQLX_PG:-}" ] || [ -n "${PG_URL:-}" ] || fail "SQLX_PG=1 needs PG_URL=postgres://..."
+case ${MYSQL_URL:-mysql://} in mysql://*) ;; *) fail "MYSQL_URL=$MYSQL_URL: not a mysql:// URL" ;; esac
+features=""
+[ -z "${PG_URL:-}" ] || features+=" postgres"
+[ -z "${SQLX_PG:-}" ] || features+=" sqlx-postgres"
+[ -z "${MYSQL_URL:-}" ] || features+=" mysql"
+features=${features# }
 if [ -z "${NO_BUILD:-}" ]; then
-  (cd "$root" && cargo build -q --release --example ledger $features)
+  (cd "$root" && cargo build -q --release --example ledger ${features:+--features "$features"})
   cargo build -q --release --manifest-path "$root/bench/naive-ledger/Cargo.toml"
 fi
 ledger=${LEDGER_BIN:-$CARGO_TARGET_DIR/release/examples/ledger}
@@ -18,7 +26,6 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; rm -rf "$dir"
 trap cleanup EXIT
 
 auth=(-H 'Authorization: Bearer bench' -H 'Content-Type: application/json')
-fail() { echo "FAILED: $*" >&2; exit 1; }
 
 # launch NAME ARGS...: a server on a free port, kept until the script ends;
 # sets ${urls[NAME]} and $url.
@@ -26,7 +33,7 @@ launch() {
   local name=$1; shift
   "$@" --listen 127.0.0.1:0 > "$dir/$name.out" 2> "$dir/$name.err" &
   pids[$name]=$!
-  for _ in $(seq 1 200); do grep -q "listening on" "$dir/$name.out" && break; sleep 0.05; done
+  for _ in $(seq 1 200); do grep -qs "listening on" "$dir/$name.out" && break; sleep 0.05; done
   urls[$name]=$(grep -o 'http://[0-9.:]*' "$dir/$name.out" | head -1)
   [ -n "${urls[$name]}" ] || fail "$name did not start: $(cat "$dir/$name.err")"
   url=${urls[$name]}
@@ -86,9 +93,32 @@ pg_schema() {
   local sep='?'; case $PG_URL in *\?*) sep='&';; esac
   echo "${PG_URL}${sep}options=-c%20search_path%3D$1"
 }
+# mysql_db NAME: a fresh database NAME on $MYSQL_URL's server (dropped and
+# created with the mariadb or mysql client, as the URL's user); prints the
+# URL of that database.
+mysql_db() {
+  local cli parts
+  cli=$(command -v mariadb || command -v mysql) || fail "MYSQL_URL needs the mariadb or mysql client"
+  # user, password, host, port, and the URL with NAME for its database.
+  mapfile -t parts < <(python3 - "$MYSQL_URL" "$1" <<'PY'
+import sys
+from urllib.parse import unquote, urlsplit
+u = urlsplit(sys.argv[1])
+print(unquote(u.username or "root"), unquote(u.password or ""), u.hostname or "127.0.0.1", u.port or 3306, sep="\n")
+print(u._replace(path="/" + sys.argv[2]).geturl())
+PY
+  )
+  [ "${#parts[@]}" = 5 ] || fail "MYSQL_URL=$MYSQL_URL: not a mysql://USER[:PASSWORD]@HOST[:PORT]/DB URL"
+  MYSQL_PWD=${parts[1]} "$cli" --protocol=tcp -h "${parts[2]}" -P "${parts[3]}" -u "${parts[0]}" \
+    -e "DROP DATABASE IF EXISTS $1; CREATE DATABASE $1" > /dev/null || fail "MYSQL_URL: could not create database $1"
+  echo "${parts[4]}"
+}
 # start_all: the naive ledger and the ledger in both modes on fresh SQLite
-# files, and with PG_URL the same three on PostgreSQL (each in a fresh
-# schema); sets the array $servers to their names (BACKEND-LABEL).
+# files; with PG_URL the same three on PostgreSQL through tokio-postgres
+# (each in a fresh schema), with SQLX_PG=1 too the same three through sqlx
+# (fresh schemas again), and with MYSQL_URL the same three on MySQL/MariaDB
+# (each in a fresh database of that server). Sets the array $servers to
+# their names (BACKEND-LABEL; BACKEND without a dash).
 start_all() {
   servers=(sqlite-naive sqlite-transactional sqlite-separate)
   start sqlite-naive "$naive" --db "$dir/naive.sqlite3"
@@ -105,6 +135,25 @@ start_all() {
     start postgres-transactional "$ledger" --db "$(pg_schema bench_t)" --mode transactional ${LEDGER_ARGS:-}
     # shellcheck disable=SC2086
     start postgres-separate "$ledger" --db "$(pg_schema bench_s)" --mode separate ${LEDGER_ARGS:-}
+  fi
+  if [ -n "${SQLX_PG:-}" ]; then
+    servers+=(sqlxpg-naive sqlxpg-transactional sqlxpg-separate)
+    start sqlxpg-naive "$naive" --db "$(pg_schema bench_sqlx_naive)" --db-driver sqlx
+    # shellcheck disable=SC2086
+    start sqlxpg-transactional "$ledger" --db "$(pg_schema bench_sqlx_t)" --db-driver sqlx --mode transactional ${LEDGER_ARGS:-}
+    # shellcheck disable=SC2086
+    start sqlxpg-separate "$ledger" --db "$(pg_schema bench_sqlx_s)" --db-driver sqlx --mode separate ${LEDGER_ARGS:-}
+  fi
+  if [ -n "${MYSQL_URL:-}" ]; then
+    servers+=(mysql-naive mysql-transactional mysql-separate)
+    # Assigned first, so that a database not created ends the script.
+    local naive_db t_db s_db
+    naive_db=$(mysql_db bench_naive); t_db=$(mysql_db bench_t); s_db=$(mysql_db bench_s)
+    start mysql-naive "$naive" --db "$naive_db"
+    # shellcheck disable=SC2086
+    start mysql-transactional "$ledger" --db "$t_db" --mode transactional ${LEDGER_ARGS:-}
+    # shellcheck disable=SC2086
+    start mysql-separate "$ledger" --db "$s_db" --mode separate ${LEDGER_ARGS:-}
   fi
 }
 # rss_mib PID: the process's resident set (VmRSS), MiB.

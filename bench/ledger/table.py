@@ -20,6 +20,21 @@ ROWS = (
 )
 
 
+# compare.sh's backends (the BACKEND of its server names), in the order of
+# the tables, with the names they are printed under; another backend follows
+# them under its own name.
+BACKENDS = {"sqlite": "SQLite", "postgres": "PostgreSQL", "sqlxpg": "PostgreSQL (sqlx)", "mysql": "MySQL"}
+
+
+def backend_order(backend):
+    """Sorts compare.sh's backends in BACKENDS' order, then any other by name."""
+    return (list(BACKENDS).index(backend) if backend in BACKENDS else len(BACKENDS), backend)
+
+
+def backend_name(backend):
+    return BACKENDS.get(backend, backend)
+
+
 def medians(path):
     v = defaultdict(list)
     for line in open(path):
@@ -33,12 +48,12 @@ def medians(path):
 
 def main():
     med = medians(sys.argv[1])
-    groups = sorted({(b, c) for b, c, _, _ in med}, key=lambda g: (g[0] != "sqlite", int(g[1])))
+    groups = sorted({(b, c) for b, c, _, _ in med}, key=lambda g: (backend_order(g[0]), int(g[1])))
     for backend, conns in groups:
         def m(label, metric):
             return med.get((backend, conns, label, metric), (None, 0))[0]
         rounds = max(n for (b, c, _, _), (_, n) in med.items() if (b, c) == (backend, conns))
-        print(f"\n### {backend}, wrk -c{conns}, median of {rounds} round(s)\n")
+        print(f"\n### {backend_name(backend)}, wrk -c{conns}, median of {rounds} round(s)\n")
         print("| path | naive | transactional | ratio | separate | ratio |")
         print("|---|---|---|---|---|---|")
         for name, metric, base in ROWS:

@@ -3,7 +3,8 @@
 //! tower-idempotency: no idempotency key, one transaction per credit.
 //!
 //! ```text
-//! naive-ledger [--db PATH|postgres://...] [--listen ADDR]
+//! naive-ledger [--db PATH|postgres://...|mysql://...] [--db-driver tokio-postgres|sqlx]
+//!              [--listen ADDR]
 //! ```
 //!
 //! * SQLite (a path): WAL, `synchronous = FULL`, an r2d2 pool of 8
@@ -11,13 +12,19 @@
 //!   transaction per write.
 //! * PostgreSQL (a `postgres://` URL): tokio-postgres over a deadpool pool of
 //!   16 (the size of the crate's `PostgresStore` pool, which the ledger's own
-//!   tables share), one transaction per write.
+//!   tables share), one transaction per write. With `--db-driver sqlx`:
+//!   sqlx's `PgPool` of 16 instead, the same SQL (the ledger's
+//!   `--db-driver sqlx`).
+//! * MySQL/MariaDB (a `mysql://` URL): sqlx's `MySqlPool` of 16, one
+//!   transaction per write, the SQL of the ledger's MySQL backend.
 //!
 //! Prints `listening on http://HOST:PORT` once it accepts connections, like
 //! the ledger, so `bench/ledger/compare.sh` drives both the same way.
 
+mod mysql;
 mod pg;
 mod sqlite;
+mod sqlx_pg;
 
 use std::net::SocketAddr;
 
@@ -77,11 +84,26 @@ impl IntoResponse for Error {
     }
 }
 
-/// The ledger's tables, in SQLite or in PostgreSQL.
+/// The ledger's tables, in SQLite, PostgreSQL or MySQL, through one client
+/// library.
 #[derive(Clone)]
 enum Db {
     Sqlite(sqlite::Db),
     Postgres(pg::Db),
+    SqlxPostgres(sqlx_pg::Db),
+    MySql(mysql::Db),
+}
+
+/// `$call` on whichever backend `$db` holds (each has the same methods).
+macro_rules! on {
+    ($db:expr, $d:ident => $call:expr) => {
+        match $db {
+            Db::Sqlite($d) => $call,
+            Db::Postgres($d) => $call,
+            Db::SqlxPostgres($d) => $call,
+            Db::MySql($d) => $call,
+        }
+    };
 }
 
 #[derive(Deserialize)]
@@ -119,10 +141,7 @@ async fn create_account(State(db): State<Db>, body: Bytes) -> Result<Response, E
             "name must be 1 to 100 characters, without NUL".into(),
         ));
     }
-    let account = match db {
-        Db::Sqlite(db) => db.create_account(new.name).await?,
-        Db::Postgres(db) => db.create_account(new.name).await?,
-    };
+    let account = on!(db, d => d.create_account(new.name).await?);
     Ok(created(&account))
 }
 
@@ -138,38 +157,46 @@ async fn credit(
             "amount must be an integer in 1..=1000000000".into(),
         ));
     }
-    let credit = match db {
-        Db::Sqlite(db) => db.credit(id, new.amount).await?,
-        Db::Postgres(db) => db.credit(id, new.amount).await?,
-    };
+    let credit = on!(db, d => d.credit(id, new.amount).await?);
     Ok(created(&credit))
 }
 
 async fn account(State(db): State<Db>, Path(id): Path<String>) -> Result<Response, Error> {
     let id = parse_id(&id)?;
-    let account = match db {
-        Db::Sqlite(db) => db.account(id).await?,
-        Db::Postgres(db) => db.account(id).await?,
-    };
+    let account = on!(db, d => d.account(id).await?);
     Ok(axum::Json(account).into_response())
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let usage = "usage: naive-ledger [--db PATH|postgres://...] [--listen ADDR]";
+    let usage = "usage: naive-ledger [--db PATH|postgres://...|mysql://...] \
+                 [--db-driver tokio-postgres|sqlx] [--listen ADDR]";
     let mut db = "naive-ledger.sqlite3".to_owned();
+    let mut sqlx = false;
     let mut listen: SocketAddr = ([127, 0, 0, 1], 3001).into();
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or(usage);
         match flag.as_str() {
             "--db" => db = value()?.to_owned(),
+            "--db-driver" => match value()?.as_str() {
+                "tokio-postgres" => sqlx = false,
+                "sqlx" => sqlx = true,
+                _ => return Err(usage.into()),
+            },
             "--listen" => listen = value()?.parse()?,
             _ => return Err(usage.into()),
         }
     }
-    let db = if db.starts_with("postgres://") || db.starts_with("postgresql://") {
+    let postgres = db.starts_with("postgres://") || db.starts_with("postgresql://");
+    let db = if db.starts_with("mysql://") {
+        Db::MySql(mysql::Db::open(&db).await?)
+    } else if postgres && sqlx {
+        Db::SqlxPostgres(sqlx_pg::Db::open(&db).await?)
+    } else if postgres {
         Db::Postgres(pg::Db::open(&db).await?)
+    } else if sqlx {
+        return Err("--db-driver sqlx: only for a postgres:// URL (MySQL always uses sqlx)".into());
     } else {
         Db::Sqlite(sqlite::Db::open(&db)?)
     };

@@ -5,7 +5,7 @@ use deadpool_postgres::{Manager, Pool};
 
 use crate::{Account, Credit, Error};
 
-const SCHEMA: &str = "
+pub const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS accounts (
     id      BIGSERIAL PRIMARY KEY,
     name    TEXT   NOT NULL,
