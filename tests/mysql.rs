@@ -147,3 +147,101 @@ async fn keys_differing_in_case_are_two_records() {
         .unwrap();
     assert_eq!(counts.in_flight, 4);
 }
+
+/// A replay (and a 422) is answered by a consistent read while another
+/// session holds the record's row lock; the control, a repeat of a key in
+/// flight, takes the locking claim and waits for that lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_take_no_row_lock() {
+    use sqlx::Connection;
+    use tower_idempotency::fingerprint::Fingerprint;
+    use tower_idempotency::store::{Claim, ClaimRequest, RecordId, Refusal, Store};
+    use tower_idempotency::test_util::response;
+
+    let claim = |key: &str, fp: u8| {
+        ClaimRequest::new(
+            RecordId::new("s", key),
+            Fingerprint([fp; 32]),
+            FencingToken::random(),
+        )
+        .with_lease(Duration::from_secs(60))
+        .with_ttl(Duration::from_secs(3600))
+    };
+    let table = unique("idem_replay");
+    let _drop = DropTables(vec![table.clone()]);
+    let store = open(&table).await;
+    let done = claim("k", 1);
+    let token = done.token;
+    assert!(matches!(
+        store.claim(done).await.unwrap(),
+        Claim::Acquired { taken_over: false }
+    ));
+    store
+        .complete(RecordId::new("s", "k"), token, response(b"done"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.claim(claim("k2", 1)).await.unwrap(),
+        Claim::Acquired { taken_over: false }
+    ));
+
+    let mut locker = sqlx::MySqlConnection::connect(&url()).await.unwrap();
+    sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    let mut lock = locker.begin().await.unwrap();
+    let locked = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT id FROM {table} WHERE scope = 's' FOR UPDATE"
+    )))
+    .fetch_all(&mut *lock)
+    .await
+    .unwrap();
+    assert_eq!(locked.len(), 2);
+
+    for _ in 0..3 {
+        let answer = tokio::time::timeout(Duration::from_secs(20), store.claim(claim("k", 1)))
+            .await
+            .expect("a replay waited on the row lock")
+            .unwrap();
+        match answer {
+            Claim::Refused(Refusal::Completed(stored)) => assert_eq!(stored, response(b"done")),
+            other => panic!("expected a replay, got {other:?}"),
+        }
+    }
+    let mismatch = tokio::time::timeout(Duration::from_secs(20), store.claim(claim("k", 2)))
+        .await
+        .expect("a mismatch waited on the row lock")
+        .unwrap();
+    assert!(matches!(mismatch, Claim::Refused(Refusal::Mismatch)));
+
+    let waiting = tokio::spawn({
+        let store = store.clone();
+        let repeat = claim("k2", 1);
+        async move { store.claim(repeat).await }
+    });
+    let mut watcher = sqlx::MySqlConnection::connect(&url()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let waits: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'",
+        )
+        .fetch_one(&mut watcher)
+        .await
+        .unwrap();
+        if waits >= 1 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the repeat of k2 never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!waiting.is_finished());
+    lock.rollback().await.unwrap();
+    assert!(matches!(
+        waiting.await.unwrap().unwrap(),
+        Claim::Refused(Refusal::InFlight { .. })
+    ));
+}

@@ -20,9 +20,9 @@ use tokio_postgres::Statement;
 
 use tower_idempotency::response::StoredResponse;
 use tower_idempotency::store::kit::builder::{Limits, Settings};
-use tower_idempotency::store::kit::claim::{ClaimSteps, Met, claim_in};
+use tower_idempotency::store::kit::claim::{ClaimSteps, Met, answer_completed, claim_in};
 use tower_idempotency::store::kit::feed::{DEFAULT_MAX_WATCHED_KEYS, Feed, change_payload};
-use tower_idempotency::store::kit::pg_sql::{PgSql, advisory_key, answer_first, schema};
+use tower_idempotency::store::kit::pg_sql::{PgSql, advisory_key, schema};
 use tower_idempotency::store::{
     Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, Watch, duration_ms,
 };
@@ -48,15 +48,15 @@ pub mod guide {}
 /// Records in a PostgreSQL table; leases and TTLs judged by the database
 /// server's clock.
 ///
-/// * A claim's first statement, one round trip with no lock, is an
-///   `INSERT ... ON CONFLICT DO NOTHING` of the in-flight record, joined to
-///   a read of the record it met: a new key is claimed there (the primary
-///   key `(scope, key)` decides who is first, across every app server), and
-///   a completed record within its TTL is answered from it (a replay, or
-///   422 for another fingerprint), so replays of one key run in parallel.
-/// * Otherwise (a record in flight, or past its TTL) the claim runs in a
-///   transaction that first takes a transaction-level advisory lock on the
-///   key, then inserts, or reads the record under a row lock and judges it.
+/// * A claim first reads the record with one plain `SELECT` (no lock): a
+///   completed record within its TTL is answered from it (a replay, or 422
+///   for another fingerprint), so replays of one key run in parallel.
+/// * Otherwise it inserts the in-flight record with `INSERT ... ON CONFLICT
+///   DO NOTHING`, again without a transaction or a lock: the primary key
+///   `(scope, key)` decides who is first, across every app server, and a
+///   new key is claimed there. A record it meets (in flight, or past its
+///   TTL) is judged in a transaction that first takes a transaction-level
+///   advisory lock on the key, then reads the record under a row lock.
 ///   Both commit with `synchronous_commit = off` (visible at once, made
 ///   durable by the next durable commit); why that loses no effect is in
 ///   `docs/contract.md` §8.
@@ -381,12 +381,25 @@ impl<C: GenericClient + Sync> ClaimSteps for Steps<'_, C> {
 impl Store for PostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         let mut client = self.client().await?;
-        // The first statement: a new key is claimed, or a completed record
-        // answered, in one round trip without the lock (see `store::pg_sql`).
-        let fingerprint = &req.fingerprint.0[..];
+        // Read first: a completed record is answered by one plain SELECT,
+        // without the lock (see `store::kit::pg_sql`).
         let row = client
             .query_opt(
-                &cached(&client, &self.sql.first).await?,
+                &cached(&client, &self.sql.completed).await?,
+                &[&req.scope, &req.key, &self.offset_ms()],
+            )
+            .await
+            .map_err(unavailable)?;
+        if let Some(row) = row {
+            let fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
+            let blob: Option<Vec<u8>> = row.try_get(1).map_err(unavailable)?;
+            return answer_completed(&fingerprint, blob, &req);
+        }
+        // Then a new key is claimed by its insert alone, without the lock.
+        let fingerprint = &req.fingerprint.0[..];
+        let inserted = client
+            .execute(
+                &cached(&client, &self.sql.insert_first).await?,
                 &[
                     &req.scope,
                     &req.key,
@@ -399,12 +412,8 @@ impl Store for PostgresStore {
             )
             .await
             .map_err(unavailable)?;
-        let row = row
-            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
-            .transpose()
-            .map_err(|e: tokio_postgres::Error| unavailable(e))?;
-        if let Some(answer) = answer_first(row, &req) {
-            return answer;
+        if inserted == 1 {
+            return Ok(Claim::Acquired { taken_over: false });
         }
         // Dropped unfinished (an error below), the transaction rolls back.
         let tx = client.transaction().await.map_err(unavailable)?;

@@ -87,6 +87,24 @@ pub fn decode_stored(blob: Vec<u8>) -> Result<StoredResponse, StoreError> {
     StoredResponse::decode_bytes(blob.into()).map_err(|e| StoreError::Corrupt(e.to_string()))
 }
 
+/// The answer to a claim that found a completed, unexpired record with
+/// `fingerprint` and stored `response`: a replay, or 422 for another
+/// fingerprint.
+///
+/// # Errors
+///
+/// [`StoreError::Corrupt`] for a stored response that does not decode.
+pub fn answer_completed(
+    fingerprint: &[u8],
+    response: Option<Vec<u8>>,
+    req: &ClaimRequest,
+) -> Result<Claim, StoreError> {
+    if fingerprint != req.fingerprint.0 {
+        return Ok(Refusal::Mismatch.into());
+    }
+    decode_stored(response.unwrap_or_default()).map(|stored| Refusal::Completed(stored).into())
+}
+
 /// A SQL store's statements for one claim, run inside its transaction after
 /// its lock step.
 pub trait ClaimSteps: Send {

@@ -26,7 +26,7 @@ mod sql;
 mod transaction;
 
 use sql::{Sql, q};
-use tower_idempotency::store::kit::claim::{ClaimSteps, Found, Met, claim_in};
+use tower_idempotency::store::kit::claim::{ClaimSteps, Found, Met, answer_completed, claim_in};
 
 pub use transaction::MySqlTransaction;
 
@@ -341,6 +341,22 @@ impl ClaimSteps for Steps<'_> {
 impl Store for MySqlStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         let id = record_key(&req.scope, &req.key);
+        // Read first: a completed record is answered by one consistent read,
+        // without the claim's row lock, so replays of one key run in
+        // parallel. Safe for the reason the PostgreSQL stores' read is (see
+        // `store::kit::pg_sql`): a completed record does not change until
+        // its TTL ends, and the read decides no race.
+        let row = q(&self.sql.completed)
+            .bind(&id[..])
+            .bind(self.offset_ms())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        if let Some(row) = row {
+            let fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
+            let response: Option<Vec<u8>> = row.try_get(1).map_err(unavailable)?;
+            return answer_completed(&fingerprint, response, &req);
+        }
         let mut tries = 0;
         loop {
             tries += 1;

@@ -10,6 +10,10 @@ use sqlx::mysql::{MySql, MySqlArguments};
 pub(super) struct Sql {
     pub(super) table: String,
     pub(super) now: Arc<str>,
+    /// The read-first replay: `(id, offset)` gives the record's
+    /// `fingerprint, response` if it is completed and its TTL has not ended
+    /// on the server's clock; a consistent read, no lock.
+    pub(super) completed: Arc<str>,
     pub(super) insert: Arc<str>,
     pub(super) select: Arc<str>,
     pub(super) take_over: Arc<str>,
@@ -38,6 +42,10 @@ impl Sql {
         Sql {
             table: table.to_owned(),
             now: s(format!("SELECT {NOW_MS}")),
+            completed: s(format!(
+                "SELECT fingerprint, response FROM {table}
+                 WHERE id = ? AND state = 'completed' AND expires_at > {NOW_MS}"
+            )),
             // `claims` changes on a duplicate, so the affected-row count is
             // 1 for an insert and 2 for a duplicate whatever the client's
             // CLIENT_FOUND_ROWS flag; the update also takes the row's

@@ -53,13 +53,14 @@ pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 /// The same records, statements and rules as `PostgresStore` (the crate
 /// `tower-idempotency-postgres`, tokio-postgres), over sqlx instead:
 ///
-/// * A claim's first statement, one round trip with no lock, inserts the
-///   in-flight record (`INSERT ... ON CONFLICT DO NOTHING`: the primary key
-///   `(scope, key)` decides who is first, across every app server) or reads
-///   the record it met: a new key is claimed there, and a completed record
-///   within its TTL is answered from it, so replays of one key run in
-///   parallel. Otherwise it runs in a transaction that first takes a
-///   transaction-level advisory lock on the key. Both commit with
+/// * A claim first reads the record with one plain `SELECT` (no lock): a
+///   completed record within its TTL is answered from it, so replays of one
+///   key run in parallel. Otherwise it inserts the in-flight record with
+///   `INSERT ... ON CONFLICT DO NOTHING`, without a transaction or a lock
+///   (the primary key `(scope, key)` decides who is first, across every app
+///   server): a new key is claimed there. A record it meets is judged in a
+///   transaction that first takes a transaction-level advisory lock on the
+///   key. Both commit with
 ///   `synchronous_commit = off` (see `docs/contract.md` §8). The lock key, the table and its columns are `PostgresStore`'s:
 ///   the two stores may share a table, e.g. while a fleet moves from one to
 ///   the other.
@@ -407,10 +408,26 @@ impl ClaimSteps for Steps<'_> {
 
 impl Store for SqlxPostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
-        // The first statement: a new key is claimed, or a completed record
-        // answered, in one round trip without the lock (see
-        // `store::kit::pg_sql`).
-        let row = query(&self.sql.first)
+        // Read first: a completed record is answered by one plain SELECT,
+        // without the lock (see `store::kit::pg_sql`).
+        let row = query(&self.sql.completed)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .bind(self.offset_ms())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        if let Some(row) = row {
+            let fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
+            let blob: Option<Vec<u8>> = row.try_get(1).map_err(unavailable)?;
+            return tower_idempotency::store::kit::claim::answer_completed(
+                &fingerprint,
+                blob,
+                &req,
+            );
+        }
+        // Then a new key is claimed by its insert alone, without the lock.
+        let inserted = query(&self.sql.insert_first)
             .bind(&req.scope)
             .bind(&req.key)
             .bind(&req.fingerprint.0[..])
@@ -418,15 +435,11 @@ impl Store for SqlxPostgresStore {
             .bind(self.offset_ms())
             .bind(tower_idempotency::store::duration_ms(req.lease))
             .bind(tower_idempotency::store::duration_ms(req.ttl))
-            .fetch_optional(&self.pool)
+            .execute(&self.pool)
             .await
             .map_err(unavailable)?;
-        let row = row
-            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
-            .transpose()
-            .map_err(|e: sqlx::Error| unavailable(e))?;
-        if let Some(answer) = tower_idempotency::store::kit::pg_sql::answer_first(row, &req) {
-            return answer;
+        if inserted.rows_affected() == 1 {
+            return Ok(Claim::Acquired { taken_over: false });
         }
         // Dropped unfinished (an error below, a cancelled request), the
         // transaction rolls back (sqlx queues the ROLLBACK on the connection
