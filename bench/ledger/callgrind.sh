@@ -9,7 +9,11 @@
 # and the same on the naive ledger (bench/naive-ledger) for reference.
 #
 #   bench/ledger/callgrind.sh [transactional|separate]     # N=${N:-2000}
+#   PG_URL=postgres://... bench/ledger/callgrind.sh ...     # and on PostgreSQL
 #
+# With PG_URL, the same two servers again on PostgreSQL (the ledger built
+# with --features postgres), each in a fresh schema of that database (needs
+# psql); only the servers' own instructions are counted, not PostgreSQL's.
 # Builds nothing: run bench/ledger/compare.sh (or the cargo builds in it)
 # first. Needs valgrind (callgrind_control) and python3.
 set -euo pipefail
@@ -60,7 +64,7 @@ count() {
   curl -sf -X POST "http://127.0.0.1:$port/accounts/1/credits" -H 'Authorization: Bearer bench' \
     -H 'Content-Type: application/json' -H 'Idempotency-Key: "replay-1"' -d '{"amount": 5}' > /dev/null
   local paths="get credit"
-  [ "$label" != naive ] && paths="get replay credit"
+  case $label in *naive) ;; *) paths="get replay credit" ;; esac
   local line="$label"
   for path in $paths; do
     requests "$port" "$path" 200            # warm-up
@@ -78,5 +82,17 @@ count() {
   echo "$line"
 }
 
+# pg_schema NAME: a fresh schema NAME in $PG_URL; prints the URL that uses it.
+pg_schema() {
+  PGOPTIONS="-c client_min_messages=warning" psql -q "$PG_URL" -c "DROP SCHEMA IF EXISTS $1 CASCADE; CREATE SCHEMA $1" > /dev/null
+  local sep='?'; case $PG_URL in *\?*) sep='&';; esac
+  echo "${PG_URL}${sep}options=-c%20search_path%3D$1"
+}
+
+ledger=${LEDGER_BIN:-$target/release/examples/ledger}
 count naive "$target/release/naive-ledger" --db "$dir/naive.sqlite3"
-count "ledger-$mode" "${LEDGER_BIN:-$target/release/examples/ledger}" --db "$dir/ledger.sqlite3" --mode "$mode"
+count "ledger-$mode" "$ledger" --db "$dir/ledger.sqlite3" --mode "$mode"
+if [ -n "${PG_URL:-}" ]; then
+  count postgres-naive "$target/release/naive-ledger" --db "$(pg_schema cg_naive)"
+  count "postgres-ledger-$mode" "$ledger" --db "$(pg_schema cg_ledger)" --mode "$mode"
+fi
