@@ -6,7 +6,7 @@
 #   bench/ledger/scale.sh fill    # 1,000,000 stored records against 1,000
 #   bench/ledger/scale.sh sizes   # replays of 1 KiB, 64 KiB, 1 MiB against the same bytes without the layer
 #   bench/ledger/scale.sh rss     # VmRSS every 10 s over 1,000,000 requests per server
-#   bench/ledger/scale.sh why     # per credit: fsyncs, busy-handler sleeps, context switches, CPU
+#   bench/ledger/scale.sh why     # per credit: fsyncs, busy-handler sleeps, context switches, CPU, PostgreSQL lock waits
 #
 # PG_URL=postgres://... adds PostgreSQL to sweep and fill (each server in a
 # fresh schema of that database). ROUNDS (sweep: 1; fill, sizes: 3) and DUR
@@ -210,8 +210,8 @@ why() {
   local name c
   start_all
   local events=syscalls:sys_enter_fsync,syscalls:sys_enter_fdatasync,syscalls:sys_enter_clock_nanosleep,context-switches
-  echo "| server | connections | credits/s | fsync + fdatasync | busy sleeps | context switches | server CPU, µs | PostgreSQL CPU, µs | machine busy |"
-  echo "|---|---|---|---|---|---|---|---|---|"
+  echo "| server | connections | credits/s | fsync + fdatasync | busy sleeps | context switches | server CPU, µs | PostgreSQL CPU, µs | PostgreSQL backends waiting on a lock | machine busy |"
+  echo "|---|---|---|---|---|---|---|---|---|---|"
   for c in 1 32; do
     for name in "${servers[@]}"; do
       url=${urls[$name]}
@@ -220,13 +220,27 @@ why() {
       perf stat -x, -e "$events" -p "$pid" -o "$dir/perf" -- sleep "$dur" &
       local perf_pid=$!
       b=$(read_balance)
+      # On PostgreSQL, the backends waiting on a lock (pg_stat_activity,
+      # sampled every 0.1 s): every credit updates account 1's row.
+      rm -f "$dir/locks"; local sampler=""
+      case $name in
+        postgres-*|sqlxpg-*)
+          while :; do
+            psql -Atq "$PG_URL" -c "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            sleep 0.1
+          done > "$dir/locks" 2> /dev/null &
+          sampler=$! ;;
+      esac
       wrk_run "$dir/w" -t1 -c"$c" -d"${dur}s" -s "$here/credit.lua" "$url" -- "why$c$name"
+      [ -z "$sampler" ] || { kill "$sampler"; wait "$sampler" 2> /dev/null || true; }
       wait "$perf_pid"
       pg1=$(cpu_ticks $(pgrep -u postgres || true)); s1=$(cpu_ticks "$pid"); m1=$(busy_ticks)
       check_credits "$b" "$dir/w" "$name why" "$c"
-      python3 - "$dir/perf" "$dir/w" "$name" "$c" "$rps" "$((s1 - s0))" "$((pg1 - pg0))" "$m0" "$m1" "$(getconf CLK_TCK)" <<'PY'
-import sys
-perf, w, name, c, rps, server, pg, m0, m1, hz = sys.argv[1:]
+      python3 - "$dir/perf" "$dir/w" "$name" "$c" "$rps" "$((s1 - s0))" "$((pg1 - pg0))" "$m0" "$m1" "$(getconf CLK_TCK)" "$dir/locks" <<'PY'
+import os, sys
+perf, w, name, c, rps, server, pg, m0, m1, hz, locks = sys.argv[1:]
+samples = [int(l) for l in open(locks) if l.strip().isdigit()] if os.path.exists(locks) else []
+lock_cell = f"{sum(samples) / len(samples):.1f} ({len(samples)} samples)" if samples else ""
 n = int(next(l.split()[0] for l in open(w) if "requests in" in l))
 counts = {}
 for line in open(perf):
@@ -237,9 +251,9 @@ per = lambda e: counts.get(e, 0) / n
 fsyncs = per("syscalls:sys_enter_fsync") + per("syscalls:sys_enter_fdatasync")
 b0, t0 = map(int, m0.split()); b1, t1 = map(int, m1.split())
 us = lambda ticks: int(ticks) / int(hz) * 1e6 / n
-pg_cell = f"{us(pg):.0f}" if name.startswith("postgres") else ""
+pg_cell = f"{us(pg):.0f}" if name.startswith(("postgres", "sqlxpg")) else ""
 print(f"| {name} | {c} | {float(rps):,.0f} | {fsyncs:.2f} | {per('syscalls:sys_enter_clock_nanosleep'):.2f} "
-      f"| {per('context-switches'):.1f} | {us(server):.0f} | {pg_cell} | {(b1 - b0) / max(t1 - t0, 1):.0%} |")
+      f"| {per('context-switches'):.1f} | {us(server):.0f} | {pg_cell} | {lock_cell} | {(b1 - b0) / max(t1 - t0, 1):.0%} |")
 PY
     done
   done

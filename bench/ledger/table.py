@@ -4,9 +4,9 @@
     python3 bench/ledger/table.py RESULTS
 
 RESULTS has one line per wrk window: ROUND BACKEND SERVER PATH VALUE CONNS
-(VALUE is requests/s, or ms for p50ms). Prints, per backend and per number
-of connections, the medians over the rounds and each mode's ratio to the
-naive ledger, as Markdown. Python 3 standard library only.
+(VALUE is requests/s, or ms for p50ms). Prints, per number of connections,
+one table of every backend: the medians over the rounds and each mode's
+ratio to the naive ledger, as Markdown. Python 3 standard library only.
 """
 
 import statistics
@@ -48,30 +48,33 @@ def medians(path):
 
 def main():
     med = medians(sys.argv[1])
-    groups = sorted({(b, c) for b, c, _, _ in med}, key=lambda g: (backend_order(g[0]), int(g[1])))
-    for backend, conns in groups:
-        def m(label, metric):
-            return med.get((backend, conns, label, metric), (None, 0))[0]
-        rounds = max(n for (b, c, _, _), (_, n) in med.items() if (b, c) == (backend, conns))
-        print(f"\n### {backend_name(backend)}, wrk -c{conns}, median of {rounds} round(s)\n")
+    # One table per number of connections, every backend in it.
+    for conns in sorted({c for _, c, _, _ in med}, key=int):
+        backends = sorted({b for b, c, _, _ in med if c == conns}, key=backend_order)
+        rounds = max(n for (_, c, _, _), (_, n) in med.items() if c == conns)
+        print(f"\n### Every backend, wrk -c{conns}, median of {rounds} round(s)\n")
         print("| path | naive | transactional | ratio | separate | ratio |")
         print("|---|---|---|---|---|---|")
-        for name, metric, base in ROWS:
-            n = m("naive", base)
-            if n is None:
-                continue
-            cells = [f"{n:,.0f}"]
-            for mode in ("transactional", "separate"):
-                x = m(mode, metric)
-                cells += ["", ""] if x is None else [f"{x:,.0f}", f"**{x / n:.2f}**"]
-            print(f"| {name} | " + " | ".join(cells) + " |")
-        n = m("naive", "p50ms")
-        if n is not None:
-            cells = [f"{n:.3f}"]
-            for mode in ("transactional", "separate"):
-                x = m(mode, "p50ms")
-                cells += ["", ""] if x is None else [f"{x:.3f}", f"**{x - n:+.3f} ms**"]
-            print("| one client, credit p50 latency, ms (difference) | " + " | ".join(cells) + " |")
+        for backend in backends:
+            def m(label, metric):
+                return med.get((backend, conns, label, metric), (None, 0))[0]
+            prefix = backend_name(backend)
+            for name, metric, base in ROWS:
+                n = m("naive", base)
+                if n is None:
+                    continue
+                cells = [f"{n:,.0f}"]
+                for mode in ("transactional", "separate"):
+                    x = m(mode, metric)
+                    cells += ["", ""] if x is None else [f"{x:,.0f}", f"**{x / n:.2f}**"]
+                print(f"| {prefix}: {name} | " + " | ".join(cells) + " |")
+            n = m("naive", "p50ms")
+            if n is not None:
+                cells = [f"{n:.3f}"]
+                for mode in ("transactional", "separate"):
+                    x = m(mode, "p50ms")
+                    cells += ["", ""] if x is None else [f"{x:.3f}", f"**{x - n:+.3f} ms**"]
+                print(f"| {prefix}: one client, credit p50 latency, ms (difference) | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
