@@ -7,13 +7,15 @@
 #   PG_URL=postgres://postgres@127.0.0.1:5432/DB bench/ledger/compare.sh   # also PostgreSQL
 #   PG_URL=... SQLX_PG=1 bench/ledger/compare.sh      # also PostgreSQL through sqlx
 #   MYSQL_URL=mysql://root@127.0.0.1:3306/DB bench/ledger/compare.sh       # also MySQL/MariaDB
+#   REDIS_URL=redis://127.0.0.1:6379/9 bench/ledger/compare.sh   # also records in Redis (emptied first)
 #   ALL=1 bench/ledger/compare.sh           # every backend, on the local services
 #
 # ALL=1 sets whichever of PG_URL (postgres://postgres@127.0.0.1:5432/test),
-# SQLX_PG (1) and MYSQL_URL (mysql://root@127.0.0.1:3306/test) is unset, so
-# that one command gives the whole table: SQLite, PostgreSQL through
-# tokio-postgres and through sqlx, MySQL/MariaDB (one set empty, e.g.
-# MYSQL_URL=, stays off).
+# SQLX_PG (1), MYSQL_URL (mysql://root@127.0.0.1:3306/test) and REDIS_URL
+# (redis://127.0.0.1:6379/9) is unset, so that one command gives the whole
+# table: SQLite, PostgreSQL through tokio-postgres and through sqlx,
+# MySQL/MariaDB, and records in Redis beside SQLite data (one set empty,
+# e.g. MYSQL_URL=, stays off).
 #
 # Builds both (release; the ledger with the features the backends need),
 # starts the naive ledger, the ledger in transactional mode and the ledger
@@ -44,12 +46,13 @@
 # chart (bench/ledger/chart.py); PATHS and CONNS choose what is driven;
 # LEDGER_ARGS adds options to every ledger (the naive one is unchanged).
 # Needs wrk, curl, python3 (and psql for PostgreSQL, the mariadb or mysql
-# client for MySQL).
+# client for MySQL, redis-cli for Redis).
 set -euo pipefail
 if [ -n "${ALL:-}" ]; then
   PG_URL=${PG_URL-postgres://postgres@127.0.0.1:5432/test}
   SQLX_PG=${SQLX_PG-${PG_URL:+1}}
   MYSQL_URL=${MYSQL_URL-mysql://root@127.0.0.1:3306/test}
+  REDIS_URL=${REDIS_URL-redis://127.0.0.1:6379/9}
 fi
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)

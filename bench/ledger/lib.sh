@@ -1,6 +1,7 @@
 # Shared by compare.sh and scale.sh (sourced, not run; the caller sets $here
 # and $root): builds the release ledger (with PostgreSQL if PG_URL is set,
-# its sqlx driver too if SQLX_PG is, MySQL if MYSQL_URL is) and the naive
+# its sqlx driver too if SQLX_PG is, MySQL if MYSQL_URL is, Redis if
+# REDIS_URL is) and the naive
 # ledger unless NO_BUILD=1, makes a scratch directory $dir removed on exit
 # with every server started, and defines what starts servers on free ports,
 # drives them with wrk and reads the balance back.
@@ -12,6 +13,7 @@ features=""
 [ -z "${PG_URL:-}" ] || features+=" postgres"
 [ -z "${SQLX_PG:-}" ] || features+=" sqlx-postgres"
 [ -z "${MYSQL_URL:-}" ] || features+=" mysql"
+[ -z "${REDIS_URL:-}" ] || features+=" redis"
 features=${features# }
 if [ -z "${NO_BUILD:-}" ]; then
   (cd "$root" && cargo build -q --release --example ledger ${features:+--features "$features"})
@@ -117,7 +119,10 @@ PY
 # files; with PG_URL the same three on PostgreSQL through tokio-postgres
 # (each in a fresh schema), with SQLX_PG=1 too the same three through sqlx
 # (fresh schemas again), and with MYSQL_URL the same three on MySQL/MariaDB
-# (each in a fresh database of that server). Sets the array $servers to
+# (each in a fresh database of that server); with REDIS_URL the ledger in
+# separate mode with its records in Redis and its data in SQLite, beside a
+# naive SQLite ledger of its own (REDIS_URL's database is emptied first:
+# give it one of its own, e.g. redis://127.0.0.1:6379/9). Sets the array $servers to
 # their names (BACKEND-LABEL; BACKEND without a dash).
 start_all() {
   servers=(sqlite-naive sqlite-transactional sqlite-separate)
@@ -154,6 +159,14 @@ start_all() {
     start mysql-transactional "$ledger" --db "$t_db" --mode transactional ${LEDGER_ARGS:-}
     # shellcheck disable=SC2086
     start mysql-separate "$ledger" --db "$s_db" --mode separate ${LEDGER_ARGS:-}
+  fi
+  if [ -n "${REDIS_URL:-}" ]; then
+    command -v redis-cli > /dev/null || fail "REDIS_URL needs redis-cli"
+    redis-cli -u "$REDIS_URL" FLUSHDB > /dev/null || fail "REDIS_URL: could not empty $REDIS_URL"
+    servers+=(redis-naive redis-separate)
+    start redis-naive "$naive" --db "$dir/redis-naive.sqlite3"
+    # shellcheck disable=SC2086
+    start redis-separate "$ledger" --db "$dir/r.sqlite3" --mode separate --key-store "$REDIS_URL" ${LEDGER_ARGS:-}
   fi
 }
 # rss_mib PID: the process's resident set (VmRSS), MiB.

@@ -23,7 +23,13 @@ ROWS = (
 # compare.sh's backends (the BACKEND of its server names), in the order of
 # the tables, with the names they are printed under; another backend follows
 # them under its own name.
-BACKENDS = {"sqlite": "SQLite", "postgres": "PostgreSQL", "sqlxpg": "PostgreSQL (sqlx)", "mysql": "MySQL"}
+BACKENDS = {
+    "sqlite": "SQLite",
+    "postgres": "PostgreSQL",
+    "sqlxpg": "PostgreSQL (sqlx)",
+    "mysql": "MySQL",
+    "redis": "Redis records, SQLite data",
+}
 
 
 def backend_order(backend):
