@@ -13,7 +13,7 @@ use std::time::Duration;
 use tower_idempotency::StoreError;
 use tower_idempotency::store::FencingToken;
 use tower_idempotency::test_util::suite::two_handles_one_winner;
-use tower_idempotency::test_util::{ClockOffset, ManualClock, store_suite};
+use tower_idempotency::test_util::{ClockOffset, ManualClock, START_MS, store_suite};
 use tower_idempotency_sqlx::MySqlStore;
 use tower_idempotency_sqlx::sqlx;
 
@@ -80,6 +80,27 @@ async fn mysql(clock: ManualClock) -> (MySqlStore, DropTables) {
 }
 
 store_suite!(mysql_store, mysql, inspect);
+
+/// A replay cached by one replay answers the next ones, until its TTL ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_come_from_the_cache_until_the_ttl_ends() {
+    let (plain_clock, clock) = (ManualClock::new(START_MS), ManualClock::new(START_MS));
+    let (plain, tables) = mysql(plain_clock.clone()).await;
+    let cached = MySqlStore::builder(&url())
+        .table(&tables.0[0])
+        .clock_offset(ClockOffset(clock.clone()))
+        .replay_cache(16)
+        .open()
+        .await
+        .unwrap();
+    tower_idempotency::test_util::suite::replays_come_from_the_cache_until_the_ttl_ends(
+        cached,
+        clock,
+        plain,
+        plain_clock,
+    )
+    .await;
+}
 
 /// Two app servers' stores (two pools) on one table: one winner per key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -89,6 +89,27 @@ store_suite!(
     inspect
 );
 
+/// A replay cached by one replay answers the next ones, until its TTL ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_come_from_the_cache_until_the_ttl_ends() {
+    let (plain_clock, clock) = (ManualClock::new(START_MS), ManualClock::new(START_MS));
+    let (plain, table) = sqlx_postgres(plain_clock.clone()).await;
+    let cached = SqlxPostgresStore::builder(pool().await)
+        .table(table.0.clone())
+        .clock_offset(ClockOffset(clock.clone()))
+        .replay_cache(16)
+        .open()
+        .await
+        .unwrap();
+    tower_idempotency::test_util::suite::replays_come_from_the_cache_until_the_ttl_ends(
+        cached,
+        clock,
+        plain,
+        plain_clock,
+    )
+    .await;
+}
+
 /// Two app servers (two pools) on one table: one winner per key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_pools_one_table_one_winner() {

@@ -93,6 +93,47 @@ async fn postgres(clock: ManualClock) -> (tower_idempotency_postgres::PostgresSt
 #[cfg(feature = "postgres")]
 store_suite!(postgres_store, postgres, inspect);
 
+/// The whole contract again with the replay cache on.
+#[cfg(feature = "postgres")]
+async fn postgres_cached(
+    clock: ManualClock,
+) -> (tower_idempotency_postgres::PostgresStore, DropTable) {
+    let table = format!("idem_test_{:016x}", FencingToken::random().0);
+    let store = tower_idempotency_postgres::PostgresStore::builder(&postgres_url())
+        .table(table.clone())
+        .clock_offset(ClockOffset(clock))
+        .replay_cache(64)
+        .open()
+        .await
+        .unwrap();
+    (store, DropTable(table))
+}
+
+#[cfg(feature = "postgres")]
+store_suite!(postgres_cached_store, postgres_cached, inspect);
+
+/// A replay cached by one replay answers the next ones, until its TTL ends.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_replays_come_from_the_cache_until_the_ttl_ends() {
+    let clock = ManualClock::new(START_MS);
+    let (cached, table) = postgres_cached(clock.clone()).await;
+    let plain_clock = ManualClock::new(START_MS);
+    let plain = tower_idempotency_postgres::PostgresStore::builder(&postgres_url())
+        .table(table.0.clone())
+        .clock_offset(ClockOffset(plain_clock.clone()))
+        .open()
+        .await
+        .unwrap();
+    tower_idempotency::test_util::suite::replays_come_from_the_cache_until_the_ttl_ends(
+        cached,
+        clock,
+        plain,
+        plain_clock,
+    )
+    .await;
+}
+
 /// A table name outside the rule, or a URL that does not parse, is a
 /// configuration error, found before any connection is tried; a valid URL of
 /// a server that does not answer is `Unavailable`.

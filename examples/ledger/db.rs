@@ -171,6 +171,12 @@ CREATE TABLE IF NOT EXISTS credits (
     ];
 }
 
+/// Completed records every store of the ledger keeps in memory for
+/// replays (`replay_cache`): a repeat of a recent credit is answered without
+/// a read (see BENCHMARKS.md). At most 4 MiB of responses, the stores'
+/// default bound.
+pub const REPLAY_CACHE: usize = 1024;
+
 pub const ACCOUNT: &str = "SELECT id, name, balance FROM accounts WHERE id = $1";
 
 /// `$sql` as it is, and with `RETURNING $column` for the dialects that have it.

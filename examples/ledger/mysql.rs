@@ -6,7 +6,7 @@ use sqlx::mysql::MySqlQueryResult;
 use sqlx::{AssertSqlSafe, Executor, MySql, SqlSafeStr};
 use tower_idempotency_sqlx::MySqlStore;
 
-use crate::db::{BoxError, Done, schema};
+use crate::db::{BoxError, Done, REPLAY_CACHE, schema};
 use crate::sqlx::{Dialect, SqlxDb};
 
 /// Opens the store (its pool holds the ledger's tables too); it serves the
@@ -15,7 +15,10 @@ pub async fn open(
     url: &str,
     records: bool,
 ) -> Result<(SqlxDb<MySql>, Option<MySqlStore>), BoxError> {
-    let store = MySqlStore::open(url).await?;
+    let store = MySqlStore::builder(url)
+        .replay_cache(REPLAY_CACHE)
+        .open()
+        .await?;
     let pool = store.pool().clone();
     for statement in schema::MYSQL {
         pool.execute(statement).await?;

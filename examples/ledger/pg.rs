@@ -11,7 +11,8 @@ use tower_idempotency_postgres::PostgresStore;
 use tower_idempotency_postgres::PostgresTransaction;
 
 use crate::db::{
-    ACCOUNT, Account, BoxError, Conn, Json, Ledger, LedgerError, Param, Write, apply, schema,
+    ACCOUNT, Account, BoxError, Conn, Json, Ledger, LedgerError, Param, REPLAY_CACHE, Write, apply,
+    schema,
 };
 #[cfg(feature = "outbox")]
 use crate::notify::Message;
@@ -33,7 +34,10 @@ pub async fn open(
     lease: Duration,
     records: bool,
 ) -> Result<(Postgres, Option<PostgresStore>), BoxError> {
-    let store = PostgresStore::open(url).await?;
+    let store = PostgresStore::builder(url)
+        .replay_cache(REPLAY_CACHE)
+        .open()
+        .await?;
     let pool = store.pool().clone();
     let mut client = pool.get().await?;
     let tx = client.transaction().await?;

@@ -13,7 +13,8 @@ use tower_idempotency::SqliteStore;
 use tower_idempotency::store::SqliteTransaction;
 
 use crate::db::{
-    ACCOUNT, Account, BoxError, Conn, Json, Ledger, LedgerError, Param, Write, apply, now, schema,
+    ACCOUNT, Account, BoxError, Conn, Json, Ledger, LedgerError, Param, REPLAY_CACHE, Write, apply,
+    now, schema,
 };
 #[cfg(feature = "outbox")]
 use crate::notify::Message;
@@ -28,11 +29,11 @@ pub async fn open(path: &Path, records: bool) -> Result<(Sqlite, Option<SqliteSt
     let db = Sqlite::open(path).await?;
     let store = match records {
         // Credits are short and rarely fail: let up to 32 run their SQL back
-        // to back in one batch; replays from memory (see BENCHMARKS.md).
+        // to back in one batch (see BENCHMARKS.md).
         true => Some(
             SqliteStore::builder(path)
                 .concurrent_transactions(32)
-                .replay_cache(1024)
+                .replay_cache(REPLAY_CACHE)
                 .open()
                 .await?,
         ),

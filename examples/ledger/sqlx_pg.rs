@@ -10,7 +10,7 @@ use sqlx::Postgres;
 use sqlx::postgres::PgPoolOptions;
 use tower_idempotency_sqlx::SqlxPostgresStore;
 
-use crate::db::{BoxError, schema};
+use crate::db::{BoxError, REPLAY_CACHE, schema};
 use crate::sqlx::{Dialect, SqlxDb};
 
 /// One `PgPool` (16 connections, as the tokio-postgres store's pool; a
@@ -25,7 +25,10 @@ pub async fn open(
         .acquire_timeout(Duration::from_secs(5))
         .connect(url)
         .await?;
-    let store = SqlxPostgresStore::from_pool(pool.clone()).await?;
+    let store = SqlxPostgresStore::builder(pool.clone())
+        .replay_cache(REPLAY_CACHE)
+        .open()
+        .await?;
     let mut tx = pool.begin().await?;
     sqlx::query(schema::POSTGRES_LOCK).execute(&mut *tx).await?;
     sqlx::raw_sql(schema::POSTGRES).execute(&mut *tx).await?;

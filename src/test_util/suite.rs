@@ -539,3 +539,47 @@ pub async fn stepped_back_clock_lease_is_taken_over<S: Store>(store: S, clock: M
         Completion::Stored
     );
 }
+
+/// A store with its replay cache on (`cached`, e.g. `replay_cache(16)`)
+/// beside a handle without one on the same records (`plain`), each on a
+/// clock of its own. A record replayed once through `cached` is answered
+/// from memory (its replay, and 422 for another fingerprint) after `plain`
+/// has purged it; a record never replayed through `cached` is read (and,
+/// purged, claimed anew); and a cached record is never used past the TTL
+/// it had left on `cached`'s clock.
+pub async fn replays_come_from_the_cache_until_the_ttl_ends<S: Store>(
+    cached: S,
+    cached_clock: ManualClock,
+    plain: S,
+    plain_clock: ManualClock,
+) {
+    let claim = |key: &str, fp: u8| claim_of("s", key, fp, FencingToken::random());
+    for key in ["c", "d"] {
+        let token = acquire(&plain, key).await;
+        complete(&plain, key, token, b"done").await;
+    }
+    let replay = Claim::Refused(Refusal::Completed(response(b"done")));
+    assert_eq!(cached.claim(claim("c", 1)).await.unwrap(), replay);
+    // Past the TTL on `plain`'s clock only: its purge deletes both records.
+    plain_clock.advance(TTL + Duration::from_secs(1));
+    assert_eq!(plain.purge_expired().await.unwrap(), 2);
+    assert_eq!(cached.claim(claim("c", 1)).await.unwrap(), replay);
+    assert_eq!(
+        cached.claim(claim("c", 2)).await.unwrap(),
+        Claim::Refused(Refusal::Mismatch)
+    );
+    // Never replayed through `cached`: read, found gone, claimed anew.
+    assert_eq!(
+        cached.claim(claim("d", 1)).await.unwrap(),
+        Claim::Acquired { taken_over: false }
+    );
+    // A second of slack on each side for the server's clock, which moves
+    // on by itself between the completion and the read.
+    cached_clock.advance(TTL - Duration::from_secs(2));
+    assert_eq!(cached.claim(claim("c", 1)).await.unwrap(), replay);
+    cached_clock.advance(Duration::from_secs(3));
+    assert_eq!(
+        cached.claim(claim("c", 1)).await.unwrap(),
+        Claim::Acquired { taken_over: false }
+    );
+}

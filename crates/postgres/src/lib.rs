@@ -20,7 +20,9 @@ use tokio_postgres::Statement;
 
 use tower_idempotency::response::StoredResponse;
 use tower_idempotency::store::kit::builder::{Limits, Settings};
-use tower_idempotency::store::kit::claim::{ClaimSteps, Met, answer_completed, claim_in};
+use tower_idempotency::store::kit::claim::{
+    ClaimSteps, CompletedRow, Met, answer_cached, answer_completed, claim_in,
+};
 use tower_idempotency::store::kit::feed::{DEFAULT_MAX_WATCHED_KEYS, Feed, change_payload};
 use tower_idempotency::store::kit::pg_sql::{PgSql, advisory_key, schema};
 use tower_idempotency::store::{
@@ -50,7 +52,9 @@ pub mod guide {}
 ///
 /// * A claim first reads the record with one plain `SELECT` (no lock): a
 ///   completed record within its TTL is answered from it (a replay, or 422
-///   for another fingerprint), so replays of one key run in parallel.
+///   for another fingerprint), so replays of one key run in parallel. With
+///   [`PostgresStoreBuilder::replay_cache`], the next replays of that record
+///   need no statement at all, until the TTL it had left.
 /// * Otherwise it inserts the in-flight record with `INSERT ... ON CONFLICT
 ///   DO NOTHING`, again without a transaction or a lock: the primary key
 ///   `(scope, key)` decides who is first, across every app server, and a
@@ -380,6 +384,12 @@ impl<C: GenericClient + Sync> ClaimSteps for Steps<'_, C> {
 
 impl Store for PostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        // A replay cached by an earlier one needs no read (off unless the
+        // builder sets `replay_cache`).
+        let sent = self.limits.instant();
+        if let Some(claim) = answer_cached(&self.limits.replays, &req, sent) {
+            return Ok(claim);
+        }
         let mut client = self.client().await?;
         // Read first: a completed record is answered by one plain SELECT,
         // without the lock (see `store::kit::pg_sql`).
@@ -391,9 +401,12 @@ impl Store for PostgresStore {
             .await
             .map_err(unavailable)?;
         if let Some(row) = row {
-            let fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
-            let blob: Option<Vec<u8>> = row.try_get(1).map_err(unavailable)?;
-            return answer_completed(&fingerprint, blob, &req);
+            let row = CompletedRow {
+                fingerprint: row.try_get(0).map_err(unavailable)?,
+                response: row.try_get(1).map_err(unavailable)?,
+                ttl_left_ms: row.try_get(2).map_err(unavailable)?,
+            };
+            return answer_completed(row, &req, &self.limits.replays, sent);
         }
         // Then a new key is claimed by its insert alone, without the lock.
         let fingerprint = &req.fingerprint.0[..];

@@ -21,6 +21,8 @@ mod error;
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod read_first;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod transaction;

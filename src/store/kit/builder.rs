@@ -1,12 +1,14 @@
 //! The settings every SQL store with a configurable table and a two-phase
-//! transaction shares, written once: `table`, `max_hold` and (feature
-//! `test-util`) `clock_offset`, with one documentation; [`Settings`] holds
-//! them on a builder, [`Limits`] on the store it opens.
+//! transaction shares, written once: `table`, `max_hold`, `replay_cache`,
+//! `replay_cache_bytes` and (feature `test-util`) `clock_offset`, with one
+//! documentation; [`Settings`] holds them on a builder, [`Limits`] on the
+//! store it opens.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use super::replay_cache::{DEFAULT_BYTES, ReplayCache};
 use crate::store::Clock;
 
 /// A builder's shared settings.
@@ -18,15 +20,22 @@ pub struct Settings {
     pub max_hold: Duration,
     /// A test clock whose reading (ms) is added to the server's clock.
     pub offset: Option<Arc<dyn Clock>>,
+    /// At most this many completed records cached for replays (0: none).
+    pub replay_cache: usize,
+    /// At most this many bytes of encoded responses in the replay cache.
+    pub replay_cache_bytes: usize,
 }
 
 impl Default for Settings {
-    /// Table `idempotency_records`, a max hold of 30 s, the server's clock.
+    /// Table `idempotency_records`, a max hold of 30 s, the server's clock,
+    /// no replay cache.
     fn default() -> Self {
         Settings {
             table: "idempotency_records".into(),
             max_hold: Duration::from_secs(30),
             offset: None,
+            replay_cache: 0,
+            replay_cache_bytes: DEFAULT_BYTES,
         }
     }
 }
@@ -38,6 +47,7 @@ impl Settings {
             offset: self.offset.clone(),
             max_hold: self.max_hold,
             held_too_long: Arc::default(),
+            replays: Arc::new(ReplayCache::new(self.replay_cache, self.replay_cache_bytes)),
         }
     }
 }
@@ -50,6 +60,9 @@ pub struct Limits {
     pub max_hold: Duration,
     /// Transactions rolled back past their max hold time.
     pub held_too_long: Arc<AtomicU64>,
+    /// Completed records cached for replays, each until an [`Instant`]
+    /// (see [`Limits::instant`]).
+    pub replays: Arc<ReplayCache>,
 }
 
 impl Limits {
@@ -57,6 +70,19 @@ impl Limits {
     /// clock (0 in production).
     pub fn offset_ms(&self) -> i64 {
         self.offset.as_ref().map_or(0, |c| c.now_ms())
+    }
+
+    /// Now on the replay cache's clock: the monotonic clock, moved by the
+    /// test clock's offset as the server's clock is.
+    pub fn instant(&self) -> Instant {
+        let now = Instant::now();
+        let offset = self.offset_ms();
+        let shift = Duration::from_millis(offset.unsigned_abs());
+        match offset >= 0 {
+            true => now.checked_add(shift),
+            false => now.checked_sub(shift),
+        }
+        .unwrap_or(now)
     }
 
     /// Transactions rolled back past their max hold time so far.
@@ -91,6 +117,27 @@ macro_rules! __sql_builder_settings {
             #[doc = concat!("[`", stringify!($transaction), "`], \"Max hold time\".")]
             pub fn max_hold(mut self, hold: std::time::Duration) -> Self {
                 self.settings.max_hold = hold;
+                self
+            }
+
+            /// Answer replays of up to `records` completed records from
+            /// memory (default 0: off). A record is cached when a replay
+            /// reads it, until the instant its read was sent plus the TTL
+            /// it had left on the database's clock, so a cached replay is
+            /// the one the database would give, whatever the clocks' skew:
+            /// a completed record does not change before its TTL ends. See
+            /// `store::kit::replay_cache`. Each cached record costs its
+            /// encoded response's bytes (bounded by `replay_cache_bytes`).
+            pub fn replay_cache(mut self, records: usize) -> Self {
+                self.settings.replay_cache = records;
+                self
+            }
+
+            /// The replay cache's bound in bytes of encoded responses (the
+            /// body and headers; default 4 MiB). A response larger than a
+            /// quarter of it is never cached.
+            pub fn replay_cache_bytes(mut self, bytes: usize) -> Self {
+                self.settings.replay_cache_bytes = bytes;
                 self
             }
 

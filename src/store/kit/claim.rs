@@ -6,8 +6,9 @@
 //! and `MemoryStore` decide with `decide` too, in code of their own.
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use super::replay_cache::ReplayCache;
 use crate::response::StoredResponse;
 use crate::store::{
     Claim, ClaimRequest, Decision, Existing, Refusal, StoreError, decide, duration_ms,
@@ -87,22 +88,62 @@ pub fn decode_stored(blob: Vec<u8>) -> Result<StoredResponse, StoreError> {
     StoredResponse::decode_bytes(blob.into()).map_err(|e| StoreError::Corrupt(e.to_string()))
 }
 
-/// The answer to a claim that found a completed, unexpired record with
-/// `fingerprint` and stored `response`: a replay, or 422 for another
-/// fingerprint.
+/// A completed, unexpired record as a store's read-first statement returns
+/// it (`completed` in [`pg_sql`](super::pg_sql) and the MySQL store).
+#[derive(Debug)]
+pub struct CompletedRow {
+    /// The record's fingerprint.
+    pub fingerprint: Vec<u8>,
+    /// The stored response, encoded.
+    pub response: Option<Vec<u8>>,
+    /// Milliseconds of its TTL left, on the database's clock when it ran
+    /// the statement.
+    pub ttl_left_ms: i64,
+}
+
+/// The answer to a claim from the store's replay cache, if it holds a live
+/// record of the key (see [`replay_cache`](super::replay_cache)); `now` is
+/// on the cache's clock.
+pub fn answer_cached(cache: &ReplayCache, req: &ClaimRequest, now: Instant) -> Option<Claim> {
+    cache
+        .refusal(&req.scope, &req.key, &req.fingerprint, now)
+        .map(Claim::Refused)
+}
+
+/// The answer to a claim whose read found a completed, unexpired record:
+/// a replay of its stored response, or 422 for another fingerprint. A
+/// replay's record is cached until `sent` (the instant the read was sent)
+/// plus its TTL left: never later than the database's own deadline.
 ///
 /// # Errors
 ///
 /// [`StoreError::Corrupt`] for a stored response that does not decode.
 pub fn answer_completed(
-    fingerprint: &[u8],
-    response: Option<Vec<u8>>,
+    row: CompletedRow,
     req: &ClaimRequest,
+    cache: &ReplayCache,
+    sent: Instant,
 ) -> Result<Claim, StoreError> {
-    if fingerprint != req.fingerprint.0 {
+    if row.fingerprint != req.fingerprint.0 {
         return Ok(Refusal::Mismatch.into());
     }
-    decode_stored(response.unwrap_or_default()).map(|stored| Refusal::Completed(stored).into())
+    let blob = row.response.unwrap_or_default();
+    let size = blob.len();
+    let stored = decode_stored(blob)?;
+    if cache.is_on()
+        && let Ok(left) = u64::try_from(row.ttl_left_ms)
+        && let Some(deadline) = sent.checked_add(Duration::from_millis(left))
+    {
+        cache.insert(
+            &req.scope,
+            &req.key,
+            &row.fingerprint,
+            deadline,
+            &stored,
+            size,
+        );
+    }
+    Ok(Refusal::Completed(stored).into())
 }
 
 /// A SQL store's statements for one claim, run inside its transaction after

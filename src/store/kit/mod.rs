@@ -36,6 +36,7 @@ pub mod fate;
 pub mod feed;
 pub mod pg_sql;
 pub mod release;
+pub mod replay_cache;
 pub mod sqlite_sql;
 pub mod table;
 pub mod two_phase;

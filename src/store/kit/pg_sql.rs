@@ -2,8 +2,9 @@
 //! `tower-idempotency-postgres`; `SqlxPostgresStore`, `tower-idempotency-sqlx`): every
 //! statement ([`PgSql`]), the schema and the advisory lock keys, written
 //! once, so the two stores read and write the same records and exclude each
-//! other on the same keys. Below, the reasoning behind the claim's first
-//! statement and the claim's lock statement.
+//! other on the same keys. Below, the reasoning behind the claim's first two
+//! statements (the read-first replay and the insert-first claim of a new
+//! key) and the claim's lock statement.
 //!
 //! # Read first, then insert: replays take no lock, a new key no transaction
 //!
@@ -34,7 +35,10 @@
 //! record every locking claim at that instant would see too, and its answer
 //! (a replay or a 422) is the one the locking claim would give. Before the
 //! read, concurrent replays of one key each took that key's advisory lock in
-//! a transaction and so ran one at a time.
+//! a transaction and so ran one at a time. The read also returns the TTL
+//! the record has left, so that a store with a replay cache
+//! ([`replay_cache`](super::replay_cache)) answers the next replays from
+//! memory until then, for the same reason.
 //!
 //! The read and the insert stay two statements: measured with pgbench
 //! (`-M prepared -c 8`) on a completed record, one statement that inserts
@@ -87,7 +91,10 @@ pub struct PgSql<S> {
     pub table: String,
     /// The key's advisory lock, then the server's clock (unix ms) plus `$2`.
     pub lock_now: S,
-    /// The read-first replay.
+    /// The read-first replay: `($1 scope, $2 key, $3 clock offset ms)`
+    /// gives `fingerprint, response, TTL left (ms)` of a completed record
+    /// whose TTL has not ended (the clock is read again for the TTL left,
+    /// so it is never more than the TTL the condition saw).
     pub completed: S,
     /// The insert of a new key outside a transaction, without the lock (see
     /// the module docs): `($1 scope, $2 key, $3 fingerprint, $4 token,
@@ -276,11 +283,11 @@ fn lock_now() -> String {
 /// `($1 scope, $2 key)` if it is completed and its TTL has not ended on the
 /// server's clock plus `$3` (ms); no row otherwise. Takes no lock.
 fn completed(table: &str) -> String {
+    let now = now_ms(3);
     format!(
-        "SELECT fingerprint, response FROM {table}
+        "SELECT fingerprint, response, expires_at - {now} FROM {table}
          WHERE scope = $1 AND key = $2 AND state = 'completed'
-           AND expires_at > {}",
-        now_ms(3)
+           AND expires_at > {now}"
     )
 }
 

@@ -271,7 +271,7 @@ impl SqliteStoreBuilder {
                 lock_wait: busy_timeout,
             },
             writer: Arc::new(std::sync::OnceLock::new()),
-            completed: Arc::new(super::cache::Completed::new(
+            completed: Arc::new(crate::store::kit::replay_cache::ReplayCache::new(
                 self.replay_cache,
                 self.replay_cache_bytes,
             )),
@@ -324,7 +324,7 @@ impl SqliteStore {
             group_commit: 32,
             concurrent_transactions: 1,
             replay_cache: 0,
-            replay_cache_bytes: super::cache::DEFAULT_BYTES,
+            replay_cache_bytes: crate::store::kit::replay_cache::DEFAULT_BYTES,
             max_hold: Duration::from_secs(30),
             writer_queue: 1024,
             on_connect: None,

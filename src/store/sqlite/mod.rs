@@ -5,7 +5,6 @@
 //! * `claim.rs`: the claim's and the completion's SQL.
 //! * `writer.rs`: the writer thread and its group commit.
 //! * `batch.rs`: one batch of the writer, its stack of request savepoints.
-//! * `cache.rs`: the optional cache of completed records for replays.
 //! * `transaction.rs`: [`SqliteTransaction`], the handler's handle.
 //! * `inspect.rs`: [`Inspect`](crate::store::Inspect) in SQL.
 
@@ -17,6 +16,7 @@ use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::params;
 
 use crate::response::StoredResponse;
+use crate::store::kit::replay_cache::ReplayCache;
 use crate::store::{
     Claim, ClaimRequest, Clock, Completion, Decision, FencingToken, RecordId, Refusal, Store,
     StoreError, TransactionClaim, TransactionalStore, decide, duration_ms,
@@ -24,7 +24,6 @@ use crate::store::{
 
 mod batch;
 mod builder;
-mod cache;
 mod claim;
 mod inspect;
 mod queue;
@@ -92,8 +91,9 @@ pub struct SqliteStore {
     busy_timeout: Duration,
     limits: Limits,
     writer: Arc<std::sync::OnceLock<Writer>>,
-    /// Completed records recently replayed (bounded; see `cache.rs`).
-    completed: Arc<cache::Completed>,
+    /// Completed records recently replayed, until their `expires_at` on the
+    /// store's clock (bounded; see `store::kit::replay_cache`).
+    completed: Arc<ReplayCache<i64>>,
 }
 
 impl std::fmt::Debug for SqliteStore {

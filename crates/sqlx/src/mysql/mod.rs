@@ -26,14 +26,22 @@ mod sql;
 mod transaction;
 
 use sql::{Sql, q};
-use tower_idempotency::store::kit::claim::{ClaimSteps, Found, Met, answer_completed, claim_in};
+use tower_idempotency::store::kit::claim::{
+    ClaimSteps, Found, Met, answer_cached, answer_completed, claim_in,
+};
 
 pub use transaction::MySqlTransaction;
 
 /// Records in a MySQL or MariaDB (InnoDB) table; leases and TTLs judged by
 /// the database server's clock (`NOW(6)`, read in UTC).
 ///
-/// * The claim is one transaction. Its first write is
+/// * A claim first reads the record with one consistent read (no lock): a
+///   completed record within its TTL is answered from it (a replay, or 422),
+///   so replays of one key run in parallel; with
+///   [`MySqlStoreBuilder::replay_cache`], later replays of it are answered
+///   from memory, until the TTL it had left. That read only answers; it
+///   decides no race.
+/// * Otherwise the claim is one transaction. Its first write is
 ///   `INSERT ... ON DUPLICATE KEY UPDATE`: the primary key (SHA-256 of scope
 ///   and key, so keys compare byte for byte whatever the collation) decides
 ///   who is first, across every app server. It either inserts the in-flight
@@ -340,6 +348,12 @@ impl ClaimSteps for Steps<'_> {
 
 impl Store for MySqlStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        // A replay cached by an earlier one needs no read (off unless the
+        // builder sets `replay_cache`).
+        let sent = self.limits.instant();
+        if let Some(claim) = answer_cached(&self.limits.replays, &req, sent) {
+            return Ok(claim);
+        }
         let id = record_key(&req.scope, &req.key);
         // Read first: a completed record is answered by one consistent read,
         // without the claim's row lock, so replays of one key run in
@@ -347,15 +361,15 @@ impl Store for MySqlStore {
         // `store::kit::pg_sql`): a completed record does not change until
         // its TTL ends, and the read decides no race.
         let row = q(&self.sql.completed)
+            .bind(self.offset_ms())
             .bind(&id[..])
             .bind(self.offset_ms())
             .fetch_optional(&self.pool)
             .await
             .map_err(unavailable)?;
         if let Some(row) = row {
-            let fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
-            let response: Option<Vec<u8>> = row.try_get(1).map_err(unavailable)?;
-            return answer_completed(&fingerprint, response, &req);
+            let row = crate::read_first::completed_row(&row).map_err(unavailable)?;
+            return answer_completed(row, &req, &self.limits.replays, sent);
         }
         let mut tries = 0;
         loop {

@@ -10,9 +10,9 @@ use sqlx::mysql::{MySql, MySqlArguments};
 pub(super) struct Sql {
     pub(super) table: String,
     pub(super) now: Arc<str>,
-    /// The read-first replay: `(id, offset)` gives the record's
-    /// `fingerprint, response` if it is completed and its TTL has not ended
-    /// on the server's clock; a consistent read, no lock.
+    /// The read-first replay: `(offset, id, offset)` gives the record's
+    /// `fingerprint, response, TTL left (ms)` if it is completed and its TTL
+    /// has not ended on the server's clock; a consistent read, no lock.
     pub(super) completed: Arc<str>,
     pub(super) insert: Arc<str>,
     pub(super) select: Arc<str>,
@@ -43,7 +43,7 @@ impl Sql {
             table: table.to_owned(),
             now: s(format!("SELECT {NOW_MS}")),
             completed: s(format!(
-                "SELECT fingerprint, response FROM {table}
+                "SELECT fingerprint, response, expires_at - {NOW_MS} FROM {table}
                  WHERE id = ? AND state = 'completed' AND expires_at > {NOW_MS}"
             )),
             // `claims` changes on a duplicate, so the affected-row count is

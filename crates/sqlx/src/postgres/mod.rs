@@ -44,7 +44,9 @@ mod sql;
 mod transaction;
 
 use sql::{Sql, advisory_key, checked, query, schema};
-use tower_idempotency::store::kit::claim::{ClaimSteps, Met, claim_in};
+use tower_idempotency::store::kit::claim::{
+    ClaimSteps, Met, answer_cached, answer_completed, claim_in,
+};
 pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 
 /// Records in a PostgreSQL table, reached through the application's own
@@ -55,7 +57,9 @@ pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 ///
 /// * A claim first reads the record with one plain `SELECT` (no lock): a
 ///   completed record within its TTL is answered from it, so replays of one
-///   key run in parallel. Otherwise it inserts the in-flight record with
+///   key run in parallel (and, with
+///   [`SqlxPostgresStoreBuilder::replay_cache`], from memory after that,
+///   until the TTL it had left). Otherwise it inserts the in-flight record with
 ///   `INSERT ... ON CONFLICT DO NOTHING`, without a transaction or a lock
 ///   (the primary key `(scope, key)` decides who is first, across every app
 ///   server): a new key is claimed there. A record it meets is judged in a
@@ -408,6 +412,12 @@ impl ClaimSteps for Steps<'_> {
 
 impl Store for SqlxPostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        // A replay cached by an earlier one needs no read (off unless the
+        // builder sets `replay_cache`).
+        let sent = self.limits.instant();
+        if let Some(claim) = answer_cached(&self.limits.replays, &req, sent) {
+            return Ok(claim);
+        }
         // Read first: a completed record is answered by one plain SELECT,
         // without the lock (see `store::kit::pg_sql`).
         let row = query(&self.sql.completed)
@@ -418,13 +428,8 @@ impl Store for SqlxPostgresStore {
             .await
             .map_err(unavailable)?;
         if let Some(row) = row {
-            let fingerprint: Vec<u8> = row.try_get(0).map_err(unavailable)?;
-            let blob: Option<Vec<u8>> = row.try_get(1).map_err(unavailable)?;
-            return tower_idempotency::store::kit::claim::answer_completed(
-                &fingerprint,
-                blob,
-                &req,
-            );
+            let row = crate::read_first::completed_row(&row).map_err(unavailable)?;
+            return answer_completed(row, &req, &self.limits.replays, sent);
         }
         // Then a new key is claimed by its insert alone, without the lock.
         let inserted = query(&self.sql.insert_first)

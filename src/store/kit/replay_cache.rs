@@ -1,56 +1,96 @@
-//! A small bounded cache of completed records, so that a replay is answered
-//! without a trip to the blocking pool and a read.
+//! A bounded cache of completed records, so that a replay is answered
+//! from memory, without a read of the database.
 //!
-//! It is safe because a completed record does not change until it expires:
-//! a claim replaces a completed record only once it has expired (see
-//! `decide`), and purges delete only expired records, in this process or in
-//! another one sharing the file. Every hit is checked against the store's
-//! clock, and an expired entry is never used (the claim then reads the
-//! database). Bounds: the builder's number of records (0, the default,
-//! turns it off) and bytes of encoded responses in all ([`DEFAULT_BYTES`]
-//! unless set), none larger than a quarter of those bytes; the oldest entry
-//! goes first. A hit hands out the cached body without a copy (`Bytes`).
+//! ```
+//! use std::time::{Duration, Instant};
+//! use tower_idempotency::store::kit::replay_cache::ReplayCache;
+//! # use tower_idempotency::{fingerprint::Fingerprint, StoredResponse, store::Refusal};
+//! # let response = StoredResponse::capture(http::StatusCode::CREATED, &http::HeaderMap::new(), bytes::Bytes::from_static(b"{}"), None);
+//! let cache = ReplayCache::new(1024, 4 << 20);
+//! let deadline = Instant::now() + Duration::from_secs(60);
+//! cache.insert("scope", "key", &[7; 32], deadline, &response, 2);
+//! let hit = cache.refusal("scope", "key", &Fingerprint([7; 32]), Instant::now());
+//! assert!(matches!(hit, Some(Refusal::Completed(_))));
+//! ```
+//!
+//! It is safe because a completed record does not change until its TTL
+//! ends, in this process or in any other one sharing the database: a claim
+//! replaces a completed record only once it has expired (see `decide`),
+//! `complete` and `release` touch only records in flight, and purges delete
+//! only expired records. So a cached record, used only before the deadline
+//! it was cached with, gives the answer the database would give.
+//!
+//! The deadline is on whatever clock the store judges with (`D`): the
+//! SQLite store's [`Clock`](crate::store::Clock) in Unix ms; a store whose
+//! database judges TTLs on its own clock uses an [`Instant`]: the instant
+//! its read was sent plus the TTL left that the read returned, which is
+//! never later than the database's own deadline, whatever the skew between
+//! the two machines' clocks.
+//!
+//! Bounds: a number of records (0 turns the cache off) and bytes of encoded
+//! responses in all ([`DEFAULT_BYTES`] unless set), no entry larger than a
+//! quarter of those bytes; the oldest entry goes first. A hit hands out the
+//! cached body without a copy (`Bytes`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
+
+use std::time::Instant;
 
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 use crate::store::Refusal;
 
-/// Bytes of encoded responses cached in all, unless the builder sets it.
-pub(super) const DEFAULT_BYTES: usize = 4 << 20;
+/// Bytes of encoded responses cached in all, unless the builder sets it
+/// (4 MiB).
+pub const DEFAULT_BYTES: usize = 4 << 20;
 
 type Id = (String, String);
 
-struct Entry {
+struct Entry<D> {
     fingerprint: [u8; 32],
-    /// Unix ms.
-    expires_at: i64,
+    /// Past it the entry is never used.
+    expires_at: D,
     response: StoredResponse,
     size: usize,
 }
 
-#[derive(Default)]
-struct Inner {
-    entries: HashMap<Id, Entry>,
+struct Inner<D> {
+    entries: HashMap<Id, Entry<D>>,
     /// Insertion order, oldest first.
     order: VecDeque<Id>,
     bytes: usize,
 }
 
-pub(super) struct Completed {
-    inner: Mutex<Inner>,
+/// Completed records by scope and key, each until its deadline on the
+/// clock `D` (see the module docs).
+pub struct ReplayCache<D = Instant> {
+    inner: Mutex<Inner<D>>,
     /// At most this many records; 0: nothing is cached.
     capacity: usize,
     /// At most this many bytes of encoded responses in all.
     max_bytes: usize,
 }
 
-impl Completed {
-    pub(super) fn new(capacity: usize, max_bytes: usize) -> Self {
-        Completed {
-            inner: Mutex::default(),
+impl<D> std::fmt::Debug for ReplayCache<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplayCache")
+            .field("capacity", &self.capacity)
+            .field("max_bytes", &self.max_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Copy + PartialOrd> ReplayCache<D> {
+    /// At most `capacity` records (0: the cache is off) and `max_bytes`
+    /// bytes of encoded responses.
+    pub fn new(capacity: usize, max_bytes: usize) -> Self {
+        ReplayCache {
+            inner: Mutex::new(Inner {
+                entries: HashMap::new(),
+                order: VecDeque::new(),
+                bytes: 0,
+            }),
             capacity,
             max_bytes,
         }
@@ -62,14 +102,20 @@ impl Completed {
         self.max_bytes / 4
     }
 
-    /// The refusal for a claim of `(scope, key)` with `fingerprint` at `now`
-    /// (Unix ms), if a live completed record of it is cached.
-    pub(super) fn refusal(
+    /// Whether it caches anything at all.
+    pub fn is_on(&self) -> bool {
+        self.capacity > 0
+    }
+
+    /// The refusal for a claim of `(scope, key)` with `fingerprint` at `now`,
+    /// if a live completed record of it is cached: its stored response for
+    /// the same fingerprint, [`Refusal::Mismatch`] (422) for another.
+    pub fn refusal(
         &self,
         scope: &str,
         key: &str,
         fingerprint: &Fingerprint,
-        now: i64,
+        now: D,
     ) -> Option<Refusal> {
         if self.capacity == 0 {
             return None;
@@ -89,13 +135,15 @@ impl Completed {
         })
     }
 
-    /// Caches a completed record read from the database.
-    pub(super) fn insert(
+    /// Caches a completed record read from the database, until
+    /// `expires_at`; `size` is its encoded response's length in bytes. A
+    /// fingerprint that is not 32 bytes long is not cached.
+    pub fn insert(
         &self,
         scope: &str,
         key: &str,
         fingerprint: &[u8],
-        expires_at: i64,
+        expires_at: D,
         response: &StoredResponse,
         size: usize,
     ) {
@@ -149,9 +197,9 @@ mod tests {
 
     #[test]
     fn a_hit_replays_or_refuses_and_an_expired_entry_is_never_used() {
-        let cache = Completed::new(4, DEFAULT_BYTES);
+        let cache = ReplayCache::new(4, DEFAULT_BYTES);
         let fp = Fingerprint([7; 32]);
-        cache.insert("s", "k", &fp.0, 1_000, &response(b"one"), 3);
+        cache.insert("s", "k", &fp.0, 1_000i64, &response(b"one"), 3);
         match cache.refusal("s", "k", &fp, 999) {
             Some(Refusal::Completed(r)) => assert_eq!(r, response(b"one")),
             other => panic!("{other:?}"),
@@ -166,7 +214,7 @@ mod tests {
 
     #[test]
     fn a_capacity_of_zero_caches_nothing() {
-        let cache = Completed::new(0, DEFAULT_BYTES);
+        let cache = ReplayCache::<i64>::new(0, DEFAULT_BYTES);
         let fp = Fingerprint([7; 32]);
         cache.insert("s", "k", &fp.0, i64::MAX, &response(b"one"), 3);
         assert!(cache.refusal("s", "k", &fp, 0).is_none());
@@ -177,7 +225,7 @@ mod tests {
         const MAX_ENTRIES: usize = 1024;
         const MAX_BYTES: usize = 1 << 20;
         const MAX_ENTRY: usize = MAX_BYTES / 4;
-        let cache = Completed::new(MAX_ENTRIES, MAX_BYTES);
+        let cache = ReplayCache::<i64>::new(MAX_ENTRIES, MAX_BYTES);
         let fp = Fingerprint([1; 32]);
         for i in 0..MAX_ENTRIES + 10 {
             cache.insert("s", &i.to_string(), &fp.0, i64::MAX, &response(b"x"), 1);
