@@ -26,6 +26,11 @@ pub enum Synchronous {
     /// `synchronous=NORMAL`.
     Normal,
     /// `synchronous=FULL` (the default: an acknowledged record survives power loss).
+    /// A batch of the writer that holds only claims, releases and lease
+    /// renewals (separate mode) commits at `NORMAL`: a power loss can lose
+    /// such a claim, which changes no outcome (`docs/contract.md` §8), and
+    /// the next batch's sync makes it durable. Completions and
+    /// transactional requests always commit at `FULL`.
     #[default]
     Full,
 }
@@ -269,6 +274,7 @@ impl SqliteStoreBuilder {
                 max_hold: self.max_hold,
                 queue: self.writer_queue,
                 lock_wait: busy_timeout,
+                lazy_batches: self.synchronous == Synchronous::Full,
             },
             writer: Arc::new(std::sync::OnceLock::new()),
             completed: Arc::new(crate::store::kit::replay_cache::ReplayCache::new(

@@ -145,7 +145,7 @@ impl Store for SqliteStore {
         if let Some(refused) = self.committed_refusal(&req).await? {
             return Ok(Claim::Refused(refused));
         }
-        self.write_with(Admission::Refuse, move |tx, clock| {
+        self.write_with(Admission::Refuse, LAZY, move |tx, clock| {
             claim_in(tx, &req, clock.now_ms())
         })
         .await?
@@ -160,13 +160,15 @@ impl Store for SqliteStore {
     ) -> Result<Completion, StoreError> {
         let (scope, key) = id.into_parts();
         let blob = response.encode();
-        self.write(move |tx, _| complete_in(tx, &scope, &key, token, &blob))
-            .await
+        self.write(DURABLE, move |tx, _| {
+            complete_in(tx, &scope, &key, token, &blob)
+        })
+        .await
     }
 
     async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
         let (scope, key) = id.into_parts();
-        self.write(move |tx, _| {
+        self.write(LAZY, move |tx, _| {
             let deleted = tx.execute(
                 "DELETE FROM idempotency_records
                  WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight'",
@@ -184,7 +186,7 @@ impl Store for SqliteStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let (scope, key) = id.into_parts();
-        self.write(move |tx, clock| {
+        self.write(LAZY, move |tx, clock| {
             let now = clock.now_ms();
             let until = now.saturating_add(duration_ms(lease));
             let renewed = tx.execute(
@@ -222,19 +224,25 @@ impl SqliteStore {
 
     /// A write that finishes what a claim began (a completion, a release):
     /// it waits for room in a full queue.
-    async fn write<T, F>(&self, write: F) -> Result<T, StoreError>
+    async fn write<T, F>(&self, durable: bool, write: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&rusqlite::Transaction<'_>, &dyn Clock) -> rusqlite::Result<T> + Send + 'static,
     {
-        self.write_with(Admission::Wait, write).await
+        self.write_with(Admission::Wait, durable, write).await
     }
 
     /// Runs a short write in the writer's next batch and returns its result
     /// once the batch has committed: the claims, completions and releases
     /// of concurrent requests share one commit. Queueing and the answer
-    /// together take at most the busy timeout.
-    async fn write_with<T, F>(&self, admission: Admission, write: F) -> Result<T, StoreError>
+    /// together take at most the busy timeout. `durable`: its commit must
+    /// reach the disk before it is answered (see [`WriteJob::durable`]).
+    async fn write_with<T, F>(
+        &self,
+        admission: Admission,
+        durable: bool,
+        write: F,
+    ) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&rusqlite::Transaction<'_>, &dyn Clock) -> rusqlite::Result<T> + Send + 'static,
@@ -247,6 +255,7 @@ impl SqliteStore {
             write,
             reply,
             state: state.clone(),
+            durable,
         };
         let work = Work::Write(Box::new(job));
         match admission {
@@ -424,6 +433,11 @@ enum Admission {
     /// Work that finishes a claim: wait for room, at most the busy timeout.
     Wait,
 }
+
+/// A write whose commit must reach the disk before its answer (a
+/// completion), and one whose need not (see [`WriteJob::durable`]).
+const DURABLE: bool = true;
+const LAZY: bool = false;
 
 fn writer_stopped() -> StoreError {
     StoreError::unavailable("the SQLite writer thread has stopped")

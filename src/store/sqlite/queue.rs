@@ -49,6 +49,15 @@ impl Work {
         }
     }
 
+    /// Whether its commit must reach the disk before it is answered (see
+    /// [`WriteJob::durable`]). A transactional request's always must.
+    pub(super) fn durable(&self) -> bool {
+        match self {
+            Work::Request(_) => true,
+            Work::Write(write) => write.durable(),
+        }
+    }
+
     pub(super) fn fail(self, error: StoreError) {
         match self {
             Work::Request(begin) => drop(begin.reply.send(Err(error))),
@@ -64,6 +73,7 @@ type Answer = Box<dyn FnOnce(Option<&str>) + Send>;
 /// A write of separate mode, run in its own savepoint of the batch.
 pub(super) trait WriteOp: Send {
     fn abandoned(&self) -> bool;
+    fn durable(&self) -> bool;
     fn fail(self: Box<Self>, error: StoreError);
     /// Runs the write; `None` when it failed (and was answered already).
     fn run(self: Box<Self>, tx: &rusqlite::Transaction<'_>, clock: &dyn Clock) -> Option<Answer>;
@@ -77,6 +87,17 @@ pub(super) struct WriteJob<T, F> {
     /// and one that runs is always waited for: a claim is never committed
     /// for a caller who is gone.
     pub(super) state: Arc<std::sync::atomic::AtomicU8>,
+    /// Whether the commit must reach the disk before the answer: a
+    /// completion must, so that a replay once answered survives a power
+    /// loss. A claim, a release and a renewal need not (the writer commits
+    /// a batch of only those with `synchronous=NORMAL`): in separate mode a
+    /// claim lost with the machine changes no outcome. The effect it guarded
+    /// either was lost too (the retry runs it, rightly) or is durable
+    /// without its completion, and then the retry runs it again whether it
+    /// finds the claim (taken over once its lease ends) or finds nothing:
+    /// the double separate mode documents. A process crash loses nothing
+    /// committed at any level.
+    pub(super) durable: bool,
 }
 
 pub(super) const WAITING: u8 = 0;
@@ -92,6 +113,10 @@ where
         self.state.load(std::sync::atomic::Ordering::SeqCst) == ABANDONED
     }
 
+    fn durable(&self) -> bool {
+        self.durable
+    }
+
     fn fail(self: Box<Self>, error: StoreError) {
         let _ = self.reply.send(Err(error));
     }
@@ -101,6 +126,7 @@ where
             write,
             reply,
             state,
+            durable: _,
         } = *self;
         let start = state.compare_exchange(
             WAITING,

@@ -48,6 +48,9 @@ pub(super) struct Limits {
     pub(super) queue: usize,
     /// How long a batch waits for SQLite's write lock (the busy timeout).
     pub(super) lock_wait: Duration,
+    /// The store runs at `synchronous=FULL`, so a batch of writes that need
+    /// not reach the disk (claims, releases, renewals) commits at `NORMAL`.
+    pub(super) lazy_batches: bool,
 }
 
 impl Writer {
@@ -114,6 +117,16 @@ fn begin_immediate(
     begun
 }
 
+/// Sets the connection's `synchronous` level (outside a transaction, where
+/// SQLite allows it to change).
+fn synchronous(conn: &rusqlite::Connection, level: &'static str) -> rusqlite::Result<()> {
+    let sql = match level {
+        "NORMAL" => "PRAGMA synchronous = NORMAL",
+        _ => "PRAGMA synchronous = FULL",
+    };
+    conn.prepare_cached(sql)?.execute([]).map(drop)
+}
+
 /// The longest pause between two tries for the write lock.
 const LOCK_STEP: Duration = Duration::from_micros(250);
 
@@ -160,8 +173,17 @@ fn write_batches(
     // Jobs received but not started yet, with their permits.
     let mut pending: VecDeque<Queued> = VecDeque::new();
     let mut next_id = 0u64;
-    // Takes a job to start now (returning its permit); `None` if none waits.
-    let take = |pending: &mut VecDeque<Queued>| -> Option<Work> {
+    // Takes a job to start now (returning its permit); `None` if none waits,
+    // or, in a lazy batch, if the next one must be durable (it starts the
+    // next batch, so that the queue keeps its order).
+    let take = |pending: &mut VecDeque<Queued>, lazy: bool| -> Option<Work> {
+        if lazy
+            && pending
+                .front()
+                .is_some_and(|Queued(work, _)| work.durable())
+        {
+            return None;
+        }
         while let Some(Queued(work, permit)) = pending.pop_front() {
             if permit.is_some() {
                 counters.waiting.fetch_sub(1, Relaxed);
@@ -176,7 +198,7 @@ fn write_batches(
     loop {
         // The batch's first job.
         let first = loop {
-            if let Some(work) = take(&mut pending) {
+            if let Some(work) = take(&mut pending, false) {
                 break Some(work);
             }
             if closed {
@@ -199,6 +221,14 @@ fn write_batches(
                 continue;
             }
         };
+        // A batch that starts with a lazy write holds only lazy writes.
+        let lazy = limits.lazy_batches && !first.durable();
+        if limits.lazy_batches
+            && let Err(e) = synchronous(&conn, if lazy { "NORMAL" } else { "FULL" })
+        {
+            first.fail(StoreError::unavailable(e));
+            continue;
+        }
         let tx = match begin_immediate(&conn, limits.lock_wait) {
             Ok(tx) => tx,
             Err(e) => {
@@ -215,8 +245,12 @@ fn write_batches(
                 batch.abort(&mut pending);
                 break;
             }
-            let room = batch.open() < limits.concurrent && batch.started < limits.batch;
-            if room && let Some(work) = take(&mut pending) {
+            let blocked = lazy
+                && pending
+                    .front()
+                    .is_some_and(|Queued(work, _)| work.durable());
+            let room = !blocked && batch.open() < limits.concurrent && batch.started < limits.batch;
+            if room && let Some(work) = take(&mut pending, lazy) {
                 batch.start(work, &mut next_id);
                 continue;
             }
@@ -253,6 +287,11 @@ fn write_batches(
         } else {
             tx.commit().map_err(|e| e.to_string())
         };
+        if lazy {
+            // Other users of the pooled connection (purges) get the store's
+            // level back; the next batch sets its own either way.
+            let _ = synchronous(&conn, "FULL");
+        }
         let stored = deferred
             .iter()
             .filter(|d| matches!(d, Deferred::Commit(_)))
