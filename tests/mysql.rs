@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use tower_idempotency::StoreError;
 use tower_idempotency::store::FencingToken;
+use tower_idempotency::test_util::suite::replays_come_from_the_cache_until_the_ttl_ends as cached_replays;
 use tower_idempotency::test_util::suite::two_handles_one_winner;
 use tower_idempotency::test_util::{ClockOffset, ManualClock, START_MS, store_suite};
 use tower_idempotency_sqlx::MySqlStore;
@@ -93,13 +94,7 @@ async fn replays_come_from_the_cache_until_the_ttl_ends() {
         .open()
         .await
         .unwrap();
-    tower_idempotency::test_util::suite::replays_come_from_the_cache_until_the_ttl_ends(
-        cached,
-        clock,
-        plain,
-        plain_clock,
-    )
-    .await;
+    cached_replays(cached, clock, plain, plain_clock).await;
 }
 
 /// Two app servers' stores (two pools) on one table: one winner per key.

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tower_idempotency::store::{Claim, FencingToken, RecordId, Store};
 use tower_idempotency::store::{MemoryStore, SqliteStore};
+use tower_idempotency::test_util::suite::replays_come_from_the_cache_until_the_ttl_ends as cached_replays;
 use tower_idempotency::test_util::suite::{
     inspect_is_exact_on_a_manual_clock, two_handles_one_winner,
 };
@@ -125,13 +126,7 @@ async fn postgres_replays_come_from_the_cache_until_the_ttl_ends() {
         .open()
         .await
         .unwrap();
-    tower_idempotency::test_util::suite::replays_come_from_the_cache_until_the_ttl_ends(
-        cached,
-        clock,
-        plain,
-        plain_clock,
-    )
-    .await;
+    cached_replays(cached, clock, plain, plain_clock).await;
 }
 
 /// A table name outside the rule, or a URL that does not parse, is a
@@ -261,6 +256,25 @@ use redis_support::redis;
 
 #[cfg(feature = "redis")]
 store_suite!(redis_store, redis, inspect);
+
+/// A replay cached by one replay answers the next ones, until its TTL ends.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_replays_come_from_the_cache_until_the_ttl_ends() {
+    use tower_idempotency_redis::RedisStore;
+    let prefix = redis_support::unique_prefix("replay_cache");
+    let (clock, plain_clock) = (ManualClock::new(START_MS), ManualClock::new(START_MS));
+    let open = |clock: &ManualClock, records: usize| {
+        RedisStore::builder(redis_support::url())
+            .prefix(prefix.clone())
+            .clock_offset(ClockOffset(clock.clone()))
+            .replay_cache(records)
+            .open()
+    };
+    let cached = open(&clock, 16).await.unwrap();
+    let plain = open(&plain_clock, 0).await.unwrap();
+    cached_replays(cached, clock, plain, plain_clock).await;
+}
 
 /// Two independent handles (as two app servers would have) racing one key:
 /// the claim script, run whole by the server, decides.

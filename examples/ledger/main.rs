@@ -483,6 +483,7 @@ async fn redis_store(args: &Args) -> Result<tower_idempotency_redis::RedisStore,
     };
     // An evicting maxmemory-policy is refused here (the message names it).
     Ok(builder
+        .replay_cache(crate::db::REPLAY_CACHE)
         .open()
         .await
         .map_err(|e| format!("--key-store: {e}"))?)

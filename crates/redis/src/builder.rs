@@ -13,6 +13,7 @@ use super::{
     CLAIM_SCRIPT, COMPLETE_SCRIPT, INSPECT_SCRIPT, PURGE_SCRIPT, RELEASE_SCRIPT, RedisStore,
 };
 use tower_idempotency::store::kit::feed::Feed;
+use tower_idempotency::store::kit::replay_cache::CacheBounds;
 use tower_idempotency::store::{Clock, StoreError};
 
 /// Reconnection attempts after the first, while Redis is unreachable.
@@ -46,9 +47,12 @@ pub struct RedisStoreBuilder {
     offset: Option<Arc<dyn Clock>>,
     accept_eviction_risk: bool,
     eviction_interval: Duration,
+    replays: CacheBounds,
     #[cfg(feature = "tls")]
     ca: Option<Vec<u8>>,
 }
+
+tower_idempotency::store::kit::replay_cache::replay_cache_settings!(RedisStoreBuilder, replays);
 
 impl std::fmt::Debug for RedisStoreBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -79,6 +83,7 @@ impl RedisStoreBuilder {
             offset: None,
             accept_eviction_risk: false,
             eviction_interval: eviction::DEFAULT_INTERVAL,
+            replays: CacheBounds::default(),
             #[cfg(feature = "tls")]
             ca: None,
         }
@@ -291,6 +296,7 @@ impl RedisStoreBuilder {
             channel: super::listen::channel(&self.prefix).into(),
             prefix: self.prefix.into(),
             offset: self.offset,
+            replays: self.replays.open(),
             eviction,
             feed: subscriber.map(|client| {
                 (

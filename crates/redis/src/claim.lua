@@ -37,7 +37,7 @@ if r[2] == 'completed' then
   if type(response) ~= 'string' then
     return {'corrupt', 'a completed record without a response'}
   end
-  return {'completed', response}
+  return {'completed', response, expires_at - now}
 end
 if r[2] ~= 'in_flight' then
   return {'corrupt', 'the state is neither in_flight nor completed'}

@@ -32,7 +32,9 @@ pub use builder::RedisStoreBuilder;
 use conn::{Conn, Walk};
 use eviction::Eviction;
 pub use eviction::{EvictionCheck, NodeEviction};
-use reply::{int, parse_claim, parse_flag, text, unexpected};
+use reply::{Claimed, int, parse_claim, parse_flag, text, unexpected};
+use tower_idempotency::store::kit::claim::{answer_cached, answer_completed};
+use tower_idempotency::store::kit::replay_cache::{ReplayCache, offset_instant};
 
 /// The largest lease, TTL or clock offset (ms) a script is given: about
 /// 35,000 years. A Unix time plus an offset plus a TTL stays below 2^52, so
@@ -252,6 +254,9 @@ pub struct RedisStore {
     eviction: Arc<Eviction>,
     /// The channel that `complete` and `release` announce on.
     channel: Arc<str>,
+    /// Completed records cached for replays (`replay_cache`; see
+    /// `store::kit::replay_cache`).
+    replays: Arc<ReplayCache>,
     /// The feed that wakes waiting repeats, and the client its subscriber
     /// connects with (one server; `None` on a cluster: waiters poll).
     feed: Option<(Feed, ::redis::Client)>,
@@ -357,6 +362,12 @@ fn clamp_ms(d: Duration) -> i64 {
 
 impl Store for RedisStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        // A replay cached by an earlier one needs no script (off unless the
+        // builder sets `replay_cache`).
+        let sent = offset_instant(self.offset_ms());
+        if let Some(claim) = answer_cached(&self.replays, &req, sent) {
+            return Ok(claim);
+        }
         let mut conn = self.conn.clone();
         let reply: Value = CLAIM_SCRIPT
             .key(self.record_key(&req.scope, &req.key))
@@ -368,7 +379,10 @@ impl Store for RedisStore {
             .invoke_async(&mut conn)
             .await
             .map_err(StoreError::unavailable)?;
-        parse_claim(reply)
+        match parse_claim(reply, &req.fingerprint.0)? {
+            Claimed::Claim(claim) => Ok(claim),
+            Claimed::Completed(row) => answer_completed(row, &req, &self.replays, sent),
+        }
     }
 
     async fn complete(

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-use super::replay_cache::{DEFAULT_BYTES, ReplayCache};
+use super::replay_cache::{CacheBounds, ReplayCache, offset_instant};
 use crate::store::Clock;
 
 /// A builder's shared settings.
@@ -20,10 +20,8 @@ pub struct Settings {
     pub max_hold: Duration,
     /// A test clock whose reading (ms) is added to the server's clock.
     pub offset: Option<Arc<dyn Clock>>,
-    /// At most this many completed records cached for replays (0: none).
-    pub replay_cache: usize,
-    /// At most this many bytes of encoded responses in the replay cache.
-    pub replay_cache_bytes: usize,
+    /// The replay cache's bounds (off by default).
+    pub replays: CacheBounds,
 }
 
 impl Default for Settings {
@@ -34,8 +32,7 @@ impl Default for Settings {
             table: "idempotency_records".into(),
             max_hold: Duration::from_secs(30),
             offset: None,
-            replay_cache: 0,
-            replay_cache_bytes: DEFAULT_BYTES,
+            replays: CacheBounds::default(),
         }
     }
 }
@@ -47,7 +44,7 @@ impl Settings {
             offset: self.offset.clone(),
             max_hold: self.max_hold,
             held_too_long: Arc::default(),
-            replays: Arc::new(ReplayCache::new(self.replay_cache, self.replay_cache_bytes)),
+            replays: self.replays.open(),
         }
     }
 }
@@ -75,14 +72,7 @@ impl Limits {
     /// Now on the replay cache's clock: the monotonic clock, moved by the
     /// test clock's offset as the server's clock is.
     pub fn instant(&self) -> Instant {
-        let now = Instant::now();
-        let offset = self.offset_ms();
-        let shift = Duration::from_millis(offset.unsigned_abs());
-        match offset >= 0 {
-            true => now.checked_add(shift),
-            false => now.checked_sub(shift),
-        }
-        .unwrap_or(now)
+        offset_instant(self.offset_ms())
     }
 
     /// Transactions rolled back past their max hold time so far.
@@ -99,6 +89,8 @@ impl Limits {
 #[macro_export]
 macro_rules! __sql_builder_settings {
     ($builder:ty, $transaction:ident) => {
+        $crate::store::kit::replay_cache::replay_cache_settings!($builder, settings.replays);
+
         impl $builder {
             /// The table (default `idempotency_records`): 1 to 48 ASCII
             /// letters, digits and underscores, not starting with a digit, so
@@ -117,27 +109,6 @@ macro_rules! __sql_builder_settings {
             #[doc = concat!("[`", stringify!($transaction), "`], \"Max hold time\".")]
             pub fn max_hold(mut self, hold: std::time::Duration) -> Self {
                 self.settings.max_hold = hold;
-                self
-            }
-
-            /// Answer replays of up to `records` completed records from
-            /// memory (default 0: off). A record is cached when a replay
-            /// reads it, until the instant its read was sent plus the TTL
-            /// it had left on the database's clock, so a cached replay is
-            /// the one the database would give, whatever the clocks' skew:
-            /// a completed record does not change before its TTL ends. See
-            /// `store::kit::replay_cache`. Each cached record costs its
-            /// encoded response's bytes (bounded by `replay_cache_bytes`).
-            pub fn replay_cache(mut self, records: usize) -> Self {
-                self.settings.replay_cache = records;
-                self
-            }
-
-            /// The replay cache's bound in bytes of encoded responses (the
-            /// body and headers; default 4 MiB). A response larger than a
-            /// quarter of it is never cached.
-            pub fn replay_cache_bytes(mut self, bytes: usize) -> Self {
-                self.settings.replay_cache_bytes = bytes;
                 self
             }
 

@@ -22,7 +22,8 @@
 //!
 //! The deadline is on whatever clock the store judges with (`D`): the
 //! SQLite store's [`Clock`](crate::store::Clock) in Unix ms; a store whose
-//! database judges TTLs on its own clock uses an [`Instant`]: the instant
+//! server judges TTLs on its own clock (PostgreSQL, MySQL, Redis) uses an
+//! [`Instant`]: the instant
 //! its read was sent plus the TTL left that the read returned, which is
 //! never later than the database's own deadline, whatever the skew between
 //! the two machines' clocks.
@@ -179,6 +180,79 @@ impl<D: Copy + PartialOrd> ReplayCache<D> {
         );
     }
 }
+
+/// A builder's bounds for its replay cache: records (0, the default, turns
+/// it off) and bytes of encoded responses ([`DEFAULT_BYTES`]).
+#[derive(Debug, Clone, Copy)]
+pub struct CacheBounds {
+    /// At most this many completed records cached for replays (0: none).
+    pub records: usize,
+    /// At most this many bytes of encoded responses in the cache.
+    pub bytes: usize,
+}
+
+impl Default for CacheBounds {
+    fn default() -> Self {
+        CacheBounds {
+            records: 0,
+            bytes: DEFAULT_BYTES,
+        }
+    }
+}
+
+impl CacheBounds {
+    /// The cache a store opened with these bounds shares among its clones.
+    pub fn open(self) -> std::sync::Arc<ReplayCache> {
+        std::sync::Arc::new(ReplayCache::new(self.records, self.bytes))
+    }
+}
+
+/// Now on the clock of a store whose database judges TTLs (the monotonic
+/// clock), moved by `offset_ms` as the test clock moves the database's.
+pub fn offset_instant(offset_ms: i64) -> Instant {
+    let now = Instant::now();
+    let shift = std::time::Duration::from_millis(offset_ms.unsigned_abs());
+    match offset_ms >= 0 {
+        true => now.checked_add(shift),
+        false => now.checked_sub(shift),
+    }
+    .unwrap_or(now)
+}
+
+/// The setters `replay_cache` and `replay_cache_bytes` of `$builder`, whose
+/// field at `$($bounds).+` is a [`CacheBounds`]: one documentation for every
+/// store that has the cache.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __replay_cache_settings {
+    ($builder:ty, $($bounds:ident).+) => {
+        impl $builder {
+            /// Answer replays of up to `records` completed records from
+            /// memory (default 0: off). A record is cached when a replay
+            /// reads it, until the instant its read was sent plus the TTL
+            /// it had left on the database's clock, so a cached replay is
+            /// the one the database would give, whatever the clocks' skew:
+            /// a completed record does not change before its TTL ends. See
+            /// `store::kit::replay_cache`. Each cached record costs its
+            /// encoded response's bytes (bounded by `replay_cache_bytes`).
+            pub fn replay_cache(mut self, records: usize) -> Self {
+                self.$($bounds).+.records = records;
+                self
+            }
+
+            /// The replay cache's bound in bytes of encoded responses (the
+            /// body and headers; default 4 MiB). A response larger than a
+            /// quarter of it is never cached.
+            pub fn replay_cache_bytes(mut self, bytes: usize) -> Self {
+                self.$($bounds).+.bytes = bytes;
+                self
+            }
+
+        }
+    };
+}
+#[doc(inline)]
+pub use crate::__replay_cache_settings as replay_cache_settings;
 
 #[cfg(test)]
 mod tests {
