@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tower_idempotency::store::{Claim, FencingToken, RecordId, Store};
 use tower_idempotency::store::{MemoryStore, SqliteStore};
+#[cfg(any(feature = "postgres", feature = "redis"))]
 use tower_idempotency::test_util::suite::replays_come_from_the_cache_until_the_ttl_ends as cached_replays;
 use tower_idempotency::test_util::suite::{
     inspect_is_exact_on_a_manual_clock, two_handles_one_winner,
