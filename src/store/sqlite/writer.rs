@@ -177,14 +177,14 @@ fn write_batches(
     // or, in a lazy batch, if the next one must be durable (it starts the
     // next batch, so that the queue keeps its order).
     let take = |pending: &mut VecDeque<Queued>, lazy: bool| -> Option<Work> {
-        if lazy
+        // Checked before each pop: an abandoned job skipped below may
+        // have stood in front of a durable one.
+        while !(lazy
             && pending
                 .front()
-                .is_some_and(|Queued(work, _)| work.durable())
+                .is_some_and(|Queued(work, _)| work.durable()))
         {
-            return None;
-        }
-        while let Some(Queued(work, permit)) = pending.pop_front() {
+            let Queued(work, permit) = pending.pop_front()?;
             if permit.is_some() {
                 counters.waiting.fetch_sub(1, Relaxed);
             }
