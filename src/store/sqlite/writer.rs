@@ -160,6 +160,33 @@ fn receive(inbox: &std::sync::mpsc::Receiver<Event>, wait: Option<Option<Instant
     }
 }
 
+/// Takes a job to start now (returning its permit, counted in `waiting`);
+/// `None` if none waits, or, in a lazy batch, if the next one must be
+/// durable (it starts the next batch, so that the queue keeps its order).
+/// Abandoned jobs are dropped on the way.
+fn next_to_start(
+    pending: &mut VecDeque<Queued>,
+    lazy: bool,
+    waiting: &std::sync::atomic::AtomicUsize,
+) -> Option<Work> {
+    // Checked before each pop: an abandoned job dropped below may have
+    // stood in front of a durable one.
+    while !(lazy
+        && pending
+            .front()
+            .is_some_and(|Queued(work, _)| work.durable()))
+    {
+        let Queued(work, permit) = pending.pop_front()?;
+        if permit.is_some() {
+            waiting.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if !work.abandoned() {
+            return Some(work);
+        }
+    }
+    None
+}
+
 /// The writer thread: one transaction per batch, one savepoint per request
 /// (see `batch.rs`). Ends when every handle of the store is gone.
 fn write_batches(
@@ -173,26 +200,8 @@ fn write_batches(
     // Jobs received but not started yet, with their permits.
     let mut pending: VecDeque<Queued> = VecDeque::new();
     let mut next_id = 0u64;
-    // Takes a job to start now (returning its permit); `None` if none waits,
-    // or, in a lazy batch, if the next one must be durable (it starts the
-    // next batch, so that the queue keeps its order).
-    let take = |pending: &mut VecDeque<Queued>, lazy: bool| -> Option<Work> {
-        // Checked before each pop: an abandoned job skipped below may
-        // have stood in front of a durable one.
-        while !(lazy
-            && pending
-                .front()
-                .is_some_and(|Queued(work, _)| work.durable()))
-        {
-            let Queued(work, permit) = pending.pop_front()?;
-            if permit.is_some() {
-                counters.waiting.fetch_sub(1, Relaxed);
-            }
-            if !work.abandoned() {
-                return Some(work);
-            }
-        }
-        None
+    let take = |pending: &mut VecDeque<Queued>, lazy: bool| {
+        next_to_start(pending, lazy, &counters.waiting)
     };
     let mut closed = false;
     loop {
@@ -319,5 +328,74 @@ fn write_batches(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU8, AtomicUsize};
+
+    use super::super::queue::{ABANDONED, Queued, WAITING, Work, WriteJob};
+    use super::next_to_start;
+
+    /// A separate-mode write that does nothing, in `state`.
+    fn job(state: u8, durable: bool) -> Queued {
+        let (reply, _) = tokio::sync::oneshot::channel::<Result<(), crate::store::StoreError>>();
+        let write = |_: &rusqlite::Transaction<'_>, _: &dyn crate::store::Clock| Ok(());
+        let job = WriteJob {
+            write,
+            reply,
+            state: Arc::new(AtomicU8::new(state)),
+            durable,
+        };
+        Queued(Work::Write(Box::new(job)), None)
+    }
+
+    #[test]
+    fn a_lazy_batch_stops_at_a_durable_job_behind_an_abandoned_one() {
+        let waiting = AtomicUsize::new(0);
+        // A claim whose caller gave up, then a completion, then a claim.
+        let mut pending = VecDeque::from([
+            job(ABANDONED, false),
+            job(WAITING, true),
+            job(WAITING, false),
+        ]);
+        assert!(next_to_start(&mut pending, true, &waiting).is_none());
+        assert_eq!(pending.len(), 2, "only the abandoned claim was dropped");
+        // The completion starts the next batch, a durable one, in order.
+        let first = next_to_start(&mut pending, false, &waiting).unwrap();
+        assert!(first.durable());
+        let second = next_to_start(&mut pending, false, &waiting).unwrap();
+        assert!(!second.durable());
+        assert!(next_to_start(&mut pending, false, &waiting).is_none());
+    }
+
+    #[test]
+    fn abandoned_jobs_are_dropped_and_never_started() {
+        let waiting = AtomicUsize::new(0);
+        let mut pending = VecDeque::from([
+            job(WAITING, false),
+            job(ABANDONED, true),
+            job(ABANDONED, false),
+            job(WAITING, false),
+        ]);
+        assert!(
+            !next_to_start(&mut pending, true, &waiting)
+                .unwrap()
+                .durable()
+        );
+        // An abandoned completion still ends a lazy batch (whether it was
+        // abandoned is read only once it is popped).
+        assert!(next_to_start(&mut pending, true, &waiting).is_none());
+        assert_eq!(pending.len(), 3);
+        // The next batch drops both abandoned jobs and starts the claim.
+        assert!(
+            !next_to_start(&mut pending, false, &waiting)
+                .unwrap()
+                .durable()
+        );
+        assert!(pending.is_empty());
     }
 }
