@@ -195,3 +195,98 @@ async fn mysql_a_fenced_commit_never_replays_nor_releases() {
         .await
         .unwrap();
 }
+
+/// A fenced commit rolls back the handler's own writes, not only the
+/// record, with and without `notify_waiters` (each has its completion
+/// statement); and a transaction that a failed statement of the handler
+/// aborted commits nothing and gives the key back. The handler's effect is
+/// a row in a table of its own: afterwards only the new holder's row is
+/// there.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_fenced_or_failed_commit_keeps_no_write_of_its_handler() {
+    use tower_idempotency_postgres::{PostgresStore, PostgresTransaction};
+    let acquired = |claim: TransactionClaim<PostgresTransaction>, taken_over: bool| match claim {
+        TransactionClaim::Acquired {
+            transaction,
+            taken_over: t,
+        } if t == taken_over => transaction,
+        other => panic!("expected a claim (taken over: {taken_over}): {other:?}"),
+    };
+    for notify in [false, true] {
+        let table = format!("idem_brk_{:016x}", FencingToken::random().0);
+        let effects = format!("{table}_effects");
+        let open = |ahead| {
+            PostgresStore::builder(&pg_url())
+                .table(table.clone())
+                .notify_waiters(notify)
+                .clock_offset(Ahead(ahead))
+                .open()
+        };
+        let (first, later) = (open(0).await.unwrap(), open(AHEAD).await.unwrap());
+        let admin = first.pool().get().await.unwrap();
+        admin
+            .batch_execute(&format!("CREATE TABLE {effects} (effect TEXT PRIMARY KEY)"))
+            .await
+            .unwrap();
+        let insert = format!("INSERT INTO {effects} VALUES ($1)");
+        let write = async |tx: &PostgresTransaction, effect: &str| {
+            let client = tx.client().await.unwrap();
+            client.execute(insert.as_str(), &[&effect]).await.unwrap();
+        };
+
+        // A writes; B takes the key over; A's commit is fenced.
+        let a = acquired(first.claim_in_transaction(claim("k")).await.unwrap(), false);
+        write(&a, "from A").await;
+        let b = acquired(later.claim_in_transaction(claim("k")).await.unwrap(), true);
+        let fenced = first.commit(&a, response("from A")).await.unwrap_err();
+        assert!(
+            fenced
+                .to_string()
+                .contains("another request took the key over"),
+            "notify {notify}: {fenced}"
+        );
+        write(&b, "from B").await;
+        assert_eq!(
+            later.commit(&b, response("from B")).await.unwrap(),
+            Completion::Stored
+        );
+
+        // C writes, then one of its statements fails: nothing commits and
+        // the key is free at once.
+        let c = acquired(
+            first.claim_in_transaction(claim("failed")).await.unwrap(),
+            false,
+        );
+        write(&c, "from C").await;
+        let failed = c.client().await.unwrap().execute("SELECT 1 / 0", &[]).await;
+        assert!(failed.is_err(), "division by zero fails");
+        assert!(first.commit(&c, response("from C")).await.is_err());
+        assert_eq!(
+            first.claim(claim("failed")).await.unwrap(),
+            Claim::Acquired { taken_over: false },
+            "notify {notify}: the failed request's key was given back"
+        );
+
+        let effects_left: Vec<String> = admin
+            .query(
+                &format!("SELECT effect FROM {effects} ORDER BY effect"),
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        assert_eq!(effects_left, ["from B"], "notify {notify}");
+        assert_eq!(
+            later.claim(claim("k")).await.unwrap(),
+            Claim::Refused(Refusal::Completed(response("from B"))),
+            "notify {notify}: B's answer is replayed"
+        );
+        admin
+            .batch_execute(&format!("DROP TABLE {table}, {effects}"))
+            .await
+            .unwrap();
+    }
+}

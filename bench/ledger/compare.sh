@@ -41,7 +41,8 @@
 # replay window must not move it. A failed check or any non-2xx answer ends
 # the script with status 1. Prints every window, the medians, and the
 # ledger/naive ratios as Markdown. LEDGER_BIN=PATH measures another build
-# of the ledger (e.g. an older one); NO_BUILD=1 skips the builds; OUT=FILE
+# of the ledger (e.g. an older one), NAIVE_BIN=PATH another build of the
+# naive ledger; NO_BUILD=1 skips the builds; OUT=FILE
 # appends the raw windows to FILE; CHART=FILE.svg draws BENCHMARKS.md's
 # chart (bench/ledger/chart.py); PATHS and CONNS choose what is driven;
 # LEDGER_ARGS adds options to every ledger (the naive one is unchanged).

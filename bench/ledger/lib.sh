@@ -20,7 +20,7 @@ if [ -z "${NO_BUILD:-}" ]; then
   cargo build -q --release --manifest-path "$root/bench/naive-ledger/Cargo.toml"
 fi
 ledger=${LEDGER_BIN:-$CARGO_TARGET_DIR/release/examples/ledger}
-naive=$CARGO_TARGET_DIR/release/naive-ledger
+naive=${NAIVE_BIN:-$CARGO_TARGET_DIR/release/naive-ledger}
 dir=$(mktemp -d)
 results=$dir/results
 declare -A pids urls

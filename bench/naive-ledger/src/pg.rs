@@ -1,5 +1,6 @@
 //! PostgreSQL: tokio-postgres over a deadpool pool of 16, one transaction per
-//! write.
+//! write, each statement prepared once per connection (deadpool's
+//! `prepare_cached`), as the ledger example prepares its own.
 
 use deadpool_postgres::{Manager, Pool};
 
@@ -38,11 +39,12 @@ impl Db {
 
     pub async fn account(&self, id: i64) -> Result<Account, Error> {
         let client = self.pool.get().await.map_err(db_error)?;
+        let select = client
+            .prepare_cached("SELECT id, name, balance FROM accounts WHERE id = $1")
+            .await
+            .map_err(db_error)?;
         let row = client
-            .query_opt(
-                "SELECT id, name, balance FROM accounts WHERE id = $1",
-                &[&id],
-            )
+            .query_opt(&select, &[&id])
             .await
             .map_err(db_error)?
             .ok_or(Error::NoSuchAccount)?;
@@ -55,11 +57,12 @@ impl Db {
 
     pub async fn create_account(&self, name: String) -> Result<Account, Error> {
         let client = self.pool.get().await.map_err(db_error)?;
+        let insert = client
+            .prepare_cached("INSERT INTO accounts (name) VALUES ($1) RETURNING id")
+            .await
+            .map_err(db_error)?;
         let row = client
-            .query_one(
-                "INSERT INTO accounts (name) VALUES ($1) RETURNING id",
-                &[&name],
-            )
+            .query_one(&insert, &[&name])
             .await
             .map_err(db_error)?;
         Ok(Account {
@@ -72,20 +75,24 @@ impl Db {
     pub async fn credit(&self, account_id: i64, amount: i64) -> Result<Credit, Error> {
         let mut client = self.pool.get().await.map_err(db_error)?;
         let tx = client.transaction().await.map_err(db_error)?;
-        let balance: i64 = tx
-            .query_opt(
+        let add = tx
+            .prepare_cached(
                 "UPDATE accounts SET balance = balance + $2 WHERE id = $1 RETURNING balance",
-                &[&account_id, &amount],
             )
+            .await
+            .map_err(db_error)?;
+        let insert = tx
+            .prepare_cached("INSERT INTO credits (account_id, amount) VALUES ($1, $2) RETURNING id")
+            .await
+            .map_err(db_error)?;
+        let balance: i64 = tx
+            .query_opt(&add, &[&account_id, &amount])
             .await
             .map_err(db_error)?
             .ok_or(Error::NoSuchAccount)?
             .get(0);
         let credit_id: i64 = tx
-            .query_one(
-                "INSERT INTO credits (account_id, amount) VALUES ($1, $2) RETURNING id",
-                &[&account_id, &amount],
-            )
+            .query_one(&insert, &[&account_id, &amount])
             .await
             .map_err(db_error)?
             .get(0);

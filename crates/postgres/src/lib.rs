@@ -37,6 +37,10 @@ mod sslmode;
 mod tls;
 mod transaction;
 
+/// The deadpool-postgres this crate is built with: [`PostgresStore::pool`]
+/// is its `Pool`, and [`TransactionClient::statement_cache`] its
+/// `StatementCache`.
+pub use deadpool_postgres;
 /// The tokio-postgres this crate is built with, for the statements a handler
 /// runs through [`PostgresTransaction::client`].
 pub use tokio_postgres;

@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use deadpool_postgres::Object;
-use tokio_postgres::{CancelToken, NoTls};
+use tokio_postgres::{CancelToken, NoTls, Statement};
 
 use super::{PostgresStore, cached, unavailable};
 use tower_idempotency::response::StoredResponse;
@@ -102,6 +102,22 @@ impl Drop for PgTx {
 /// The connection of an open [`PostgresTransaction`]; derefs to
 /// [`tokio_postgres::Client`]. Statements run inside the transaction; do not
 /// `COMMIT` or `ROLLBACK` (the layer does).
+///
+/// A statement given as text is prepared anew each time: one more round
+/// trip, while the transaction holds its locks.
+/// [`TransactionClient::prepare_cached`] prepares it once per pooled
+/// connection:
+///
+/// ```no_run
+/// # async fn credit(tx: tower_idempotency_postgres::PostgresTransaction) -> Result<(), Box<dyn std::error::Error>> {
+/// let client = tx.client().await?;
+/// let add = client
+///     .prepare_cached("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+///     .await?;
+/// client.execute(&add, &[&5_i64, &1_i64]).await?;
+/// # Ok(())
+/// # }
+/// ```
 pub struct TransactionClient<'a> {
     guard: tokio::sync::MappedMutexGuard<'a, Object>,
 }
@@ -111,6 +127,25 @@ impl std::ops::Deref for TransactionClient<'_> {
 
     fn deref(&self) -> &tokio_postgres::Client {
         &self.guard
+    }
+}
+
+impl TransactionClient<'_> {
+    /// `sql` prepared on this connection, from the connection's statement
+    /// cache (deadpool's) if it was prepared on it before.
+    ///
+    /// # Errors
+    ///
+    /// The server's, for a statement that does not prepare.
+    pub async fn prepare_cached(&self, sql: &str) -> Result<Statement, tokio_postgres::Error> {
+        self.guard.prepare_cached(sql).await
+    }
+
+    /// The connection's statement cache, for code written over
+    /// [`tokio_postgres::GenericClient`] that prepares through it
+    /// (`cache.prepare(client.client(), sql)`).
+    pub fn statement_cache(&self) -> &deadpool_postgres::StatementCache {
+        &self.guard.statement_cache
     }
 }
 
