@@ -173,7 +173,8 @@ impl SqliteStoreBuilder {
     }
 
     /// Runs `f` on every pooled connection the store opens, after the
-    /// store's own settings (busy timeout, `synchronous`, `foreign_keys`) and
+    /// store's own settings (busy timeout, `synchronous`, `foreign_keys`,
+    /// `temp_store`) and
     /// before the connection is first used, including for the schema
     /// migration. For per-connection settings SQLite does not keep in the
     /// file, e.g. `PRAGMA max_page_count` (a cap on the file's size, in
@@ -183,7 +184,9 @@ impl SqliteStoreBuilder {
     /// needed it, fails with [`StoreError::Unavailable`].
     ///
     /// Do not change `journal_mode` or `busy_timeout` here: the store sets
-    /// them itself.
+    /// them itself. `PRAGMA temp_store = FILE` here puts temporary tables,
+    /// sorts and the savepoints' sub-journal back on disk (see
+    /// [`SqliteStore`], "Connections").
     pub fn on_connect<F>(mut self, f: F) -> Self
     where
         F: Fn(&rusqlite::Connection) -> rusqlite::Result<()> + Send + Sync + 'static,
@@ -230,6 +233,11 @@ impl SqliteStoreBuilder {
             c.pragma_update(None, "synchronous", synchronous)?;
             // For the handler's own tables in transactional mode.
             c.pragma_update(None, "foreign_keys", "ON")?;
+            // The savepoints' sub-journal (one savepoint per transactional
+            // request, stacked with `concurrent_transactions`) in memory: on
+            // disk, SQLite spills it past 64 KiB to a temporary file that
+            // each batch creates, writes and deletes (BENCHMARKS.md).
+            c.pragma_update(None, "temp_store", "MEMORY")?;
             if let Some(hook) = &on_connect {
                 hook(c)?;
             }
@@ -381,5 +389,27 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(version, SCHEMA_VERSION);
+    }
+
+    /// Temporary storage (the savepoints' sub-journal among it) is in memory
+    /// on the store's connections, and `on_connect` can put it back on disk.
+    #[tokio::test]
+    async fn temporary_storage_is_in_memory_unless_on_connect_says_otherwise() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sqlite3");
+        let temp_store = |store: SqliteStore| async move {
+            store
+                .with_conn(|c, _| c.pragma_query_value(None, "temp_store", |r| r.get::<_, i64>(0)))
+                .await
+                .unwrap()
+        };
+        // 2 is MEMORY, 1 is FILE (https://www.sqlite.org/pragma.html#pragma_temp_store).
+        assert_eq!(temp_store(SqliteStore::open(&path).await.unwrap()).await, 2);
+        let on_disk = SqliteStore::builder(&path)
+            .on_connect(|c| c.pragma_update(None, "temp_store", "FILE"))
+            .open()
+            .await
+            .unwrap();
+        assert_eq!(temp_store(on_disk).await, 1);
     }
 }

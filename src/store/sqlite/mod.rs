@@ -66,6 +66,15 @@ use writer::{Limits, Writer};
 /// * The schema is created or migrated when the store opens.
 /// * Connections enforce foreign keys (`PRAGMA foreign_keys = ON`), which
 ///   matters for the handler's own tables in transactional mode.
+/// * Connections keep temporary storage in memory (`PRAGMA temp_store =
+///   MEMORY`): the sub-journal of the savepoints each transactional request
+///   runs in, and a handler's `TEMP` tables and sorts. The sub-journal holds
+///   a copy of each page a batch's requests change (4 KiB pages by default),
+///   so it is bounded by [`SqliteStoreBuilder::group_commit`] requests' pages
+///   and freed when the batch commits. On disk, SQLite would create, write
+///   and delete a temporary file in most batches; in memory, transactional
+///   credits ran 1.19x as fast (`BENCHMARKS.md`). A
+///   [`SqliteStoreBuilder::on_connect`] hook can set it back to `FILE`.
 ///
 /// # Example
 ///
