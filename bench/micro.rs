@@ -4,6 +4,7 @@
 //! cargo bench --bench micro                                   # memory and SQLite stores
 //! cargo bench --bench micro --features postgres,redis         # also PostgreSQL and Redis
 //! cargo bench --bench micro -- key/                           # one group (a criterion filter)
+//! cargo bench --bench micro -- "sqlite hand-offs"             # the writer's round trips
 //! ```
 //!
 //! PostgreSQL and Redis are read from `TOWER_IDEMPOTENCY_POSTGRES_URL`
@@ -13,7 +14,7 @@
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -24,7 +25,8 @@ use tower_idempotency::fingerprint::{
 };
 use tower_idempotency::key::parse_value;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, RecordId, Refusal, Store, Synchronous,
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Refusal, SqliteTransaction, Store,
+    Synchronous, TransactionClaim, TransactionalStore,
 };
 use tower_idempotency::{MemoryStore, SqliteStore, StoredBody, StoredResponse};
 
@@ -240,5 +242,97 @@ fn stores(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, key_parsing, fingerprinting, responses, stores);
+/// A new key claimed in a transaction on the SQLite writer.
+async fn claim_in_transaction(store: &SqliteStore) -> SqliteTransaction {
+    let key = format!("hand-off-{}", NEXT_KEY.fetch_add(1, Ordering::Relaxed));
+    let request = ClaimRequest::new(
+        RecordId::new("bench", key),
+        Fingerprint([7; 32]),
+        FencingToken::random(),
+    )
+    .with_lease(Duration::from_secs(60))
+    .with_ttl(Duration::from_secs(600));
+    match store.claim_in_transaction(request).await.expect("claim") {
+        TransactionClaim::Acquired { transaction, .. } => transaction,
+        TransactionClaim::Refused(refusal) => panic!("a new key was refused: {refusal:?}"),
+    }
+}
+
+/// What a transactional request pays in hand-offs to `SqliteStore`'s writer
+/// thread, one request at a time, from a task on a runtime worker (as the
+/// layer runs): the claim and the commit (with its fsync at `FULL`), the
+/// same with one empty `SqliteTransaction::run` between them, and an empty
+/// `run` alone (one round trip to the writer and back, no SQL, no sync).
+fn sqlite_hand_offs(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let store = rt
+        .block_on(SqliteStore::builder(dir.path().join("hand-offs.sqlite3")).open())
+        .expect("open SQLite");
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Vec::new(),
+        body: StoredBody::Complete(Bytes::from_static(b"{}")),
+        trailers: None,
+    };
+    // `iters` rounds of `round` in one task on the worker, timed there.
+    let timed = |iters: u64, runs: u64, claims: bool| {
+        let store = store.clone();
+        let response = response.clone();
+        rt.block_on(async move {
+            tokio::spawn(async move {
+                let held = if claims {
+                    None
+                } else {
+                    Some(claim_in_transaction(&store).await)
+                };
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let transaction = match &held {
+                        Some(transaction) => transaction.clone(),
+                        None => claim_in_transaction(&store).await,
+                    };
+                    for _ in 0..runs {
+                        transaction.run(|_| Ok(())).await.expect("run");
+                    }
+                    if claims {
+                        let completion = store.commit(&transaction, response.clone()).await;
+                        assert_eq!(completion.expect("commit"), Completion::Stored);
+                    }
+                }
+                let elapsed = start.elapsed();
+                if let Some(transaction) = held {
+                    store.rollback(&transaction);
+                }
+                elapsed
+            })
+            .await
+            .expect("the timed task")
+        })
+    };
+    let mut group = c.benchmark_group("sqlite hand-offs");
+    group.bench_function("claim, commit", |b| {
+        b.iter_custom(|iters| timed(iters, 0, true))
+    });
+    group.bench_function("claim, an empty run, commit", |b| {
+        b.iter_custom(|iters| timed(iters, 1, true))
+    });
+    group.bench_function("an empty run", |b| {
+        b.iter_custom(|iters| timed(iters, 1, false))
+    });
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    key_parsing,
+    fingerprinting,
+    responses,
+    stores,
+    sqlite_hand_offs
+);
 criterion_main!(benches);
