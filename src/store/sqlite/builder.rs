@@ -172,11 +172,10 @@ impl SqliteStoreBuilder {
         self
     }
 
-    /// Runs `f` on every pooled connection the store opens, after the
-    /// store's own settings (busy timeout, `synchronous`, `foreign_keys`,
-    /// `temp_store`) and
-    /// before the connection is first used, including for the schema
-    /// migration. For per-connection settings SQLite does not keep in the
+    /// Runs `f` on every connection the store opens (all come from its
+    /// pool, the writer's included), after the store's own settings (busy
+    /// timeout, `synchronous`, `foreign_keys`, `temp_store`) and before the
+    /// connection is first used, including for the schema migration. For per-connection settings SQLite does not keep in the
     /// file, e.g. `PRAGMA max_page_count` (a cap on the file's size, in
     /// pages: writes past it fail with `SQLITE_FULL`, which the layer
     /// answers with 503) or `PRAGMA cache_size`. An error from `f` fails
@@ -186,7 +185,7 @@ impl SqliteStoreBuilder {
     /// Do not change `journal_mode` or `busy_timeout` here: the store sets
     /// them itself. `PRAGMA temp_store = FILE` here puts temporary tables,
     /// sorts and the savepoints' sub-journal back on disk (see
-    /// [`SqliteStore`], "Connections").
+    /// [`SqliteStore`]).
     pub fn on_connect<F>(mut self, f: F) -> Self
     where
         F: Fn(&rusqlite::Connection) -> rusqlite::Result<()> + Send + Sync + 'static,
@@ -326,8 +325,10 @@ impl SqliteStore {
         Self::builder(path).open().await
     }
 
-    /// Options: busy timeout, `synchronous`, pool size, clock, group commit,
-    /// max hold time, writer queue, a hook run on each new connection.
+    /// Options: busy timeout, `synchronous`, pool size, group commit,
+    /// concurrent transactions, the replay cache (records and bytes), max
+    /// hold time, writer queue, a hook run on each connection the store
+    /// opens; with the `test-util` feature, the clock.
     pub fn builder(path: impl AsRef<Path>) -> SqliteStoreBuilder {
         SqliteStoreBuilder {
             path: path.as_ref().to_owned(),
