@@ -279,7 +279,9 @@ fn sqlite_hand_offs(c: &mut Criterion) {
         body: StoredBody::Complete(Bytes::from_static(b"{}")),
         trailers: None,
     };
-    // `iters` rounds of `round` in one task on the worker, timed there.
+    // `iters` requests in one task on the worker, timed there: each a new
+    // claim, `runs` empty runs and the commit; or, without `claims`, `runs`
+    // empty runs on one transaction held throughout.
     let timed = |iters: u64, runs: u64, claims: bool| {
         let store = store.clone();
         let response = response.clone();

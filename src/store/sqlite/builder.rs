@@ -175,7 +175,8 @@ impl SqliteStoreBuilder {
     /// Runs `f` on every connection the store opens (all come from its
     /// pool, the writer's included), after the store's own settings (busy
     /// timeout, `synchronous`, `foreign_keys`, `temp_store`) and before the
-    /// connection is first used, including for the schema migration. For per-connection settings SQLite does not keep in the
+    /// connection is first used, including for the schema migration. For
+    /// per-connection settings SQLite does not keep in the
     /// file, e.g. `PRAGMA max_page_count` (a cap on the file's size, in
     /// pages: writes past it fail with `SQLITE_FULL`, which the layer
     /// answers with 503) or `PRAGMA cache_size`. An error from `f` fails
