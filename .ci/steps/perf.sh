@@ -11,5 +11,5 @@ set -euo pipefail
 cargo check --manifest-path bench/Cargo.toml --target-dir target
 cargo check --manifest-path bench/naive-ledger/Cargo.toml --target-dir target
 cargo check --manifest-path bench/replay-size/Cargo.toml --target-dir target
-for s in bench/ledger/*.sh; do bash -n "$s"; done
-for p in bench/ledger/*.py; do python3 -c "import ast, sys; ast.parse(open(sys.argv[1]).read())" "$p"; done
+for s in bench/ledger/*.sh bench/prototypes/*/*.sh; do bash -n "$s"; done
+for p in bench/ledger/*.py bench/prototypes/*/*.py; do python3 -c "import ast, sys; ast.parse(open(sys.argv[1]).read())" "$p"; done
