@@ -41,14 +41,17 @@ pub use transaction::MySqlTransaction;
 ///   [`MySqlStoreBuilder::replay_cache`], later replays of it are answered
 ///   from memory, until the TTL it had left. That read only answers; it
 ///   decides no race.
-/// * Otherwise the claim is one transaction. Its first write is
-///   `INSERT ... ON DUPLICATE KEY UPDATE`: the primary key (SHA-256 of scope
-///   and key, so keys compare byte for byte whatever the collation) decides
-///   who is first, across every app server. It either inserts the in-flight
-///   record (the claim is won) or takes the exclusive row lock of the record
-///   already there; under that lock the record is read, judged at the
-///   server's clock read after the lock, and taken over by a conditional
-///   `UPDATE` or left alone. No earlier read decides anything.
+/// * Otherwise a new key is claimed by one `INSERT` of the in-flight
+///   record, on its own (autocommit): the primary key (SHA-256 of scope and
+///   key, so keys compare byte for byte whatever the collation) decides who
+///   is first, across every app server. A record already there fails it
+///   with a duplicate-key error, and the claim is then one transaction: its
+///   `INSERT ... ON DUPLICATE KEY UPDATE` inserts the record (it vanished
+///   meanwhile) or takes the exclusive row lock of the one there; under
+///   that lock the record is read, judged at the server's clock read after
+///   the lock, and taken over by a conditional `UPDATE` or left alone. No
+///   earlier read decides anything. The claim's statements share one
+///   pooled connection.
 /// * Isolation is `READ COMMITTED`, set on every pooled connection. Every
 ///   decision is made under a row lock on the key's own record, so a
 ///   snapshot (`REPEATABLE READ`) adds nothing; what it would add is gap and
@@ -118,6 +121,12 @@ pub(super) fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>
 fn is_deadlock(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001")
         || db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|e| e.number() == 1213))
+}
+
+/// A duplicate-key error (1062, `ER_DUP_ENTRY`).
+fn is_duplicate(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db)
+        if db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|e| e.number() == 1062))
 }
 
 /// The primary key of a record: SHA-256 over scope and key, framed so no
@@ -246,13 +255,45 @@ impl MySqlStore {
         self.limits.offset_ms()
     }
 
+    /// The insert of a new key on its own (autocommit): `true` when it
+    /// inserted, `false` when a record is there (a duplicate key: the
+    /// locking claim then reads and judges it).
+    async fn insert_first(
+        &self,
+        conn: &mut MySqlConnection,
+        req: &ClaimRequest,
+        id: &[u8],
+    ) -> Result<bool, StoreError> {
+        let inserted = q(&self.sql.insert_first)
+            .bind(id)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .bind(&req.fingerprint.0[..])
+            .bind(req.token.0)
+            .bind(tower_idempotency::store::duration_ms(req.lease))
+            .bind(tower_idempotency::store::duration_ms(req.ttl))
+            .bind(self.offset_ms())
+            .execute(conn)
+            .await;
+        match inserted {
+            Ok(done) => Ok(done.rows_affected() == 1),
+            Err(e) if is_duplicate(&e) => Ok(false),
+            Err(e) => Err(unavailable(e)),
+        }
+    }
+
     /// One try of the claim, in one transaction. Its lock step is the
     /// insert itself: `INSERT ... ON DUPLICATE KEY UPDATE` inserts the
     /// record or takes the row lock of the one there.
-    async fn try_claim(&self, req: &ClaimRequest, id: &[u8]) -> Result<Found, sqlx::Error> {
+    async fn try_claim(
+        &self,
+        conn: &mut MySqlConnection,
+        req: &ClaimRequest,
+        id: &[u8],
+    ) -> Result<Found, sqlx::Error> {
         let offset = self.offset_ms();
         // Dropped unfinished (an error below), the transaction rolls back.
-        let mut tx = self.pool.begin().await?;
+        let mut tx = sqlx::Connection::begin(conn).await?;
         let now: i64 = sqlx::query_scalar(AssertSqlSafe(self.sql.now.clone()))
             .bind(offset)
             .fetch_one(&mut *tx)
@@ -355,6 +396,9 @@ impl Store for MySqlStore {
             return Ok(claim);
         }
         let id = record_key(&req.scope, &req.key);
+        // One connection for every statement of the claim: the pool tests
+        // a connection (a ping, one round trip) each time it hands one out.
+        let mut conn = self.pool.acquire().await.map_err(unavailable)?;
         // Read first: a completed record is answered by one consistent read,
         // without the claim's row lock, so replays of one key run in
         // parallel. Safe for the reason the PostgreSQL stores' read is (see
@@ -364,17 +408,22 @@ impl Store for MySqlStore {
             .bind(self.offset_ms())
             .bind(&id[..])
             .bind(self.offset_ms())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(unavailable)?;
         if let Some(row) = row {
             let row = crate::read_first::completed_row(&row).map_err(unavailable)?;
             return answer_completed(row, &req, &self.limits.replays, sent);
         }
+        // Then a new key is claimed by its insert alone, outside a
+        // transaction: the primary key decides who is first.
+        if self.insert_first(&mut conn, &req, &id).await? {
+            return Ok(Claim::Acquired { taken_over: false });
+        }
         let mut tries = 0;
         loop {
             tries += 1;
-            match self.try_claim(&req, &id).await {
+            match self.try_claim(&mut conn, &req, &id).await {
                 Ok(found) => return found.into_claim(),
                 // InnoDB rolled the whole transaction back: nothing of it
                 // stays, so it is tried again from the start.

@@ -14,6 +14,13 @@ pub(super) struct Sql {
     /// `fingerprint, response, TTL left (ms)` if it is completed and its TTL
     /// has not ended on the server's clock; a consistent read, no lock.
     pub(super) completed: Arc<str>,
+    /// The insert of a new key on its own, outside a transaction:
+    /// `(id, scope, key, fingerprint, token, lease ms, TTL ms, offset)`,
+    /// deadlines on the server's clock. A record already there fails it
+    /// with a duplicate-key error (1062), whatever the client's
+    /// CLIENT_FOUND_ROWS flag.
+    pub(super) insert_first: Arc<str>,
+    /// The claim's insert, in its transaction.
     pub(super) insert: Arc<str>,
     pub(super) select: Arc<str>,
     pub(super) take_over: Arc<str>,
@@ -45,6 +52,12 @@ impl Sql {
             completed: s(format!(
                 "SELECT fingerprint, response, expires_at - {NOW_MS} FROM {table}
                  WHERE id = ? AND state = 'completed' AND expires_at > {NOW_MS}"
+            )),
+            insert_first: s(format!(
+                "INSERT INTO {table}
+                    (id, scope, `key`, fingerprint, token, state, lease_until, expires_at, claims)
+                 SELECT ?, ?, ?, ?, ?, 'in_flight', n.ms + ?, n.ms + ?, 1
+                 FROM (SELECT {NOW_MS} AS ms) AS n"
             )),
             // `claims` changes on a duplicate, so the affected-row count is
             // 1 for an insert and 2 for a duplicate whatever the client's

@@ -85,8 +85,11 @@ pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 /// * Connections come from the application's pool: its size and its
 ///   `acquire_timeout` (sqlx's default 30 s) apply. A connection that cannot
 ///   be had in time, or a server that cannot be reached, is
-///   [`StoreError::Unavailable`]: the layer answers 503. In transactional
-///   mode each request in its handler holds one connection of the pool.
+///   [`StoreError::Unavailable`]: the layer answers 503. A claim runs its
+///   statements on one connection, taken from the pool once (a pool that
+///   tests connections before it hands them out, sqlx's default, pays that
+///   round trip once). In transactional mode each request in its handler
+///   holds one connection of the pool.
 /// * TLS is the pool's: enable one of sqlx's TLS features (e.g.
 ///   `tls-rustls`) in the application's own `sqlx` dependency; Cargo unifies
 ///   the features, and this crate enables none.
@@ -418,13 +421,17 @@ impl Store for SqlxPostgresStore {
         if let Some(claim) = answer_cached(&self.limits.replays, &req, sent) {
             return Ok(claim);
         }
+        // One connection for every statement of the claim: a pool that
+        // tests a connection before it hands it out (sqlx's default) pays a
+        // round trip for each.
+        let mut conn = self.pool.acquire().await.map_err(unavailable)?;
         // Read first: a completed record is answered by one plain SELECT,
         // without the lock (see `store::kit::pg_sql`).
         let row = query(&self.sql.completed)
             .bind(&req.scope)
             .bind(&req.key)
             .bind(self.offset_ms())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(unavailable)?;
         if let Some(row) = row {
@@ -440,7 +447,7 @@ impl Store for SqlxPostgresStore {
             .bind(self.offset_ms())
             .bind(tower_idempotency::store::duration_ms(req.lease))
             .bind(tower_idempotency::store::duration_ms(req.ttl))
-            .execute(&self.pool)
+            .execute(&mut *conn)
             .await
             .map_err(unavailable)?;
         if inserted.rows_affected() == 1 {
@@ -449,7 +456,9 @@ impl Store for SqlxPostgresStore {
         // Dropped unfinished (an error below, a cancelled request), the
         // transaction rolls back (sqlx queues the ROLLBACK on the connection
         // before the pool hands it out again).
-        let mut tx = self.pool.begin().await.map_err(unavailable)?;
+        let mut tx = sqlx::Connection::begin(&mut *conn)
+            .await
+            .map_err(unavailable)?;
         let now: i64 = sqlx::query_scalar(self.sql.lock_now.clone())
             .bind(advisory_key(&self.sql.table, &req.scope, &req.key))
             .bind(self.offset_ms())
