@@ -69,20 +69,13 @@ window() {
   case $path in
     get)
       wrk_run "$dir/get" -t1 -c"$conns" -d"${dur}s" "$url/accounts/1" ;;
-    credit)
-      b=$(balance)
-      wrk_run "$dir/credit" -t1 -c"$conns" -d"${dur}s" -s "$here/credit.lua" "$url" -- "c$round$name$RANDOM"
-      check_credits "$b" "$dir/credit" "$name credit" "$conns" ;;
+    credit|p50ms)
+      drive "$path" "$round" "$name" ;;
     replay)
       [ "$label" = naive ] && return
       b=$(balance)
       wrk_run "$dir/replay" -t1 -c"$conns" -d"${dur}s" -s "$here/replay.lua" "$url"
       [ "$(balance)" = "$b" ] || fail "$name: a replay moved the balance" ;;
-    p50ms)
-      b=$(balance)
-      wrk_run "$dir/p50" -t1 -c1 -d"${dur}s" --latency -s "$here/credit.lua" "$url" -- "p$round$name$RANDOM"
-      check_credits "$b" "$dir/p50" "$name p50" 1
-      rps=$(p50_ms "$dir/p50") ;;
   esac
   echo "$round $backend $label $path $rps $conns" >> "$results"
   printf '%s ' "$name $path=$rps"

@@ -78,6 +78,25 @@ check_credits() {
   [ "$applied" -ge "$counted" ] && [ "$applied" -le $((counted + slack)) ] ||
     fail "$3: $counted credits answered, $applied applied"
 }
+# drive PATH ROUND NAME: one window of PATH on server NAME: credit (wrk
+# -c$conns, the balance checked against the credits answered) or p50ms
+# (one client, --latency); sets $rps (credits a second, or the p50 in ms).
+# The caller sets $conns and $dur.
+drive() {
+  local path=$1 round=$2 name=$3 b
+  url=${urls[$name]}
+  b=$(balance)
+  case $path in
+    credit)
+      wrk_run "$dir/credit" -t1 -c"$conns" -d"${dur}s" -s "$root/bench/ledger/credit.lua" "$url" -- "c$round$name$RANDOM"
+      check_credits "$b" "$dir/credit" "$name credit" "$conns" ;;
+    p50ms)
+      wrk_run "$dir/p50" -t1 -c1 -d"${dur}s" --latency -s "$root/bench/ledger/credit.lua" "$url" -- "p$round$name$RANDOM"
+      check_credits "$b" "$dir/p50" "$name p50" 1
+      rps=$(p50_ms "$dir/p50") ;;
+    *) fail "unknown path $path (credit or p50ms)" ;;
+  esac
+}
 p50_ms() {
   python3 -c '
 import re, sys

@@ -25,24 +25,14 @@ done
 for round in $(seq 1 "$rounds"); do
   for path in $paths; do
     for name in "${servers[@]}"; do
-      url=${urls[$name]}
-      b=$(balance)
-      case $path in
-        credit)
-          [ -z "${CPU:-}" ] || python3 "$here/cpu.py" snapshot "$dir/s1" "${pids[$name]}"
-          wrk_run "$dir/c" -t1 -c"$conns" -d"${dur}s" -s "$root/bench/ledger/credit.lua" "$url" -- "c$round$name$RANDOM"
-          [ -z "${CPU:-}" ] || python3 "$here/cpu.py" snapshot "$dir/s2" "${pids[$name]}"
-          check_credits "$b" "$dir/c" "$name credit" "$conns"
-          if [ -n "${CPU:-}" ]; then
-            n=$(awk '/requests in/ {print $1}' "$dir/c")
-            read -r app pg < <(python3 "$here/cpu.py" diff "$dir/s1" "$dir/s2")
-            rps="$rps $(python3 -c 'import sys; n, a, p = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]); print(f"app_us={a / n * 1e6:.0f} pg_us={p / n * 1e6:.0f}")' "$n" "$app" "$pg")"
-          fi ;;
-        p50ms)
-          wrk_run "$dir/p" -t1 -c1 -d"${dur}s" --latency -s "$root/bench/ledger/credit.lua" "$url" -- "p$round$name$RANDOM"
-          check_credits "$b" "$dir/p" "$name p50" 1
-          rps=$(p50_ms "$dir/p") ;;
-      esac
+      [ -z "${CPU:-}" ] || python3 "$here/cpu.py" snapshot "$dir/s1" "${pids[$name]}"
+      drive "$path" "$round" "$name"
+      if [ -n "${CPU:-}" ] && [ "$path" = credit ]; then
+        python3 "$here/cpu.py" snapshot "$dir/s2" "${pids[$name]}"
+        n=$(awk '/requests in/ {print $1}' "$dir/credit")
+        read -r app pg < <(python3 "$here/cpu.py" diff "$dir/s1" "$dir/s2")
+        rps="$rps $(python3 -c 'import sys; n, a, p = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]); print(f"app_us={a / n * 1e6:.0f} pg_us={p / n * 1e6:.0f}")' "$n" "$app" "$pg")"
+      fi
       echo "$round $path $name $rps"
     done
   done
