@@ -4,13 +4,18 @@
 //! (`ledger_hot_key.rs` shows that side on SQLite); the credit applies once.
 //! On SQLite in both modes, and on PostgreSQL in both modes, where a new
 //! user saw 58 of 180 concurrent duplicates get 409.
+//!
+//! And a repeat sent past the lease (2 s) while a 5 s credit still runs
+//! never costs that credit its work (issue 36, item 1): the first is
+//! answered 201, the repeat 409 or the replay, one credit; on every store
+//! the ledger runs on, in both modes.
 
 #[path = "common/ledger_driver.rs"]
 mod driver;
 
 use std::path::Path;
 
-use driver::{Ledger, hot_key};
+use driver::{Ledger, hot_key, repeat_past_the_lease};
 
 const REPEATS: usize = 40;
 
@@ -55,4 +60,105 @@ fn postgres_separate() {
 #[test]
 fn postgres_transactional() {
     repeats_get_the_replay(Path::new(&postgres_url()), "transactional");
+}
+
+/// The repeat past the lease, on the ledger's database `db` (`--db-driver
+/// driver`) in `mode`.
+fn a_repeat_past_the_lease_leaves_the_first_its_work(db: &Path, driver: &str, mode: &str) {
+    let ledger = Ledger::start_with(
+        &driver::ledger_beside_tests(),
+        db,
+        mode,
+        2,
+        &["--db-driver", driver],
+    );
+    let seen = repeat_past_the_lease(&ledger, 5000, std::time::Duration::from_secs(3));
+    assert_eq!(seen.first.0, 201, "{seen:?}");
+    assert!(
+        matches!(seen.repeat, (409, false) | (201, true)),
+        "{seen:?}"
+    );
+    assert_eq!(seen.balance, 5, "{seen:?}");
+}
+
+mod past_the_lease {
+    use super::*;
+
+    fn sqlite(driver: &str, mode: &str) {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("ledger.sqlite3");
+        a_repeat_past_the_lease_leaves_the_first_its_work(&db, driver, mode);
+    }
+
+    #[test]
+    fn sqlite_transactional() {
+        sqlite("rusqlite", "transactional");
+    }
+
+    #[test]
+    fn sqlite_separate() {
+        sqlite("rusqlite", "separate");
+    }
+
+    #[test]
+    fn postgres_transactional() {
+        let url = postgres_url();
+        a_repeat_past_the_lease_leaves_the_first_its_work(
+            Path::new(&url),
+            "rusqlite",
+            "transactional",
+        );
+    }
+
+    #[test]
+    fn postgres_separate() {
+        let url = postgres_url();
+        a_repeat_past_the_lease_leaves_the_first_its_work(Path::new(&url), "rusqlite", "separate");
+    }
+
+    #[cfg(feature = "sqlx-sqlite")]
+    #[test]
+    fn sqlx_sqlite_transactional() {
+        sqlite("sqlx", "transactional");
+    }
+
+    #[cfg(feature = "sqlx-sqlite")]
+    #[test]
+    fn sqlx_sqlite_separate() {
+        sqlite("sqlx", "separate");
+    }
+
+    #[cfg(feature = "sqlx-postgres")]
+    #[test]
+    fn sqlx_postgres_transactional() {
+        let url = postgres_url();
+        a_repeat_past_the_lease_leaves_the_first_its_work(Path::new(&url), "sqlx", "transactional");
+    }
+
+    #[cfg(feature = "sqlx-postgres")]
+    #[test]
+    fn sqlx_postgres_separate() {
+        let url = postgres_url();
+        a_repeat_past_the_lease_leaves_the_first_its_work(Path::new(&url), "sqlx", "separate");
+    }
+
+    #[cfg(feature = "mysql")]
+    fn mysql_url() -> String {
+        std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
+            .expect("TOWER_IDEMPOTENCY_MYSQL_URL names the test database (docs/testing.md)")
+    }
+
+    #[cfg(feature = "mysql")]
+    #[test]
+    fn mysql_transactional() {
+        let url = mysql_url();
+        a_repeat_past_the_lease_leaves_the_first_its_work(Path::new(&url), "sqlx", "transactional");
+    }
+
+    #[cfg(feature = "mysql")]
+    #[test]
+    fn mysql_separate() {
+        let url = mysql_url();
+        a_repeat_past_the_lease_leaves_the_first_its_work(Path::new(&url), "sqlx", "separate");
+    }
 }

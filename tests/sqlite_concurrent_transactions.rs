@@ -202,3 +202,168 @@ async fn duplicates_of_an_open_request_wait_for_it_and_replay() {
     }
     assert_eq!((f.items(), f.records(), f.h.runs()), (2, 2, 2));
 }
+
+mod live_holder {
+    //! A key held by a request open in the writer (issue 36, items 1 and 2):
+    //! its uncommitted record's lease is no judge, so a repeat after the
+    //! lease never takes it over (the holder's fenced commit rolled back
+    //! both); a repeat waits for it at most its own bound, and at most 256
+    //! repeats of one key wait in the writer.
+
+    use std::time::Duration;
+
+    use tower_idempotency::store::{
+        ClaimRequest, Completion, FencingToken, Refusal, SqliteStore, SqliteTransaction,
+        TransactionClaim, TransactionalStore,
+    };
+    use tower_idempotency::test_util::{self, ManualClock};
+
+    const LEASE: Duration = Duration::from_secs(2);
+
+    async fn store(dir: &tempfile::TempDir, clock: &ManualClock) -> SqliteStore {
+        let path = dir.path().join("app.sqlite3");
+        // A busy timeout past every wait here: the claims' own bounds decide.
+        let store = SqliteStore::builder(&path)
+            .busy_timeout(Duration::from_secs(120))
+            .concurrent_transactions(4)
+            .clock(clock.clone())
+            .open()
+            .await
+            .unwrap();
+        rusqlite::Connection::open(&path)
+            .unwrap()
+            .execute_batch(super::SCHEMA)
+            .unwrap();
+        store
+    }
+
+    /// A claim of `key` with fingerprint 1, a 2 s lease renewed up to 30 s,
+    /// waiting at most `wait` for a holder.
+    fn claim(key: &str, wait: Duration) -> ClaimRequest {
+        test_util::claim_of("s", key, 1, FencingToken::random())
+            .with_lease(LEASE)
+            .with_max_hold(Duration::from_secs(30))
+            .with_wait_in_flight(wait)
+    }
+
+    async fn acquire(store: &SqliteStore, key: &str) -> SqliteTransaction {
+        match store
+            .claim_in_transaction(claim(key, Duration::ZERO))
+            .await
+            .unwrap()
+        {
+            TransactionClaim::Acquired {
+                transaction,
+                taken_over: false,
+            } => transaction,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn items(dir: &tempfile::TempDir) -> i64 {
+        let conn = rusqlite::Connection::open(dir.path().join("app.sqlite3")).unwrap();
+        conn.query_row("SELECT count(*) FROM items", [], |r| r.get(0))
+            .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_repeat_past_the_lease_never_takes_over_a_live_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(test_util::START_MS);
+        let store = store(&dir, &clock).await;
+        let first = acquire(&store, "k").await;
+        first
+            .run(|t| t.execute("INSERT INTO items (note) VALUES ('first')", []))
+            .await
+            .unwrap();
+        // The record's lease (2 s) is over; its holder is alive.
+        clock.advance(Duration::from_secs(3));
+        let repeat = store
+            .claim_in_transaction(claim("k", Duration::from_millis(200)))
+            .await
+            .unwrap();
+        let TransactionClaim::Refused(Refusal::InFlight { lease_remaining }) = repeat else {
+            panic!("a repeat of a live holder's key: {repeat:?}");
+        };
+        assert!(
+            lease_remaining > Duration::from_secs(20),
+            "{lease_remaining:?}"
+        );
+        let stored = store
+            .commit(&first, test_util::response(b"first"))
+            .await
+            .unwrap();
+        assert_eq!(stored, Completion::Stored);
+        assert_eq!(items(&dir), 1);
+        // Now the repeat gets the first request's answer.
+        match store
+            .claim_in_transaction(claim("k", Duration::ZERO))
+            .await
+            .unwrap()
+        {
+            TransactionClaim::Refused(Refusal::Completed(r)) => {
+                assert_eq!(r, test_util::response(b"first"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn at_most_256_repeats_wait_and_each_waits_its_own_bound() {
+        const REPEATS: usize = 300;
+        const WAITERS: usize = 256;
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(test_util::START_MS);
+        let store = store(&dir, &clock).await;
+        let first = acquire(&store, "k").await;
+        // A repeat with a short bound is answered in flight while its
+        // holder is still open (the store would wait its 5 s busy timeout).
+        let short = tokio::time::timeout(
+            Duration::from_secs(4),
+            store.claim_in_transaction(claim("k", Duration::from_millis(100))),
+        )
+        .await
+        .expect("answered within its bound, not the busy timeout")
+        .unwrap();
+        assert!(
+            matches!(short, TransactionClaim::Refused(Refusal::InFlight { .. })),
+            "{short:?}"
+        );
+        // 300 repeats that would wait a minute each, from a barrier.
+        let start = std::sync::Arc::new(tokio::sync::Barrier::new(REPEATS));
+        let (answers, mut answered) = tokio::sync::mpsc::unbounded_channel();
+        for _ in 0..REPEATS {
+            let (store, start, answers) = (store.clone(), start.clone(), answers.clone());
+            tokio::spawn(async move {
+                start.wait().await;
+                let answer = store
+                    .claim_in_transaction(claim("k", Duration::from_secs(60)))
+                    .await;
+                let _ = answers.send(answer);
+            });
+        }
+        // Past the 256th waiter, each is refused at once: the holder is
+        // still open when they are answered.
+        for _ in WAITERS..REPEATS {
+            let answer = tokio::time::timeout(Duration::from_secs(30), answered.recv())
+                .await
+                .expect("the repeats past the cap are answered while the holder is open")
+                .unwrap()
+                .unwrap();
+            assert!(
+                matches!(answer, TransactionClaim::Refused(Refusal::InFlight { .. })),
+                "{answer:?}"
+            );
+        }
+        let stored = store.commit(&first, test_util::response(b"first")).await;
+        assert_eq!(stored.unwrap(), Completion::Stored);
+        for _ in 0..WAITERS {
+            match answered.recv().await.unwrap().unwrap() {
+                TransactionClaim::Refused(Refusal::Completed(r)) => {
+                    assert_eq!(r, test_util::response(b"first"));
+                }
+                other => panic!("a waiter: {other:?}"),
+            }
+        }
+    }
+}

@@ -433,21 +433,7 @@ async fn a_duplicate_gets_409_and_another_body_422_without_blocking<B: Backend>(
 /// its transaction is not cut at one lease, and it commits once.
 async fn a_renewed_lease_keeps_a_slow_transaction<B: Backend>() {
     let db = B::open(DEFAULT_HOLD).await;
-    let h = Harness::default();
-    let app = Router::new()
-        .route("/credits", post(credit::<B>))
-        .route_layer(
-            IdempotencyLayer::new(db.store().clone(), GlobalScope)
-                .require_key(true)
-                .lease(Duration::from_secs(1))
-                .renew_lease(Duration::from_secs(60))
-                .transactional(),
-        )
-        .with_state(App {
-            h: h.clone(),
-            prefix: db.prefix().to_owned(),
-        });
-    let addr = serve(app).await;
+    let (addr, h) = start_renewed(&db, None).await;
     let mut entered = h.watch();
     let first = tokio::spawn(async move { post_credit(addr, b"k", &[("x-gate", b"g")]).await });
     assert_eq!(entered.recv().await.as_deref(), Some("g"));
@@ -463,6 +449,97 @@ async fn a_renewed_lease_keeps_a_slow_transaction<B: Backend>() {
     db.drop_tables().await;
 }
 
+/// A layer as the ledger's: a 1 s lease renewed up to 60 s; repeats wait
+/// at most `wait`, if given.
+async fn start_renewed<B: Backend>(
+    db: &B,
+    wait: Option<Duration>,
+) -> (std::net::SocketAddr, Harness) {
+    let h = Harness::default();
+    let layer = IdempotencyLayer::new(db.store().clone(), GlobalScope)
+        .require_key(true)
+        .lease(Duration::from_secs(1))
+        .renew_lease(Duration::from_secs(60));
+    let layer = match wait {
+        Some(wait) => layer.wait_in_flight(wait),
+        None => layer,
+    };
+    let app = Router::new()
+        .route("/credits", post(credit::<B>))
+        .route_layer(layer.transactional())
+        .with_state(App {
+            h: h.clone(),
+            prefix: db.prefix().to_owned(),
+        });
+    (serve(app).await, h)
+}
+
+/// Every store: a repeat that arrives past the first request's lease while
+/// the first is alive never costs it its work. The repeat is answered 409
+/// at its wait's bound (the first still runs), the first commits its credit
+/// (201), and the repeat after it is the replay: one credit. On
+/// `SqliteStore` with concurrent transactions the repeat used to take the
+/// uncommitted record over, and the first's fenced commit rolled back both
+/// (issue 36, item 1).
+async fn a_repeat_past_the_lease_never_costs_a_live_holder_its_work<B: Backend>() {
+    let db = B::open(DEFAULT_HOLD).await;
+    let (addr, h) = start_renewed(&db, Some(Duration::from_millis(300))).await;
+    let mut entered = h.watch();
+    let first = tokio::spawn(async move { post_credit(addr, b"k", &[("x-gate", b"g")]).await });
+    assert_eq!(entered.recv().await.as_deref(), Some("g"));
+    // Two leases in: the record's lease has been renewed (two-phase), or
+    // lives only in the open transaction (SQLite).
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let repeat = post_credit(addr, b"k", &[]).await;
+    assert_eq!(repeat.assert_problem(409), types::IN_FLIGHT, "{repeat:?}");
+    h.open("g");
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.body.as_slice()), (201, &b"run 1"[..]));
+    let again = post_credit(addr, b"k", &[]).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!((again.status, again.body), (201, first.body));
+    assert_eq!((effects(&db).await, h.runs()), ((5, 1, 1), 1));
+    db.drop_tables().await;
+}
+
+/// Stores whose repeats wait for the first (SQLite): 300 repeats released
+/// together while the first is open, each allowed to wait 200 ms, are each
+/// answered 409 while the first still holds its key (no replay: none waited
+/// for it, where they used to wait out the busy timeout and get 503), and
+/// none runs; the first then credits once (issue 36, item 2).
+async fn repeats_wait_at_most_their_bound<B: Backend>() {
+    const REPEATS: usize = 300;
+    assert!(B::REPEATS_WAIT);
+    let db = B::open(DEFAULT_HOLD).await;
+    let (addr, h) = start_renewed(&db, Some(Duration::from_millis(200))).await;
+    let mut entered = h.watch();
+    let first = tokio::spawn(async move { post_credit(addr, b"k", &[("x-gate", b"g")]).await });
+    assert_eq!(entered.recv().await.as_deref(), Some("g"));
+    let barrier = Arc::new(Barrier::new(REPEATS));
+    let repeats: Vec<_> = (0..REPEATS)
+        .map(|_| {
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let sent = std::time::Instant::now();
+                (post_credit(addr, b"k", &[]).await, sent.elapsed())
+            })
+        })
+        .collect();
+    let mut slowest = Duration::ZERO;
+    for repeat in repeats {
+        let (r, took) = repeat.await.unwrap();
+        assert_eq!(r.assert_problem(409), types::IN_FLIGHT, "{r:?}");
+        slowest = slowest.max(took);
+    }
+    eprintln!("{REPEATS} repeats, bound 200 ms: the slowest 409 took {slowest:?}");
+    h.open("g");
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.body.as_slice()), (201, &b"run 1"[..]));
+    assert_eq!((effects(&db).await, h.runs()), ((5, 1, 1), 1));
+    db.drop_tables().await;
+}
+
 /// The suite's tests for backend `$b`, each a test of its own;
 /// `two_phase` adds those of the stores whose repeats never wait.
 macro_rules! suite {
@@ -473,6 +550,10 @@ macro_rules! suite {
                 crate::$name::<$b>().await
             }
         )*
+    };
+    ($b:ty, waits) => {
+        suite!($b);
+        suite!(@tests $b; repeats_wait_at_most_their_bound,);
     };
     ($b:ty, two_phase) => {
         suite!($b);
@@ -491,6 +572,7 @@ macro_rules! suite {
             a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503,
             a_retry_sent_on_the_max_hold_503_runs_at_once,
             a_hold_of_25_days_is_accepted,
+            a_repeat_past_the_lease_never_costs_a_live_holder_its_work,
         );
     };
 }
@@ -764,5 +846,5 @@ mod sqlite {
         async fn drop_tables(self) {}
     }
 
-    suite!(Lite);
+    suite!(Lite, waits);
 }

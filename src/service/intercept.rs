@@ -114,6 +114,7 @@ where
             lease: settings.lease,
             ttl: settings.ttl,
             max_hold: settings.max_hold,
+            wait_in_flight: settings.wait.as_ref().map(|w| w.bound),
         };
         let waiting_bytes = body.len();
         let request = Request::from_parts(parts, RequestBody::buffered(body, trailers));

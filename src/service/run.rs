@@ -207,15 +207,25 @@ async fn claim_or_wait<M: Mode<St>, St: Store>(
         let sent = tokio::time::Instant::now();
         return (sent, timed(Operation::Claim, M::claim(store, claim)).await);
     };
+    // The bound counts from the first claim: a store that waits itself
+    // (`ClaimRequest::wait_in_flight`) spends it there.
+    let deadline = tokio::time::Instant::now() + waiting.bound;
     let once = || {
         let sent = tokio::time::Instant::now();
-        let answer = timed(Operation::Claim, M::claim(store, claim.clone()));
+        let claim = claim
+            .clone()
+            .with_wait_in_flight(deadline.saturating_duration_since(sent));
+        let answer = timed(Operation::Claim, M::claim(store, claim));
         async move { (sent, answer.await) }
     };
     let first = once().await;
     let Ok(Err(Refusal::InFlight { .. })) = &first.1 else {
         return first;
     };
+    if tokio::time::Instant::now() >= deadline {
+        telemetry::wait("timed_out");
+        return first;
+    }
     let id = claim.record_id();
     let Some(waiter) = waiting.enter(&id, waiting_bytes) else {
         telemetry::wait("full");
@@ -223,7 +233,6 @@ async fn claim_or_wait<M: Mode<St>, St: Store>(
     };
     // Watched before the next claim, so that its change is not missed.
     let watch = store.watch(&id);
-    let deadline = tokio::time::Instant::now() + waiting.bound;
     let in_flight = |(_, answer): &Claimed<M, St>| match answer {
         Ok(Err(Refusal::InFlight { lease_remaining })) => Some(*lease_remaining),
         _ => None,

@@ -154,6 +154,15 @@ pub struct ClaimRequest {
     /// `None`: one lease. A store that ends a transaction held too long
     /// counts from the claim up to [`ClaimRequest::hold`].
     pub max_hold: Option<Duration>,
+    /// How long the store may keep this claim waiting for a live holder of
+    /// its key to end, where the store itself can wait for it, before it
+    /// answers [`Refusal::InFlight`]: `SqliteStore`'s writer queues a
+    /// transactional claim behind the open request that holds its key.
+    /// Stores that cannot wait answer at once. The layer sets it to what is
+    /// left of [`IdempotencyLayer::wait_in_flight`](crate::IdempotencyLayer::wait_in_flight)'s
+    /// bound; `None` (no `wait_in_flight`): the store's own bound (SQLite:
+    /// its busy timeout, 5 s by default).
+    pub wait_in_flight: Option<Duration>,
 }
 
 impl ClaimRequest {
@@ -171,7 +180,16 @@ impl ClaimRequest {
             lease: DEFAULT_LEASE,
             ttl: DEFAULT_TTL,
             max_hold: None,
+            wait_in_flight: None,
         }
+    }
+
+    /// The same claim, kept waiting in the store for a live holder of its
+    /// key at most `wait` ([`ClaimRequest::wait_in_flight`]).
+    #[must_use]
+    pub fn with_wait_in_flight(mut self, wait: Duration) -> Self {
+        self.wait_in_flight = Some(wait);
+        self
     }
 
     /// The same claim, held for at most `max_hold` while its lease is renewed.

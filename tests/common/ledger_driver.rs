@@ -543,41 +543,13 @@ pub fn hot_key(ledger: &Ledger, slow_ms: u64, repeats: usize) -> HotKey {
         .unwrap()
         .as_nanos();
     let caller = ("authorization", "Bearer hot-key");
-    let account = |name: &str| -> i64 {
-        let key = format!("{name}-{nanos}");
-        let created = request(
-            ledger.addr,
-            "POST",
-            "/accounts",
-            &[("idempotency-key", &key), caller],
-            &format!("{{\"name\":\"{name}\"}}"),
-        )
-        .expect("create an account");
-        assert_eq!(created.status, 201, "{}", created.body);
-        number_after(&created.body, "\"id\":")
-    };
+    let account = |name: &str| create_account(ledger, caller, &format!("{name}-{nanos}"));
     let (hot, other) = (account("hot"), account("other"));
     let hot_path = format!("/accounts/{hot}/credits");
     let hot_key = format!("hot-credit-{nanos}");
     let body = r#"{"amount":5}"#;
     let addr = ledger.addr;
-    let slow = {
-        let (path, key, delay) = (hot_path.clone(), hot_key.clone(), slow_ms.to_string());
-        std::thread::spawn(move || {
-            let headers = [
-                ("idempotency-key", key.as_str()),
-                caller,
-                ("x-ledger-delay-ms", &delay),
-            ];
-            request_past_409(addr, "POST", &path, &headers, body)
-        })
-    };
-    until_in_flight(
-        addr,
-        &hot_path,
-        &[("idempotency-key", &hot_key), caller],
-        body,
-    );
+    let slow = slow_credit(addr, caller, &hot_path, &hot_key, slow_ms);
     let start = Arc::new(Barrier::new(repeats + 1));
     let repeaters: Vec<_> = (0..repeats)
         .map(|_| {
@@ -624,10 +596,96 @@ pub fn hot_key(ledger: &Ledger, slow_ms: u64, repeats: usize) -> HotKey {
     }
 }
 
+/// Sends a credit of 5 to `path` under `key` whose handler takes
+/// `slow_ms`, in a thread of its own (past any 409 of an earlier probe),
+/// and returns once the ledger holds its key.
+fn slow_credit(
+    addr: SocketAddr,
+    caller: (&'static str, &'static str),
+    path: &str,
+    key: &str,
+    slow_ms: u64,
+) -> std::thread::JoinHandle<Option<Answer>> {
+    let body = r#"{"amount":5}"#;
+    let slow = {
+        let (path, key, delay) = (path.to_owned(), key.to_owned(), slow_ms.to_string());
+        std::thread::spawn(move || {
+            let headers = [
+                ("idempotency-key", key.as_str()),
+                caller,
+                ("x-ledger-delay-ms", &delay),
+            ];
+            request_past_409(addr, "POST", &path, &headers, body)
+        })
+    };
+    until_in_flight(addr, path, &[("idempotency-key", key), caller], body);
+    slow
+}
+
+/// Creates an account named `name` (its key too) for `caller`; its id.
+fn create_account(ledger: &Ledger, caller: (&str, &str), name: &str) -> i64 {
+    let created = request(
+        ledger.addr,
+        "POST",
+        "/accounts",
+        &[("idempotency-key", name), caller],
+        &format!("{{\"name\":\"{name}\"}}"),
+    )
+    .expect("create an account");
+    assert_eq!(created.status, 201, "{}", created.body);
+    number_after(&created.body, "\"id\":")
+}
+
 /// The integer after `label` in `json`.
 fn number_after(json: &str, label: &str) -> i64 {
     json.split(label)
         .nth(1)
         .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
         .unwrap_or_else(|| panic!("no {label} in {json}"))
+}
+
+/// What [`repeat_past_the_lease`] saw.
+#[derive(Debug)]
+pub struct PastTheLease {
+    /// The slow first request's answer.
+    pub first: (u16, String),
+    /// The repeat's: status, replayed.
+    pub repeat: (u16, bool),
+    /// The account's balance afterwards.
+    pub balance: i64,
+}
+
+/// A credit of 5 whose handler takes `slow_ms` is claimed; `after` later
+/// (past the ledger's lease, while the credit still runs), one repeat of it
+/// is sent. Issue 36, item 1: the repeat must never cost the first its
+/// work, whatever the lease.
+pub fn repeat_past_the_lease(ledger: &Ledger, slow_ms: u64, after: Duration) -> PastTheLease {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let caller = ("authorization", "Bearer past-the-lease");
+    let account = create_account(ledger, caller, &format!("slow-{nanos}"));
+    let path = format!("/accounts/{account}/credits");
+    let key = format!("slow-credit-{nanos}");
+    let body = r#"{"amount":5}"#;
+    let addr = ledger.addr;
+    let claimed = Instant::now();
+    let slow = slow_credit(addr, caller, &path, &key, slow_ms);
+    std::thread::sleep(after.saturating_sub(claimed.elapsed()));
+    let repeat = request(
+        addr,
+        "POST",
+        &path,
+        &[("idempotency-key", &key), caller],
+        body,
+    )
+    .expect("an answer to the repeat");
+    let first = slow.join().unwrap().expect("an answer to the slow credit");
+    let got = request(addr, "GET", &format!("/accounts/{account}"), &[], "").expect("an account");
+    PastTheLease {
+        first: (first.status, first.body),
+        repeat: (repeat.status, repeat.replayed),
+        balance: number_after(&got.body, "\"balance\":"),
+    }
 }

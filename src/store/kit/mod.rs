@@ -20,6 +20,9 @@
 //!   shared by every PostgreSQL store so that they exclude each other on one
 //!   key; [`sqlite_sql`]: the schema every SQLite store shares, and its
 //!   migration.
+//! * [`held`]: the keys held by this process's open transactional
+//!   requests, where the claim lives in an uncommitted transaction (SQLite):
+//!   422 before any wait, a bounded wait for the holder, never a takeover.
 //! * [`feed`]: the change feed that wakes waiting repeats on other servers
 //!   (`Store::watch`): the watched keys, the listener's state.
 //! * [`transaction_extractor!`]: a store's transaction type as an axum
@@ -34,6 +37,7 @@ pub mod claim;
 mod extractor;
 pub mod fate;
 pub mod feed;
+pub mod held;
 pub mod pg_sql;
 pub mod release;
 pub mod replay_cache;

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use super::claim::{Found, Refused, claim_in, complete_in};
 use super::queue::{Begin, Deferred, Queued, Work, WriterCounters, exec};
 use super::transaction::{Command, Ended, Handle, Job, SqliteTransaction};
+use crate::store::kit::held::{HeldKey, MAX_WAITERS};
 use crate::store::{Clock, Completion, FencingToken, StoreError, TransactionClaim};
 
 /// A transactional request of the batch.
@@ -38,6 +39,8 @@ struct Member {
     /// Claims of the same key that found this request in flight: they run
     /// again once it has ended.
     waiters: Vec<Begin>,
+    /// Its key, marked held until the member is dropped.
+    _held: HeldKey,
 }
 
 /// A request's savepoint, and what landed in it.
@@ -157,7 +160,9 @@ impl<'t, 'c> Batch<'t, 'c> {
             return;
         }
         let undo = |tx: &rusqlite::Transaction<'_>| undo_to(tx, &name);
-        let taken_over = match claim_in(self.tx, &req, self.clock.now_ms()) {
+        let record = req.record_id();
+        let held = self.counters.held.holder(&record).map(|h| h.remaining());
+        let taken_over = match claim_in(self.tx, &req, self.clock.now_ms(), held) {
             Err(e) => {
                 undo(self.tx);
                 let _ = reply.send(Err(StoreError::unavailable(e)));
@@ -167,33 +172,7 @@ impl<'t, 'c> Batch<'t, 'c> {
             Ok(Found::Refused(refused)) => {
                 // Nothing was written.
                 let _ = exec(self.tx, &format!("RELEASE {name}"));
-                if let Refused::InFlight(_) = refused
-                    && let Some(owner) = self
-                        .members
-                        .iter_mut()
-                        .find(|m| m.scope == req.scope && m.key == req.key)
-                {
-                    // In flight in this batch: wait for it, as a request
-                    // waits for the writer, then claim again. A waiter takes
-                    // no place in the batch: repeats of one slow key must
-                    // not fill it and shut out other keys' requests.
-                    owner.waiters.push(Begin { req, reply, events });
-                    self.started -= 1;
-                    return;
-                }
-                // The record it read may be one this batch wrote: answer
-                // only once the batch is durable.
-                let wrote = !self.frames.is_empty()
-                    || self
-                        .base
-                        .iter()
-                        .any(|d| matches!(d, Deferred::Commit(_) | Deferred::Write(_)));
-                if wrote {
-                    self.top_deferred().push(Deferred::Refusal(reply, refused));
-                } else {
-                    let _ = reply.send(refused.decode().map(TransactionClaim::Refused));
-                }
-                return;
+                return self.refuse(Begin { req, reply, events }, refused);
             }
         };
         let (ended, watch) = tokio::sync::watch::channel(Ended::Open);
@@ -220,7 +199,7 @@ impl<'t, 'c> Batch<'t, 'c> {
             members: vec![id],
             deferred: Vec::new(),
         });
-        open_keys(self.counters).insert((req.scope.clone(), req.key.clone()), req.fingerprint);
+        let held = self.counters.held.hold(&record, req.fingerprint, hold);
         self.members.push(Member {
             id,
             scope: req.scope,
@@ -230,7 +209,53 @@ impl<'t, 'c> Batch<'t, 'c> {
             hold,
             ended: Some(ended),
             waiters: Vec::new(),
+            _held: held,
         });
+    }
+
+    /// Answers a claim refused by the record it read, or, when an open
+    /// request of this batch holds its key, makes it that request's waiter.
+    fn refuse(&mut self, begin: Begin, refused: Refused) {
+        if let Refused::InFlight(remaining) = refused
+            && let Some(owner) = self
+                .members
+                .iter_mut()
+                .find(|m| m.scope == begin.req.scope && m.key == begin.req.key)
+        {
+            // In flight in this batch: wait for it, as a request waits for
+            // the writer, then claim again. A waiter (and a repeat refused
+            // past the cap) takes no place in the batch: repeats of one slow
+            // key must not fill it and shut out other keys' requests. Its
+            // caller stops waiting at its bound
+            // (`ClaimRequest::wait_in_flight`); at most `MAX_WAITERS` wait
+            // per key (`store::kit::held`), and the next is answered in
+            // flight at once.
+            self.started -= 1;
+            // Waiters whose callers stopped waiting hold no place.
+            owner.waiters.retain(|waiter| !waiter.reply.is_closed());
+            if owner.waiters.len() < MAX_WAITERS {
+                owner.waiters.push(begin);
+                return;
+            }
+            let refusal = Refused::InFlight(remaining).decode();
+            let _ = begin.reply.send(refusal.map(TransactionClaim::Refused));
+            return;
+        }
+        // The record it read may be one this batch wrote: answer only once
+        // the batch is durable.
+        let wrote = !self.frames.is_empty()
+            || self
+                .base
+                .iter()
+                .any(|d| matches!(d, Deferred::Commit(_) | Deferred::Write(_)));
+        if wrote {
+            self.top_deferred()
+                .push(Deferred::Refusal(begin.reply, refused));
+        } else {
+            let _ = begin
+                .reply
+                .send(refused.decode().map(TransactionClaim::Refused));
+        }
     }
 
     /// A handler's command for request `id`. One for a request that has
@@ -295,7 +320,6 @@ impl<'t, 'c> Batch<'t, 'c> {
             return;
         };
         let member = self.members.swap_remove(at);
-        open_keys(self.counters).remove(&(member.scope.clone(), member.key.clone()));
         if let (Some(ended), Some(state)) = (&member.ended, state) {
             ended.send_replace(state);
         }
@@ -413,19 +437,6 @@ impl<'t, 'c> Batch<'t, 'c> {
             self.end(id, Some(Ended::BatchMateRolledBack), pending);
         }
     }
-}
-
-/// The keys of the open requests (a poisoned lock still holds them).
-fn open_keys(
-    counters: &WriterCounters,
-) -> std::sync::MutexGuard<
-    '_,
-    std::collections::HashMap<(String, String), crate::fingerprint::Fingerprint>,
-> {
-    counters
-        .open_keys
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Rolls back to savepoint `name` and removes it. An error means SQLite has

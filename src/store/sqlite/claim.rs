@@ -97,10 +97,18 @@ pub(super) fn read_record(
 /// `tx`, an IMMEDIATE transaction: it holds SQLite's write lock, so what it
 /// reads is what it decides on. The primary key `(scope, key)` decides who
 /// inserts first.
+///
+/// `held`: a transactional request open in the writer holds the key, for at
+/// most this long more (its max hold). Its
+/// record is uncommitted and its holder alive by construction (the writer
+/// rolls it back at its max hold), so its lease is no judge: the claim is
+/// refused as in flight, never a takeover. A takeover there would fence the
+/// holder's commit, which rolls back its work and this claim's with it.
 pub(super) fn claim_in(
     tx: &rusqlite::Transaction<'_>,
     req: &ClaimRequest,
     now: i64,
+    held: Option<std::time::Duration>,
 ) -> rusqlite::Result<Found> {
     let lease_until = now.saturating_add(duration_ms(req.lease));
     let expires_at = now.saturating_add(duration_ms(req.ttl));
@@ -129,7 +137,10 @@ pub(super) fn claim_in(
     };
     let existing = record.existing();
     let taken_over = match decide(&existing, &req.fingerprint, now, req.lease) {
-        Decision::Replace { taken_over } => taken_over,
+        Decision::Replace { taken_over } => match held {
+            Some(left) if taken_over => return Ok(Found::Refused(Refused::InFlight(left))),
+            _ => taken_over,
+        },
         Decision::Mismatch => return Ok(Found::Refused(Refused::Mismatch)),
         Decision::Replay => {
             let blob = record.response.unwrap_or_default();
@@ -175,4 +186,44 @@ pub(super) fn complete_in(
     } else {
         Completion::Fenced
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{Found, Refused, claim_in};
+    use crate::fingerprint::Fingerprint;
+    use crate::store::{ClaimRequest, FencingToken, RecordId};
+
+    fn claim() -> ClaimRequest {
+        let id = RecordId::new("s", "k");
+        ClaimRequest::new(id, Fingerprint([1; 32]), FencingToken::random())
+            .with_lease(Duration::from_secs(2))
+    }
+
+    /// A record past its lease is taken over, unless a request open in the
+    /// writer holds it: then it is in flight for that request's hold.
+    #[test]
+    fn a_held_key_past_its_lease_is_in_flight_never_taken_over() {
+        let mut conn = rusqlite::Connection::open_in_memory().unwrap();
+        conn.execute_batch(crate::store::kit::sqlite_sql::SCHEMA)
+            .unwrap();
+        let tx = conn.transaction().unwrap();
+        let now = 1_000_000;
+        assert!(matches!(
+            claim_in(&tx, &claim(), now, None).unwrap(),
+            Found::Acquired { taken_over: false }
+        ));
+        let later = now + 3_000;
+        let held = Some(Duration::from_secs(27));
+        match claim_in(&tx, &claim(), later, held).unwrap() {
+            Found::Refused(Refused::InFlight(left)) => assert_eq!(left, Duration::from_secs(27)),
+            _ => panic!("a held key was not refused as in flight"),
+        }
+        assert!(matches!(
+            claim_in(&tx, &claim(), later, None).unwrap(),
+            Found::Acquired { taken_over: true }
+        ));
+    }
 }

@@ -154,8 +154,12 @@ impl Store for SqliteStore {
         if let Some(refused) = self.committed_refusal(&req).await? {
             return Ok(Claim::Refused(refused));
         }
+        // A transactional request open in the writer may hold the key (a
+        // route in each mode sharing keys): never taken over (`claim_in`).
+        let held = self.writer()?.counters.held.clone();
         self.write_with(Admission::Refuse, LAZY, move |tx, clock| {
-            claim_in(tx, &req, clock.now_ms())
+            let holder = held.holder(&req.record_id());
+            claim_in(tx, &req, clock.now_ms(), holder.map(|h| h.remaining()))
         })
         .await?
         .decode()
@@ -468,32 +472,43 @@ impl TransactionalStore for SqliteStore {
         if let Some(refused) = self.committed_refusal(&req).await? {
             return Ok(TransactionClaim::Refused(refused));
         }
-        let (reply, answer) = tokio::sync::oneshot::channel();
+        let (reply, mut answer) = tokio::sync::oneshot::channel();
         let writer = self.writer()?;
         let events = writer.events.clone();
-        let (id, lease) = ((req.scope.clone(), req.key.clone()), req.lease);
+        let id = req.record_id();
         // Another fingerprint than the open request holding the key: 422
         // at once (checked first, as on every store), without waiting for
         // the writer that request holds.
         if writer
             .holder(&id)
-            .is_some_and(|held| held != req.fingerprint)
+            .is_some_and(|held| held.fingerprint != req.fingerprint)
         {
             return Ok(TransactionClaim::Refused(Refusal::Mismatch));
         }
+        let sent = tokio::time::Instant::now();
+        let busy = sent + self.busy_timeout;
+        // A claim that waits behind the open request holding its key waits
+        // at most its own bound (the layer's `wait_in_flight`); one that
+        // waits for the writer, at most the busy timeout.
+        let bound = req
+            .wait_in_flight
+            .map_or(busy, |wait| (sent + wait).min(busy));
         self.send(Work::Request(Begin { req, reply, events }))?;
-        match tokio::time::timeout(self.busy_timeout, answer).await {
-            Ok(answer) => answer.map_err(|_| transaction_over())?,
-            // Its wait for the writer ended while a request holding its key
-            // is open: that one is in flight (409), the store is not too
-            // busy (503).
-            Err(_) if writer.holder(&id).is_some() => {
-                Ok(TransactionClaim::Refused(Refusal::InFlight {
-                    lease_remaining: lease,
-                }))
+        for deadline in [bound, busy] {
+            if let Ok(answer) = tokio::time::timeout_at(deadline, &mut answer).await {
+                return answer.map_err(|_| transaction_over())?;
             }
-            Err(_) => Err(self.busy()),
+            // Its wait ended while a request holding its key is open: that
+            // one is in flight (409), the store is not too busy (503).
+            // Dropping `answer` gives up the claim: the writer skips it, or
+            // rolls back a claim it acquired meanwhile.
+            if let Some(holder) = writer.holder(&id) {
+                return Ok(TransactionClaim::Refused(Refusal::InFlight {
+                    lease_remaining: holder.remaining(),
+                }));
+            }
         }
+        Err(self.busy())
     }
 
     async fn commit(

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::claim::Refused;
 use super::transaction::{Command, Mailbox, SqliteTransaction};
+use crate::store::kit::held::HeldKeys;
 use crate::store::{ClaimRequest, Clock, Completion, StoreError, TransactionClaim};
 
 pub(super) type ClaimReply =
@@ -170,14 +171,13 @@ pub(super) struct WriterCounters {
     /// Transactional requests rolled back for holding the writer past their
     /// max hold time.
     pub(super) held_too_long: std::sync::atomic::AtomicU64,
-    /// The `(scope, key)` of every open transactional request, with its
-    /// fingerprint (at most `concurrent_transactions` entries): a claim of
-    /// a key held with another fingerprint is refused at once (422), and
-    /// one whose wait for the writer ends while its key is held answers "in
-    /// flight" (409), not "busy" (503).
-    pub(super) open_keys: std::sync::Mutex<
-        std::collections::HashMap<(String, String), crate::fingerprint::Fingerprint>,
-    >,
+    /// The key of every open transactional request, with its fingerprint
+    /// and max hold (at most `concurrent_transactions` keys): a claim of a
+    /// key held with another fingerprint is refused at once (422); one whose
+    /// wait ends while its key is held answers "in flight" (409), not
+    /// "busy" (503); and no claim takes a held key over (`claim_in`).
+    /// Written by the writer thread only.
+    pub(super) held: Arc<HeldKeys>,
 }
 
 /// An answer held back until the batch it depends on has committed.

@@ -14,7 +14,8 @@ use rusqlite::TransactionBehavior;
 
 use super::batch::{Batch, fail};
 use super::queue::{Deferred, Event, Queued, Work, WriterCounters, batch_failed};
-use crate::store::{Clock, Completion, StoreError, TransactionClaim};
+use crate::store::kit::held::Holder;
+use crate::store::{Clock, Completion, RecordId, StoreError, TransactionClaim};
 
 /// How many transactional requests the writer has committed, and in how many
 /// commits: `requests / commits` is the mean batch size.
@@ -54,15 +55,9 @@ pub(super) struct Limits {
 }
 
 impl Writer {
-    /// The fingerprint of the open transactional request that holds
-    /// `(scope, key)`, if one does.
-    pub(super) fn holder(&self, id: &(String, String)) -> Option<crate::fingerprint::Fingerprint> {
-        self.counters
-            .open_keys
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(id)
-            .copied()
+    /// The open transactional request that holds `id`, if one does.
+    pub(super) fn holder(&self, id: &RecordId) -> Option<Holder> {
+        self.counters.held.holder(id)
     }
 
     pub(super) fn start(

@@ -15,6 +15,7 @@ use std::time::Duration;
 use sqlx::{Row, Sqlite, SqlitePool};
 
 use tower_idempotency::response::StoredResponse;
+use tower_idempotency::store::kit::held::HeldKeys;
 use tower_idempotency::store::kit::sqlite_sql::{
     IS_WITHOUT_ROWID, RENEW, SCHEMA_VERSION, migration,
 };
@@ -112,7 +113,13 @@ pub struct SqlxSqliteStore {
     pool: SqlitePool,
     clock: Arc<dyn Clock>,
     max_hold: Duration,
+    /// The pool's `busy_timeout`, read when the store opened: the longest a
+    /// claim waits for an open request holding its key, unless the layer
+    /// bounds it further (`ClaimRequest::wait_in_flight`).
+    busy_timeout: Duration,
     counters: Arc<Counters>,
+    /// The keys this store's open transactional requests hold.
+    held: Arc<HeldKeys>,
 }
 
 #[derive(Default)]
@@ -167,13 +174,15 @@ impl SqlxSqliteStoreBuilder {
     /// [`StoreError::Unavailable`] when the database cannot be written, or
     /// holds a schema newer than this crate knows.
     pub async fn open(self) -> Result<SqlxSqliteStore, StoreError> {
-        let store = SqlxSqliteStore {
+        let mut store = SqlxSqliteStore {
             pool: self.pool,
             clock: self.clock,
             max_hold: self.max_hold,
+            busy_timeout: Duration::ZERO,
             counters: Arc::default(),
+            held: Arc::default(),
         };
-        store.migrate().await?;
+        store.busy_timeout = store.migrate().await?;
         Ok(store)
     }
 }
@@ -227,7 +236,8 @@ impl SqlxSqliteStore {
         })
     }
 
-    async fn migrate(&self) -> Result<(), StoreError> {
+    /// Creates or migrates the schema; returns the pool's `busy_timeout`.
+    async fn migrate(&self) -> Result<Duration, StoreError> {
         let mut tx = self.begin_immediate().await?;
         let version: i64 = sqlx::query("PRAGMA user_version")
             .fetch_one(&mut *tx)
@@ -271,7 +281,7 @@ impl SqlxSqliteStore {
                 "the SqlitePool's busy_timeout is 0: every claim that meets another writer fails at once (503); set SqliteConnectOptions::busy_timeout"
             );
         }
-        Ok(())
+        Ok(Duration::from_millis(u64::try_from(busy).unwrap_or(0)))
     }
 
     /// A pool connection inside `BEGIN IMMEDIATE`: it holds SQLite's write

@@ -21,6 +21,7 @@ mod hold;
 pub use crate::error::SqlxSqliteError;
 use crate::transaction::{Dialect, Sealed, SqlxTransaction};
 use hold::{Fate, OpenCount};
+use tower_idempotency::store::kit::held::HeldKey;
 
 /// [`SqlxTransaction`] on SQLite: an open write transaction
 /// (`BEGIN IMMEDIATE`) on one of the
@@ -121,6 +122,8 @@ struct Open {
     token: FencingToken,
     ended: tokio::sync::watch::Sender<()>,
     count: OpenCount,
+    /// Its key, marked held in this process until the transaction ends.
+    held: HeldKey,
 }
 
 impl Open {
@@ -130,6 +133,7 @@ impl Open {
             mut tx,
             ended,
             count,
+            held,
             ..
         } = self;
         // SQLite ends a transaction by itself on some errors (SQLITE_FULL,
@@ -151,6 +155,7 @@ impl Open {
             tracing::warn!(error = %e, "rolling back an idempotency transaction failed");
         }
         drop(count);
+        drop(held);
         drop(ended);
     }
 }
@@ -225,6 +230,13 @@ impl TransactionalStore for SqlxSqliteStore {
         &self,
         req: ClaimRequest,
     ) -> Result<TransactionClaim<SqlxSqliteTransaction>, StoreError> {
+        // A key an open request of this store holds: 422 at once for
+        // another body; else wait for it, bounded (`store::kit::held`). The
+        // claim's BEGIN IMMEDIATE would wait for its write lock instead,
+        // bounded only by the busy timeout.
+        if let Some(refusal) = self.held.wait_for(&req, self.busy_timeout).await {
+            return Ok(TransactionClaim::Refused(refusal));
+        }
         // Counted while it waits for the lock, too: a SQLITE_BUSY meanwhile
         // names the requests of this store as the likely holders.
         let count = OpenCount::new(&self.counters);
@@ -245,6 +257,7 @@ impl TransactionalStore for SqlxSqliteStore {
         };
         let hold = self.max_hold.min(req.hold());
         let (ended, watch) = tokio::sync::watch::channel(());
+        let held = self.held.hold(&req.record_id(), req.fingerprint, hold);
         let open = Open {
             tx,
             scope: req.scope,
@@ -252,6 +265,7 @@ impl TransactionalStore for SqlxSqliteStore {
             token: req.token,
             ended,
             count,
+            held,
         };
         let transaction = SqlxSqliteTransaction {
             held: Arc::new(Shared {
@@ -290,6 +304,7 @@ impl TransactionalStore for SqlxSqliteStore {
             token,
             ended,
             count,
+            held,
         } = open;
         let blob = response.encode();
         let failure = match complete_in(&mut *tx, &scope, &key, token, &blob).await {
@@ -309,6 +324,7 @@ impl TransactionalStore for SqlxSqliteStore {
                 token,
                 ended,
                 count,
+                held,
             }
             .roll_back()
             .await;
@@ -318,6 +334,7 @@ impl TransactionalStore for SqlxSqliteStore {
         // when `tx` is dropped, before the connection is used again.
         let committed = tx.commit().await.map_err(|e| self.error(e));
         drop(count);
+        drop(held);
         drop(ended);
         committed.map(|()| Completion::Stored)
     }
