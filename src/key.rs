@@ -61,7 +61,7 @@ use std::sync::Arc;
 use http::HeaderMap;
 use http::header::AsHeaderName;
 
-use crate::renew::LeaseSignal;
+use crate::renew::{Confirmer, LeaseSignal};
 
 /// The longest key accepted, in characters (Stripe's documented limit).
 pub const MAX_KEY_LEN: usize = 255;
@@ -283,6 +283,41 @@ pub struct ClaimedKey {
     scope: String,
     namespace: Option<Arc<str>>,
     lease: Arc<LeaseSignal>,
+    taken_over: bool,
+    confirmer: Option<Arc<Confirmer>>,
+}
+
+/// Why [`ClaimedKey::confirm`] could not confirm that the request still
+/// holds its key. Either way, do not start the effect.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum NotConfirmed {
+    /// The key was taken over by another request (this one's lease ended
+    /// unrenewed), released or completed, or the request's max hold has
+    /// passed: another request may run the operation.
+    Lost,
+    /// The store did not answer: whether the claim holds is unknown.
+    Store(crate::store::StoreError),
+}
+
+impl fmt::Display for NotConfirmed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotConfirmed::Lost => f.write_str(
+                "this request no longer holds its idempotency key: another request may run the operation",
+            ),
+            NotConfirmed::Store(e) => write!(f, "the idempotency claim could not be confirmed: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for NotConfirmed {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            NotConfirmed::Lost => None,
+            NotConfirmed::Store(e) => Some(e),
+        }
+    }
 }
 
 /// Two claimed keys are equal when their keys, scopes and namespaces are.
@@ -301,6 +336,54 @@ impl ClaimedKey {
             scope,
             namespace: None,
             lease: Arc::default(),
+            taken_over: false,
+            confirmer: None,
+        }
+    }
+
+    /// The claim as the store made it: whether it took over a record whose
+    /// lease had ended, and how to confirm it.
+    pub(crate) fn claimed(&mut self, taken_over: bool, confirmer: Confirmer) {
+        self.taken_over = taken_over;
+        self.confirmer = Some(Arc::new(confirmer));
+    }
+
+    /// Whether this request took its key over from an earlier request whose
+    /// lease had ended unfinished (it crashed, was cut off, or its handler
+    /// said [`OutcomeUnknown`](crate::policy::OutcomeUnknown)). That request's
+    /// effect may have happened: a handler whose effect is not atomic with
+    /// the record (separate mode) should look for it (by the key it stored
+    /// with the effect) before making it again.
+    pub fn taken_over(&self) -> bool {
+        self.taken_over
+    }
+
+    /// Confirms, right before an effect, that this request still holds its
+    /// key, and returns how long it surely holds it from now: finish the
+    /// effect within that time, or confirm again.
+    ///
+    /// In separate mode it is one store round trip: a renewal of the lease
+    /// fenced by the request's fencing token (one lease, never past the max
+    /// hold; the same write as [`IdempotencyLayer::renew_lease`](crate::IdempotencyLayer::renew_lease)'s).
+    /// It closes the window in which a paused holder (a stopped process, a
+    /// long GC pause, a partition) resumes after another request took its key
+    /// over and makes the effect a second time: such a holder gets
+    /// [`NotConfirmed::Lost`]. What remains is a pause between the
+    /// confirmation and the effect longer than the duration returned.
+    ///
+    /// In transactional mode the effect commits with the record, so the
+    /// commit is the fence: it answers at once with the hold left.
+    ///
+    /// # Errors
+    ///
+    /// [`NotConfirmed::Lost`] when the key is no longer this request's
+    /// (then [`ClaimedKey::lease_lost`] resolves too);
+    /// [`NotConfirmed::Store`] when the store did not answer.
+    pub async fn confirm(&self) -> Result<std::time::Duration, NotConfirmed> {
+        match &self.confirmer {
+            Some(confirmer) => confirmer.confirm().await,
+            // Only a key the layer has not claimed yet has none.
+            None => Err(NotConfirmed::Lost),
         }
     }
 

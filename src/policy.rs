@@ -88,6 +88,30 @@ use http::{HeaderMap, StatusCode};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DoNotStore;
 
+/// A response extension by which a handler says "I cannot tell whether my
+/// effect happened": a commit whose answer was lost with its connection, a
+/// call to a provider that timed out after it was sent. The layer neither
+/// stores the answer nor gives the key back: it answers 503 `outcome-unknown`
+/// with `Retry-After` (RFC 9457 problem details; see
+/// [`types::OUTCOME_UNKNOWN`](crate::problem::types::OUTCOME_UNKNOWN)) instead of the
+/// handler's response, and stops renewing the lease.
+///
+/// * **Separate mode**: the key stays in flight until its lease ends, so no
+///   retry runs the operation while its outcome may still land (a `COMMIT`
+///   still on its way). A retry after that takes the key over
+///   ([`ClaimedKey::taken_over`](crate::key::ClaimedKey::taken_over)) and
+///   runs the handler, which must then find the effect if it happened: keep
+///   the idempotency key with the effect (a unique column), as the ledger
+///   example does with its credits, and answer with what it finds.
+/// * **Transactional mode**: the layer's own commit decides the database's
+///   outcome, so the handler's writes are rolled back and the key ends as
+///   for any answer the layer does not store; use separate mode for an
+///   effect outside the database whose outcome can be unknown.
+///
+/// Insert it as `axum::Extension(OutcomeUnknown)` in the handler's answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutcomeUnknown;
+
 /// Decides whether the inner service's response is stored (the record
 /// completes) or the record is released.
 ///

@@ -66,6 +66,35 @@
 //! not run, or ran and was rolled back; nothing was replayed. Retry after
 //! `Retry-After` seconds with the same key.
 //!
+//! ## held-too-long
+//!
+//! Status 503. The request ran past its max hold time in transactional mode
+//! (the store's `max_hold`, or the layer's `renew_lease` cap), so its
+//! transaction was rolled back: nothing of it happened and its key is free.
+//! The store was reachable; the handler was slow. Retry after `Retry-After`
+//! seconds with the same key; if it happens again, the handler needs more
+//! time than its max hold allows.
+//!
+//! ## record-sealed
+//!
+//! Status 503. The request's key has a stored response, sealed at rest
+//! ([`crate::seal`]) with a key this server does not hold (a rotation that
+//! reached another server first, a keyring missing a retired key). It is
+//! never replayed unopened, and the request is not run again. Retry after
+//! `Retry-After` seconds with the same key: a server with the key answers
+//! it. Operators: the keyring of this server lacks that key.
+//!
+//! ## outcome-unknown
+//!
+//! Status 503. The handler could not tell whether its effect happened (a
+//! commit whose answer was lost with its connection) and said so
+//! ([`crate::policy::OutcomeUnknown`]). In separate mode the key stays in
+//! flight until its lease ends, so that no retry runs the operation while
+//! its outcome may still land; a retry after that runs the handler, which
+//! must find the effect if it happened (the ledger records the idempotency
+//! key with each credit). Retry after `Retry-After` seconds with the same
+//! key.
+//!
 //! ## store-full
 //!
 //! Status 503. The store holds as many live records as its capacity allows
@@ -140,6 +169,9 @@ pub mod types {
     problem_type!(STORE_UNAVAILABLE, "store-unavailable");
     problem_type!(RESPONSE_NOT_STORED, "response-not-stored");
     problem_type!(STORE_FULL, "store-full");
+    problem_type!(HELD_TOO_LONG, "held-too-long");
+    problem_type!(RECORD_SEALED, "record-sealed");
+    problem_type!(OUTCOME_UNKNOWN, "outcome-unknown");
     problem_type!(STORE_MISCONFIGURED, "store-misconfigured");
     problem_type!(UNAUTHENTICATED, "unauthenticated");
     problem_type!(EXPIRED_RETRY, "expired-retry");
@@ -205,6 +237,25 @@ pub enum Rejection {
     },
     /// 400: the `Repeatability-First-Sent` field is unusable.
     InvalidFirstSent(FirstSentError),
+    /// 503: the request held its transaction past its max hold time and was
+    /// rolled back ([`StoreError::HeldTooLong`]); nothing of it happened.
+    HeldTooLong {
+        /// Seconds to wait before retrying, at least 1.
+        retry_after_secs: u64,
+    },
+    /// 503: the key's stored response is sealed with a key this server
+    /// lacks; it is neither replayed nor run again.
+    RecordSealed {
+        /// Seconds to wait before retrying, at least 1.
+        retry_after_secs: u64,
+    },
+    /// 503: the handler could not tell whether its effect happened
+    /// ([`crate::policy::OutcomeUnknown`]); in separate mode its key stays in
+    /// flight until its lease ends.
+    OutcomeUnknown {
+        /// Seconds until the key may be claimed again, at least 1.
+        retry_after_secs: u64,
+    },
 }
 
 impl Rejection {
@@ -219,9 +270,11 @@ impl Rejection {
             Rejection::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Rejection::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Rejection::InFlight { .. } => StatusCode::CONFLICT,
-            Rejection::StoreUnavailable { .. } | Rejection::StoreFull { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            Rejection::StoreUnavailable { .. }
+            | Rejection::StoreFull { .. }
+            | Rejection::HeldTooLong { .. }
+            | Rejection::RecordSealed { .. }
+            | Rejection::OutcomeUnknown { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Rejection::ResponseNotStored => StatusCode::GONE,
             Rejection::StoreMisconfigured => StatusCode::INTERNAL_SERVER_ERROR,
             Rejection::Unauthenticated => StatusCode::UNAUTHORIZED,
@@ -244,6 +297,9 @@ impl Rejection {
             Rejection::Unauthenticated => types::UNAUTHENTICATED,
             Rejection::ExpiredRetry { .. } => types::EXPIRED_RETRY,
             Rejection::InvalidFirstSent(_) => types::INVALID_FIRST_SENT,
+            Rejection::HeldTooLong { .. } => types::HELD_TOO_LONG,
+            Rejection::RecordSealed { .. } => types::RECORD_SEALED,
+            Rejection::OutcomeUnknown { .. } => types::OUTCOME_UNKNOWN,
         }
     }
 
@@ -263,6 +319,9 @@ impl Rejection {
             Rejection::Unauthenticated => "Authentication required",
             Rejection::ExpiredRetry { .. } => "Retry past the idempotency key's retention",
             Rejection::InvalidFirstSent(_) => "Invalid Repeatability-First-Sent",
+            Rejection::HeldTooLong { .. } => "Request held past its max hold time",
+            Rejection::RecordSealed { .. } => "Stored response sealed with an unknown key",
+            Rejection::OutcomeUnknown { .. } => "Outcome of the request unknown",
         }
     }
 
@@ -302,6 +361,15 @@ impl Rejection {
                 "this request was first sent more than {retention_secs} s ago, longer than idempotency keys are kept, and its key has no record left; it may have been processed already, so it was not processed again; check the operation's outcome before sending it anew with a new key"
             ),
             Rejection::InvalidFirstSent(e) => e.describe().into(),
+            Rejection::HeldTooLong { retry_after_secs } => format!(
+                "the request ran past its max hold time and was rolled back; nothing of it happened; retry in {retry_after_secs} s with the same key"
+            ),
+            Rejection::RecordSealed { retry_after_secs } => format!(
+                "this idempotency key has a stored response this server cannot open; it was neither replayed nor processed again; retry in {retry_after_secs} s with the same key"
+            ),
+            Rejection::OutcomeUnknown { retry_after_secs } => format!(
+                "whether this request took effect is not known yet; it is not processed again before its outcome can be found; retry in {retry_after_secs} s with the same key"
+            ),
         }
     }
 
@@ -309,7 +377,10 @@ impl Rejection {
         match self {
             Rejection::InFlight { retry_after_secs }
             | Rejection::StoreUnavailable { retry_after_secs }
-            | Rejection::StoreFull { retry_after_secs } => Some(*retry_after_secs),
+            | Rejection::StoreFull { retry_after_secs }
+            | Rejection::HeldTooLong { retry_after_secs }
+            | Rejection::RecordSealed { retry_after_secs }
+            | Rejection::OutcomeUnknown { retry_after_secs } => Some(*retry_after_secs),
             _ => None,
         }
     }
@@ -328,6 +399,7 @@ impl Rejection {
             },
             // A retry cannot fix the configuration: 500, no Retry-After.
             StoreError::Config(_) => Rejection::StoreMisconfigured,
+            StoreError::HeldTooLong { .. } => Rejection::HeldTooLong { retry_after_secs },
             _ => Rejection::StoreUnavailable { retry_after_secs },
         }
     }

@@ -23,7 +23,7 @@ use crate::problem::{Rejection, STORE_RETRY_AFTER_SECS};
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
 use crate::seal::Sealer;
-use crate::store::Completion;
+use crate::store::{Completion, StoreError};
 use crate::tee::{self, Ending, Recorder, frame_to_bytes};
 use crate::telemetry::{self, Operation, Outcome, timed};
 
@@ -97,10 +97,8 @@ where
                     telemetry::outcome(Outcome::StoreError);
                     drop(hold);
                     let retry_after_secs = STORE_RETRY_AFTER_SECS;
-                    return settings.rejection_response(
-                        &Rejection::StoreUnavailable { retry_after_secs },
-                        None,
-                    );
+                    return settings
+                        .rejection_response(&Rejection::HeldTooLong { retry_after_secs }, None);
                 }
             },
             None => body.frame().await,
@@ -129,7 +127,7 @@ where
     let trailers = frames.iter().find_map(|f| f.trailers_ref()).cloned();
     let omitted = stored_body == StoredBody::Omitted;
     let head = (parts.status, &parts.headers);
-    if complete_record(
+    if let Err(failed) = complete_record(
         hold,
         settings,
         &config.policy,
@@ -139,11 +137,9 @@ where
         sealer.as_ref(),
     )
     .await
-    .is_err()
     {
-        let retry_after_secs = STORE_RETRY_AFTER_SECS;
-        return settings
-            .rejection_response(&Rejection::StoreUnavailable { retry_after_secs }, None);
+        let rejection = Rejection::store_failed(&failed.0, STORE_RETRY_AFTER_SECS);
+        return settings.rejection_response(&rejection, None);
     }
     let body = if omitted {
         ResponseBody::then_rest(frames, body)
@@ -187,7 +183,7 @@ fn ready_now<T>(poll: Poll<T>) -> Option<T> {
 }
 
 /// The atomic commit failed: nothing happened, and the first caller gets 503.
-struct CommitFailed;
+struct CommitFailed(StoreError);
 
 /// Completes the record with `body` (or releases it, if the policy declines
 /// the trailers), sealed by `sealer` if there is one, and records the
@@ -223,7 +219,7 @@ async fn complete_record<H: Hold, P: StorePolicy>(
             drop(hold);
             if H::ATOMIC {
                 tracing::error!(error = %e, "sealing the response failed; rolled back; answering 503");
-                return Err(CommitFailed);
+                return Err(CommitFailed(StoreError::unavailable(e)));
             }
             tracing::error!(error = %e, "sealing the response failed; nothing stored; the key stays in flight until its lease ends");
             return Ok(());
@@ -246,7 +242,7 @@ async fn complete_record<H: Hold, P: StorePolicy>(
         Err(e) if H::ATOMIC => {
             telemetry::outcome(Outcome::StoreError);
             tracing::error!(error = %e, "committing the request failed; nothing happened; answering 503");
-            return Err(CommitFailed);
+            return Err(CommitFailed(e));
         }
         Err(e) => {
             telemetry::outcome(Outcome::StoreError);

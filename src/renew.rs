@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use crate::hooks::{EventKind, Hooks};
+use crate::key::NotConfirmed;
 use crate::mode::Hold;
 use crate::response::StoredResponse;
 use crate::store::{Completion, FencingToken, RecordId, Store, StoreError};
@@ -122,6 +123,65 @@ async fn renew<St: Store>(lease: Lease<St>, mut stopped: watch::Receiver<bool>) 
                 );
             }
         }
+    }
+}
+
+/// What [`ClaimedKey::confirm`](crate::key::ClaimedKey::confirm) asks of
+/// the store for one claim: a renewal fenced by its token, never past its
+/// hold, whose success is the proof that the claim still holds.
+pub(crate) struct Confirmer(Box<dyn Fn() -> Confirmation + Send + Sync>);
+
+/// One confirmation under way.
+type Confirmation =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Duration, NotConfirmed>> + Send>>;
+
+impl std::fmt::Debug for Confirmer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Confirmer")
+    }
+}
+
+impl Confirmer {
+    /// A claim whose effect commits with its record (transactional mode):
+    /// the commit is the fence, so nothing to ask; it holds for `left`.
+    pub(crate) fn atomic(hold_end: Instant) -> Self {
+        Confirmer(Box::new(move || {
+            let left = hold_end.saturating_duration_since(Instant::now());
+            Box::pin(std::future::ready(Ok(left)))
+        }))
+    }
+
+    /// A claim committed on its own (separate mode): a renewal of `lease`
+    /// (never past `hold_end`) fenced by `token`.
+    pub(crate) fn renewing<St: Store>(
+        store: St,
+        (id, token): (RecordId, FencingToken),
+        lease: Duration,
+        hold_end: Instant,
+        signal: Arc<LeaseSignal>,
+    ) -> Self {
+        Confirmer(Box::new(move || {
+            let (store, id, signal) = (store.clone(), id.clone(), signal.clone());
+            Box::pin(async move {
+                let sent = Instant::now();
+                let extend = lease.min(hold_end.saturating_duration_since(sent));
+                if extend.is_zero() || signal.is_lost() {
+                    return Err(NotConfirmed::Lost);
+                }
+                match store.renew(id, token, extend).await {
+                    Ok(true) => Ok(extend.saturating_sub(sent.elapsed())),
+                    Ok(false) => {
+                        signal.set_lost();
+                        Err(NotConfirmed::Lost)
+                    }
+                    Err(e) => Err(NotConfirmed::Store(e)),
+                }
+            })
+        }))
+    }
+
+    pub(crate) async fn confirm(&self) -> Result<Duration, NotConfirmed> {
+        (self.0)().await
     }
 }
 

@@ -114,6 +114,10 @@ pub enum Outcome {
     /// Bad input: a missing or malformed key (400), a body over the limit
     /// (413) or an unreadable body (400).
     Rejected,
+    /// The handler could not tell whether its effect happened
+    /// ([`OutcomeUnknown`](crate::policy::OutcomeUnknown)): 503, the key
+    /// kept until its lease ends (separate mode).
+    OutcomeUnknown,
 }
 
 impl Outcome {
@@ -131,6 +135,7 @@ impl Outcome {
             Outcome::StoreError => "store_error",
             Outcome::ResponseFailed => "response_failed",
             Outcome::Rejected => "rejected",
+            Outcome::OutcomeUnknown => "outcome_unknown",
         }
     }
 }

@@ -147,7 +147,7 @@ async fn sealed_records<St: Store>(store: St, raw: impl AsyncFn() -> Vec<u8>) {
             );
             assert_eq!(header(&refused, "retry-after"), Some("1"));
             assert_eq!(header(&refused, "idempotent-replayed"), None);
-            assert!(refused.2.contains(types::STORE_UNAVAILABLE), "{refused:?}");
+            assert!(refused.2.contains(types::RECORD_SEALED), "{refused:?}");
             assert!(!refused.2.contains(CARD));
         }
     }

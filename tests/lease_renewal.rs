@@ -187,3 +187,170 @@ async fn renewals_stop_at_the_max_hold() {
     assert_eq!(first, (503, "run 1: lease lost".to_owned()));
     assert_eq!(h.runs.load(Ordering::SeqCst), 1);
 }
+
+mod confirm_and_unknown {
+    //! `ClaimedKey::confirm`, `ClaimedKey::taken_over` and
+    //! `policy::OutcomeUnknown` (issue 36, items 3 and 5), separate mode on
+    //! a store judged by a manual clock.
+
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use axum::extract::State;
+    use axum::http::StatusCode;
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::post;
+    use axum::{Extension, Router};
+    use tokio::sync::Semaphore;
+    use tower_idempotency::IdempotencyLayer;
+    use tower_idempotency::key::{ClaimedKey, NotConfirmed};
+    use tower_idempotency::policy::OutcomeUnknown;
+    use tower_idempotency::problem::types;
+    use tower_idempotency::scope::GlobalScope;
+    use tower_idempotency::store::MemoryStore;
+    use tower_idempotency::test_util::ManualClock;
+
+    #[derive(Clone)]
+    struct Effects {
+        runs: Arc<AtomicUsize>,
+        effects: Arc<AtomicUsize>,
+        gate: Arc<Semaphore>,
+    }
+
+    /// The first run waits at the gate; every run confirms its claim right
+    /// before its effect, and answers what it saw.
+    async fn confirming(State(e): State<Effects>, claimed: ClaimedKey) -> Response {
+        let n = e.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == 1 {
+            drop(e.gate.acquire().await.unwrap());
+        }
+        match claimed.confirm().await {
+            Ok(_) => {
+                e.effects.fetch_add(1, Ordering::SeqCst);
+                let body = format!("run {n}, taken over: {}", claimed.taken_over());
+                (StatusCode::CREATED, body).into_response()
+            }
+            Err(NotConfirmed::Lost) => {
+                (StatusCode::SERVICE_UNAVAILABLE, format!("run {n}: lost")).into_response()
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// The first run cannot tell whether its effect happened.
+    async fn unsure(State(e): State<Effects>, claimed: ClaimedKey) -> Response {
+        let n = e.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == 1 {
+            let answer = (StatusCode::SERVICE_UNAVAILABLE, "commit lost");
+            return (Extension(OutcomeUnknown), answer).into_response();
+        }
+        let body = format!("run {n}, taken over: {}", claimed.taken_over());
+        (StatusCode::CREATED, body).into_response()
+    }
+
+    fn app(
+        handler: axum::routing::MethodRouter<Effects>,
+        clock: &ManualClock,
+    ) -> (Router, Effects) {
+        let store = MemoryStore::with_clock(clock.clone());
+        let layer = IdempotencyLayer::new(store, GlobalScope)
+            .lease(Duration::from_secs(1))
+            .require_key(true);
+        let e = Effects {
+            runs: Arc::default(),
+            effects: Arc::default(),
+            gate: Arc::new(Semaphore::new(0)),
+        };
+        let router = Router::new()
+            .route("/", handler)
+            .route_layer(layer)
+            .with_state(e.clone());
+        (router, e)
+    }
+
+    async fn call(app: &Router) -> (u16, String, Option<String>) {
+        use http_body_util::BodyExt;
+        use tower::ServiceExt;
+        let request = axum::extract::Request::post("/")
+            .header("idempotency-key", "\"k\"")
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap().to_owned());
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (
+            status,
+            String::from_utf8(body.to_vec()).unwrap(),
+            retry_after,
+        )
+    }
+
+    /// A holder paused past its lease resumes after a repeat took its key
+    /// over and made the effect: its confirmation fails, so it makes no
+    /// second effect. The repeat saw it took over.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_holder_is_not_confirmed_after_a_takeover() {
+        let clock = ManualClock::new(1_700_000_000_000);
+        let (app, e) = app(post(confirming), &clock);
+        let first = tokio::spawn({
+            let app = app.clone();
+            async move { call(&app).await }
+        });
+        while e.runs.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        clock.advance(Duration::from_secs(2));
+        let repeat = call(&app).await;
+        assert_eq!(
+            (repeat.0, repeat.1.as_str()),
+            (201, "run 2, taken over: true")
+        );
+        e.gate.add_permits(1);
+        let first = first.await.unwrap();
+        assert_eq!((first.0, first.1.as_str()), (503, "run 1: lost"));
+        assert_eq!(e.effects.load(Ordering::SeqCst), 1);
+        // The replay is the effect's answer.
+        assert_eq!(call(&app).await.1, "run 2, taken over: true");
+    }
+
+    /// A holder that still holds its key is confirmed, and was no takeover.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_live_holder_is_confirmed() {
+        let clock = ManualClock::new(1_700_000_000_000);
+        let (app, e) = app(post(confirming), &clock);
+        e.gate.add_permits(1);
+        let first = call(&app).await;
+        assert_eq!(
+            (first.0, first.1.as_str()),
+            (201, "run 1, taken over: false")
+        );
+        assert_eq!(e.effects.load(Ordering::SeqCst), 1);
+    }
+
+    /// An unknown outcome is answered 503 `outcome-unknown` (Retry-After:
+    /// the 1 s lease) and keeps the key: a repeat gets 409 until the lease
+    /// ends, then takes it over and runs, told so.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unknown_outcome_keeps_the_key_until_its_lease_ends() {
+        let clock = ManualClock::new(1_700_000_000_000);
+        let (app, e) = app(post(unsure), &clock);
+        let (status, body, retry_after) = call(&app).await;
+        assert_eq!((status, retry_after.as_deref()), (503, Some("1")));
+        let problem: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(problem["type"], types::OUTCOME_UNKNOWN, "{problem}");
+        let repeat = call(&app).await;
+        assert_eq!(repeat.0, 409, "{repeat:?}");
+        clock.advance(Duration::from_secs(2));
+        let retry = call(&app).await;
+        assert_eq!(
+            (retry.0, retry.1.as_str()),
+            (201, "run 2, taken over: true")
+        );
+        assert_eq!(e.runs.load(Ordering::SeqCst), 2);
+    }
+}

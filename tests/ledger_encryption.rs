@@ -102,11 +102,7 @@ fn scenario(db: &Path, mode: &str, tag: &str, stored: impl Fn() -> Vec<u8>) {
             "{}",
             refused.body
         );
-        assert!(
-            refused.body.contains("store-unavailable"),
-            "{}",
-            refused.body
-        );
+        assert!(refused.body.contains("record-sealed"), "{}", refused.body);
         assert!(!refused.body.contains("12345"));
     }
     let balance = request(ledger.addr, "GET", &format!("/accounts/{id}"), &[], "").unwrap();

@@ -445,7 +445,7 @@ async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503() 
     let again = late_rx.recv().await.unwrap().unwrap_err();
     assert!(again.contains("max hold time (200 ms)"), "{again}");
     let first = first.await.unwrap();
-    assert_eq!(first.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!(first.assert_problem(503), types::HELD_TOO_LONG);
     assert_eq!(first.header_str("retry-after"), Some("1"));
     let retry = send(addr, "POST", "/held", &[("idempotency-key", b"k")], b"{}").await;
     assert_eq!((retry.status, retry.replayed()), (201, false));
@@ -492,7 +492,7 @@ async fn a_statement_running_past_the_max_hold_is_cancelled() {
         .with_state((Harness::default(), db.table.clone()));
     let addr = serve(app).await;
     let r = send(addr, "POST", "/sleeps", &[("idempotency-key", b"k")], b"{}").await;
-    assert_eq!(r.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!(r.assert_problem(503), types::HELD_TOO_LONG);
     assert_eq!(r.header_str("retry-after"), Some("1"));
     let (sleep, tx) = slept_rx.recv().await.unwrap();
     assert_eq!(

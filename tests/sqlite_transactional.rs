@@ -590,7 +590,7 @@ async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503() 
     let late = f.late.recv().await.unwrap().unwrap_err();
     assert!(late.contains("max hold time (200 ms)"), "{late}");
     let first = first.await.unwrap();
-    assert_eq!(first.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!(first.assert_problem(503), types::HELD_TOO_LONG);
     assert_eq!(first.header_str("retry-after"), Some("1"));
     assert_eq!((f.items(), f.records(), f.h.runs()), (0, 0, 1));
     // The same request (the fingerprint ignores headers) runs again.

@@ -287,7 +287,7 @@ async fn a_statement_running_past_the_max_hold_is_cancelled() {
         .route_layer(IdempotencyLayer::new(db.store.clone(), GlobalScope).transactional());
     let addr = serve(app).await;
     let r = send(addr, "POST", "/sleeps", &[("idempotency-key", b"k")], b"{}").await;
-    assert_eq!(r.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!(r.assert_problem(503), types::HELD_TOO_LONG);
     assert_eq!(r.header_str("retry-after"), Some("1"));
     let (sleep, tx) = slept_rx.recv().await.unwrap();
     assert_eq!(sleep.unwrap_err().as_deref(), Some("57014"));

@@ -340,7 +340,7 @@ async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503<B:
     let db = B::open(Duration::from_millis(200)).await;
     let (addr, h) = start(&db).await;
     let first = post_credit(addr, b"k", &[("x-hold", b"1")]).await;
-    assert_eq!(first.assert_problem(503), types::STORE_UNAVAILABLE);
+    assert_eq!(first.assert_problem(503), types::HELD_TOO_LONG);
     assert_eq!(first.header_str("retry-after"), Some("1"));
     assert_eq!(db.held_too_long(), 1);
     assert_eq!(effects(&db).await, (0, 0, 0));
@@ -364,7 +364,7 @@ async fn a_retry_sent_on_the_max_hold_503_runs_at_once<B: Backend>() {
         let held = post_credit(addr, key.as_bytes(), &[("x-hold-connection", b"1")]).await;
         assert_eq!(
             held.assert_problem(503),
-            types::STORE_UNAVAILABLE,
+            types::HELD_TOO_LONG,
             "round {round}"
         );
         let retry = post_credit(addr, key.as_bytes(), &[]).await;

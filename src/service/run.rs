@@ -17,16 +17,19 @@ use crate::fingerprint::Fingerprinter;
 use crate::hooks::EventKind;
 use crate::key::ClaimedKey;
 use crate::mode::{Hold, Mode};
-use crate::policy::{DoNotStore, StorePolicy};
+use crate::policy::{DoNotStore, OutcomeUnknown, StorePolicy};
 use crate::problem::{Rejection, STORE_RETRY_AFTER_SECS};
 use crate::record::{release, store_response, stream_deadline};
 use crate::renew;
 use crate::response::{StoredBody, StoredResponse};
 use crate::scope::Scope;
 use crate::seal::{self, Sealer};
-use crate::store::{ClaimRequest, RecordId, Refusal, Store, StoreError, retry_after_secs};
+use crate::store::{
+    ClaimRequest, FencingToken, RecordId, Refusal, Store, StoreError, retry_after_secs,
+};
 use crate::telemetry::{self, Operation, Outcome, timed};
 use crate::wait::WakeOnEnd;
+use tokio::time::Instant;
 
 /// Records the outcome and answers with the rejection.
 /// `id` names the record for the application's event hook, once known.
@@ -135,21 +138,9 @@ where
         waiting,
         id: id.clone(),
     });
-    // Renewed until the record is completed or released (`renew_lease`).
-    let renewal = match (settings.max_hold, M::RENEWS) {
-        (Some(max_hold), true) => request.extensions().get::<ClaimedKey>().map(|claimed| {
-            renew::start(renew::Lease {
-                store: store.clone(),
-                id,
-                token,
-                lease: settings.lease,
-                max_hold,
-                signal: claimed.lease_signal(),
-                hooks: settings.hooks.clone(),
-            })
-        }),
-        _ => None,
-    };
+    let claimed = request.extensions_mut().get_mut::<ClaimedKey>();
+    let claim = (&store, (id.clone(), token), claimed_at, taken_over);
+    let renewal = renew_and_confirm::<M, St>(settings, claim, claimed);
     if let (Some(_), Some(max_hold)) = (&renewal, settings.max_hold) {
         // Renewed until the record is finished, but never past the max hold
         // (and never less than the first lease).
@@ -167,6 +158,10 @@ where
             return Err(e);
         }
     };
+    // "It may have happened": neither stored nor given back.
+    if response.extensions().get::<OutcomeUnknown>().is_some() {
+        return Ok(outcome_unknown::<M, St, _>(settings, &id, hold).await);
+    }
     // The handler's `DoNotStore` ("nothing happened") overrides the policy.
     if response.extensions().get::<DoNotStore>().is_some()
         || !config
@@ -182,6 +177,75 @@ where
     let mut response = store_response(hold, &config, lease_end, response, sealer).await;
     first_sent::advertise(settings, response.headers_mut());
     Ok(response)
+}
+
+/// Starts renewing the claim's lease while the request runs (with
+/// `renew_lease`, where the claim is committed before the handler), and
+/// arms the request's [`ClaimedKey`] with what the store said of the claim
+/// and the means to confirm it ([`ClaimedKey::confirm`]).
+fn renew_and_confirm<M: Mode<St>, St: Store>(
+    settings: &Settings,
+    (store, (id, token), claimed_at, taken_over): (&St, (RecordId, FencingToken), Instant, bool),
+    claimed: Option<&mut ClaimedKey>,
+) -> Option<renew::Renewal> {
+    let claimed = claimed?;
+    let renews = settings.max_hold.filter(|_| M::RENEWS);
+    // The longest the claim may hold: its max hold while renewed, else its
+    // first lease.
+    let hold_end = claimed_at + renews.unwrap_or(settings.lease);
+    let confirmer = if <M::Hold as Hold>::ATOMIC {
+        renew::Confirmer::atomic(hold_end)
+    } else {
+        let lease = settings.lease;
+        let claim = (id.clone(), token);
+        renew::Confirmer::renewing(
+            store.clone(),
+            claim,
+            lease,
+            hold_end,
+            claimed.lease_signal(),
+        )
+    };
+    claimed.claimed(taken_over, confirmer);
+    // Renewed until the record is completed or released (`renew_lease`).
+    renews.map(|max_hold| {
+        renew::start(renew::Lease {
+            store: store.clone(),
+            id,
+            token,
+            lease: settings.lease,
+            max_hold,
+            signal: claimed.lease_signal(),
+            hooks: settings.hooks.clone(),
+        })
+    })
+}
+
+/// The answer to a request whose handler could not tell whether its effect
+/// happened ([`OutcomeUnknown`]): in separate mode the key is kept in
+/// flight until its lease ends (the hold is disarmed, its renewal stopped);
+/// in transactional mode the transaction rolls back. Either way 503
+/// `outcome-unknown`, `Retry-After` one lease.
+async fn outcome_unknown<M: Mode<St>, St: Store, B: Body>(
+    settings: &Settings,
+    id: &RecordId,
+    mut hold: renew::Renewed<M::Hold>,
+) -> Response<ResponseBody<B>> {
+    tracing::warn!(
+        "the handler could not tell whether its effect happened; the key is kept until its lease ends"
+    );
+    if M::Hold::ATOMIC {
+        release(hold).await;
+    } else {
+        hold.answered();
+        drop(hold);
+    }
+    let lease = settings.lease;
+    let retry_after_secs = lease.as_secs() + u64::from(lease.subsec_nanos() > 0);
+    let rejection = Rejection::OutcomeUnknown {
+        retry_after_secs: retry_after_secs.max(1),
+    };
+    reject(settings, Some(id), Outcome::OutcomeUnknown, rejection)
 }
 
 /// The answer of one claim, and the instant it was sent.
@@ -293,7 +357,7 @@ pub(crate) fn replay_record<B: Body>(
                 settings,
                 Some(id),
                 Outcome::StoreError,
-                Rejection::StoreUnavailable { retry_after_secs },
+                Rejection::RecordSealed { retry_after_secs },
             )
         }
     }

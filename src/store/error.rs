@@ -32,12 +32,25 @@ pub enum StoreError {
     /// way. A store that returned it from a request would be answered with
     /// a 500 problem, not 503.
     Config(Box<dyn std::error::Error + Send + Sync>),
+    /// A transactional request held its transaction past its max hold time,
+    /// so the store rolled it back: its writes and its claim are gone, and
+    /// a retry runs afresh. The layer answers 503 (`held-too-long`), not
+    /// `store-unavailable`: the database was reachable, the request was slow.
+    HeldTooLong {
+        /// The hold that passed.
+        hold: Duration,
+    },
 }
 
 impl StoreError {
     /// Wraps any error as [`StoreError::Unavailable`].
     pub fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError::Unavailable(e.into())
+    }
+
+    /// [`StoreError::HeldTooLong`] for a transaction held past `hold`.
+    pub fn held_too_long(hold: Duration) -> Self {
+        StoreError::HeldTooLong { hold }
     }
 
     /// Wraps any error (or a message) as [`StoreError::Config`].
@@ -55,6 +68,11 @@ impl fmt::Display for StoreError {
                 write!(f, "idempotency store full: {capacity} live records")
             }
             StoreError::Config(e) => write!(f, "idempotency store misconfigured: {e}"),
+            StoreError::HeldTooLong { hold } => write!(
+                f,
+                "the idempotency transaction was rolled back: it was held past its max hold time ({} ms)",
+                hold.as_millis()
+            ),
         }
     }
 }
@@ -63,7 +81,9 @@ impl std::error::Error for StoreError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             StoreError::Unavailable(e) | StoreError::Config(e) => Some(&**e),
-            StoreError::Corrupt(_) | StoreError::Full { .. } => None,
+            StoreError::Corrupt(_) | StoreError::Full { .. } | StoreError::HeldTooLong { .. } => {
+                None
+            }
         }
     }
 }

@@ -146,10 +146,7 @@ fn transaction_over() -> StoreError {
 }
 
 fn held_too_long(hold: Duration) -> StoreError {
-    unavailable(format!(
-        "the idempotency transaction was rolled back: it was held past its max hold time ({} ms)",
-        hold.as_millis()
-    ))
+    StoreError::held_too_long(hold)
 }
 
 impl<D: TwoPhase> Held<D> {

@@ -158,10 +158,7 @@ pub(super) fn transaction_over() -> StoreError {
 pub(super) fn ended(state: Ended) -> StoreError {
     match state {
         Ended::Open => transaction_over(),
-        Ended::HeldTooLong(hold) => StoreError::unavailable(format!(
-            "the idempotency transaction was rolled back: it held the SQLite writer past its max hold time ({} ms)",
-            hold.as_millis()
-        )),
+        Ended::HeldTooLong(hold) => StoreError::held_too_long(hold),
         Ended::BatchMateRolledBack => StoreError::unavailable(
             "the idempotency transaction was rolled back with a request it ran after in the same SQLite batch; nothing of it happened",
         ),

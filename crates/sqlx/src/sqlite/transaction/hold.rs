@@ -13,10 +13,7 @@ pub(super) use tower_idempotency::store::kit::fate::Fate;
 use super::super::Counters;
 
 pub(super) fn held_too_long(hold: Duration) -> StoreError {
-    StoreError::unavailable(format!(
-        "the idempotency transaction was rolled back: it held SQLite's write lock past its max hold time ({} ms)",
-        hold.as_millis()
-    ))
+    StoreError::held_too_long(hold)
 }
 
 /// One transaction of the store, waiting for the write lock or open:
