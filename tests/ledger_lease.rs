@@ -82,3 +82,70 @@ fn a_killed_holder_frees_its_key_within_its_short_lease() {
     assert!(seen.in_flight_answers > 0, "{seen:?}");
     assert_eq!(seen.balance, seen.amount, "{seen:?}");
 }
+
+/// A rolling deploy's SIGTERM during a 2 s credit (issue 38, item 6): the
+/// ledger stops accepting, answers the credit 201, and exits 0; after a
+/// restart the retry of that credit is its replay, and it was applied once.
+fn sigterm_drains_the_credit_in_flight(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ledger = Ledger::start(
+        &driver::ledger_beside_tests(),
+        &dir.path().join("ledger.sqlite3"),
+        mode,
+        60,
+    );
+    let post = |addr, key: &str, path: &str, body: &str, extra: &[(&str, &str)]| {
+        let mut headers = vec![("idempotency-key", key)];
+        headers.extend_from_slice(extra);
+        request(addr, "POST", path, &headers, body).expect("an answer")
+    };
+    assert_eq!(
+        post(ledger.addr, "a", "/accounts", r#"{"name":"a"}"#, &[]).status,
+        201
+    );
+    let addr = ledger.addr;
+    let slow = std::thread::spawn(move || {
+        let delay = [("x-ledger-delay-ms", "2000")];
+        post(addr, "c", "/accounts/1/credits", r#"{"amount":5}"#, &delay)
+    });
+    driver::until_in_flight(
+        addr,
+        "/accounts/1/credits",
+        &[("idempotency-key", "c")],
+        r#"{"amount":5}"#,
+    );
+    let status = ledger.terminate(Duration::from_secs(20));
+    let credit = slow.join().unwrap();
+    assert_eq!(credit.status, 201, "{}", credit.body);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the ledger's exit: {status:?}"
+    );
+    ledger.restart();
+    let retry = post(
+        ledger.addr,
+        "c",
+        "/accounts/1/credits",
+        r#"{"amount":5}"#,
+        &[],
+    );
+    assert_eq!(
+        (retry.status, retry.replayed),
+        (201, true),
+        "{}",
+        retry.body
+    );
+    assert_eq!(retry.body, credit.body);
+    let account = request(ledger.addr, "GET", "/accounts/1", &[], "").expect("the account");
+    assert!(account.body.contains("\"balance\":5"), "{}", account.body);
+}
+
+#[test]
+fn sigterm_drains_the_credit_in_flight_transactional() {
+    sigterm_drains_the_credit_in_flight("transactional");
+}
+
+#[test]
+fn sigterm_drains_the_credit_in_flight_separate() {
+    sigterm_drains_the_credit_in_flight("separate");
+}

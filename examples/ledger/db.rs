@@ -27,10 +27,15 @@ pub trait Ledger: Clone + Send + Sync + 'static {
     /// `GET /accounts/{id}`.
     fn account(&self, id: i64) -> impl Future<Output = Result<Account, LedgerError>> + Send;
 
-    /// Runs `write` in a transaction of its own (`--mode separate`).
+    /// Runs `write` in a transaction of its own (`--mode separate`). Once
+    /// `lost` resolves (the request's claim is lost: another request may
+    /// run the same credit), a write not yet committed is abandoned (its
+    /// connection dropped, so no `COMMIT` follows), and one whose `COMMIT`
+    /// is on its way has an unknown outcome.
     fn in_transaction(
         &self,
         write: Write,
+        lost: impl Future<Output = ()> + Send,
     ) -> impl Future<Output = Result<Json, LedgerError>> + Send;
 
     /// Runs `write` in the request's idempotency transaction (`--mode
@@ -61,6 +66,14 @@ pub enum Op {
 /// A write and what runs with it in the same transaction.
 pub struct Write {
     pub op: Op,
+    /// The request's idempotency key (namespace, scope and key, hashed),
+    /// kept with its credit: unique, so a credit is never made twice for
+    /// one key, and a retry can find it.
+    pub request: String,
+    /// Look for a credit made under `request` first and answer with it: the
+    /// key was taken over from a request whose credit may have committed
+    /// (separate mode: a crash, or a commit whose answer was lost).
+    pub resolve: bool,
     /// `--notify-url`: the credit's notification, enqueued with it.
     pub notify: Option<Notify>,
     /// `X-Ledger-Fail: after-effect` (`faults.rs`): fail once it is written.
@@ -127,11 +140,28 @@ CREATE TABLE IF NOT EXISTS accounts (
     balance INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS credits (
-    id         INTEGER PRIMARY KEY AUTOINCREMENT,
-    account_id INTEGER NOT NULL REFERENCES accounts (id),
-    amount     INTEGER NOT NULL CHECK (amount > 0)
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
+    account_id    INTEGER NOT NULL REFERENCES accounts (id),
+    amount        INTEGER NOT NULL CHECK (amount > 0),
+    request       TEXT,
+    balance_after INTEGER
 );
 ";
+
+    /// Whether `credits` has the columns `request` and `balance_after`
+    /// (a file made before them): 1 or 0.
+    pub const SQLITE_HAS_REQUEST: &str =
+        "SELECT count(*) FROM pragma_table_info('credits') WHERE name = 'request'";
+
+    /// Adds them to a file made before them.
+    pub const SQLITE_ADD_REQUEST: &str = "
+ALTER TABLE credits ADD COLUMN request TEXT;
+ALTER TABLE credits ADD COLUMN balance_after INTEGER;
+";
+
+    /// After the columns exist (SQLite, PostgreSQL).
+    pub const REQUEST_INDEX: &str =
+        "CREATE UNIQUE INDEX IF NOT EXISTS credits_request ON credits (request);";
 
     #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     /// Run after `POSTGRES_LOCK`, in its transaction: ledgers starting
@@ -149,6 +179,9 @@ CREATE TABLE IF NOT EXISTS credits (
     account_id BIGINT NOT NULL REFERENCES accounts (id),
     amount     BIGINT NOT NULL CHECK (amount > 0)
 );
+ALTER TABLE credits ADD COLUMN IF NOT EXISTS request TEXT;
+ALTER TABLE credits ADD COLUMN IF NOT EXISTS balance_after BIGINT;
+CREATE UNIQUE INDEX IF NOT EXISTS credits_request ON credits (request);
 ";
     #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     pub const POSTGRES_LOCK: &str = "SELECT pg_advisory_xact_lock(7261)";
@@ -156,7 +189,7 @@ CREATE TABLE IF NOT EXISTS credits (
     #[cfg(feature = "mysql")]
     /// InnoDB: transactions and row locks. Each `CREATE TABLE IF NOT EXISTS`
     /// is atomic, so ledgers starting together do not race.
-    pub const MYSQL: [&str; 2] = [
+    pub const MYSQL: [&str; 3] = [
         "CREATE TABLE IF NOT EXISTS accounts (
             id      BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
             name    TEXT CHARACTER SET utf8mb4 NOT NULL,
@@ -168,6 +201,10 @@ CREATE TABLE IF NOT EXISTS credits (
             amount     BIGINT NOT NULL CHECK (amount > 0),
             FOREIGN KEY (account_id) REFERENCES accounts (id)
         ) ENGINE=InnoDB",
+        // A table made before these columns gets them; one made after
+        // answers 1060 (duplicate column), which the driver ignores.
+        "ALTER TABLE credits ADD COLUMN request VARCHAR(64) NULL UNIQUE,
+            ADD COLUMN balance_after BIGINT NULL",
     ];
 }
 
@@ -199,7 +236,18 @@ pub async fn apply<C: Conn>(c: &mut C, write: Write) -> Result<Json, LedgerError
                 balance: 0,
             })?
         }
-        Op::Credit { account_id, amount } => json(credit(c, account_id, amount).await?)?,
+        Op::Credit { account_id, amount } => {
+            let credit = (account_id, amount, write.request.as_str());
+            let found = match write.resolve {
+                true => made_before(c, credit).await?,
+                false => None,
+            };
+            if let Some(made) = found {
+                // Its effects (the balance, a notification) came with it.
+                return json(made);
+            }
+            json(self::credit(c, credit).await?)?
+        }
     };
     if let Some(notify) = &write.notify {
         let message = notify.message(&json)?;
@@ -214,8 +262,40 @@ pub async fn apply<C: Conn>(c: &mut C, write: Write) -> Result<Json, LedgerError
     Ok(json)
 }
 
-/// Writes the credit and the account's new balance.
-async fn credit<C: Conn>(c: &mut C, account_id: i64, amount: i64) -> Result<Credit, LedgerError> {
+/// The credit made under `request` by an earlier run, if one committed.
+async fn made_before<C: Conn>(
+    c: &mut C,
+    (account_id, amount, request): (i64, i64, &str),
+) -> Result<Option<Credit>, LedgerError> {
+    let request = [Param::Text(request)];
+    let Some(credit_id) = c
+        .fetch("SELECT id FROM credits WHERE request = $1", &request)
+        .await?
+    else {
+        return Ok(None);
+    };
+    let balance = c
+        .fetch(
+            "SELECT balance_after FROM credits WHERE request = $1",
+            &request,
+        )
+        .await?
+        .ok_or("a credit without its balance")?;
+    // The same key and fingerprint: the same account and amount.
+    Ok(Some(Credit {
+        credit_id,
+        account_id,
+        amount,
+        balance,
+    }))
+}
+
+/// Writes the credit (with its request and the balance after it) and the
+/// account's new balance.
+async fn credit<C: Conn>(
+    c: &mut C,
+    (account_id, amount, request): (i64, i64, &str),
+) -> Result<Credit, LedgerError> {
     let (id, amt) = (Param::Int(account_id), Param::Int(amount));
     let (add, add_returning) = returning!(
         "UPDATE accounts SET balance = balance + $1 WHERE id = $2",
@@ -232,10 +312,11 @@ async fn credit<C: Conn>(c: &mut C, account_id: i64, amount: i64) -> Result<Cred
     };
     let balance = balance.ok_or(LedgerError::NoSuchAccount)?;
     let insert = returning!(
-        "INSERT INTO credits (account_id, amount) VALUES ($1, $2)",
+        "INSERT INTO credits (account_id, amount, request, balance_after) VALUES ($1, $2, $3, $4)",
         "id"
     );
-    let credit_id = insert_row(c, insert, &[id, amt]).await?;
+    let params = [id, amt, Param::Text(request), Param::Int(balance)];
+    let credit_id = insert_row(c, insert, &params).await?;
     Ok(Credit {
         credit_id,
         account_id,
@@ -300,6 +381,14 @@ pub enum LedgerError {
     /// `X-Ledger-Fail: after-effect`: the credit was written, then rolled back.
     InjectedFailure,
     Database(BoxError),
+    /// The `COMMIT` was sent, and its answer lost (the connection died, the
+    /// claim was lost meanwhile): the credit may or may not exist. Only
+    /// over a network: a SQLite file's commit is always answered.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "sqlx-postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
+    OutcomeUnknown(BoxError),
 }
 
 impl LedgerError {
@@ -310,7 +399,7 @@ impl LedgerError {
     /// As an error of the set-up.
     pub fn boxed(self) -> BoxError {
         match self {
-            LedgerError::Database(e) => e,
+            LedgerError::Database(e) | LedgerError::OutcomeUnknown(e) => e,
             other => other.to_string().into(),
         }
     }
@@ -322,6 +411,7 @@ impl std::fmt::Display for LedgerError {
             LedgerError::NoSuchAccount => f.write_str("no such account"),
             LedgerError::InjectedFailure => f.write_str("injected failure"),
             LedgerError::Database(e) => write!(f, "database: {e}"),
+            LedgerError::OutcomeUnknown(e) => write!(f, "database, commit unanswered: {e}"),
         }
     }
 }

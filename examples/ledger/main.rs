@@ -18,7 +18,7 @@ use axum::{Extension, Router};
 use serde::Deserialize;
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::key::ClaimedKey;
-use tower_idempotency::policy::DoNotStore;
+use tower_idempotency::policy::{DoNotStore, OutcomeUnknown};
 use tower_idempotency::problem::WithProblem;
 use tower_idempotency::store::{Inspect, Store, TransactionalStore};
 
@@ -50,9 +50,8 @@ fn app<D: Ledger>(state: App<D>, protect: impl FnOnce(Routes<D>) -> Routes<D>) -
 async fn credit<D: Ledger>(
     writer: Writer<D>,
     AccountId(account_id): AccountId,
-    WithProblem(body): WithProblem<Bytes>,
+    JsonBody(NewCredit { amount }): JsonBody<NewCredit>,
 ) -> Result<Response, ApiError> {
-    let NewCredit { amount } = parse_json(&body)?;
     if !(1..=1_000_000_000).contains(&amount) {
         let detail = "amount must be an integer in 1..=1000000000";
         return Err(ApiError::BadRequest(detail.into()));
@@ -100,9 +99,8 @@ type Protect<D> = Box<dyn FnOnce(Routes<D>) -> Routes<D>>;
 /// `POST /accounts {"name": "..."}`: 201 with the new account.
 async fn create_account<D: Ledger>(
     writer: Writer<D>,
-    WithProblem(body): WithProblem<Bytes>,
+    JsonBody(NewAccount { name }): JsonBody<NewAccount>,
 ) -> Result<Response, ApiError> {
-    let NewAccount { name } = parse_json(&body)?;
     if !(1..=100).contains(&name.chars().count()) || name.contains('\0') {
         let detail = "name must be 1 to 100 characters, without NUL";
         return Err(ApiError::BadRequest(detail.into()));
@@ -158,16 +156,25 @@ impl<D: Ledger> FromRequestParts<App<D>> for Writer<D> {
 
 impl<D: Ledger> Writer<D> {
     async fn run(self, op: Op) -> Result<Json, ApiError> {
+        // The layer requires a key: every write has its claim.
+        let Some(claimed) = self.claimed else {
+            return Err(no_transaction());
+        };
         // --notify-url: a credit's notification commits with it.
-        let notify = match (&op, self.app.notify, self.claimed) {
-            (Op::Credit { .. }, Some(notifier), Some(claimed)) => {
-                Some(notify::Notify { notifier, claimed })
-            }
-            (Op::Credit { .. }, Some(_), None) => return Err(no_transaction()),
+        let notify = match (&op, self.app.notify) {
+            (Op::Credit { .. }, Some(notifier)) => Some(notify::Notify {
+                notifier,
+                claimed: claimed.clone(),
+            }),
             _ => None,
         };
+        let separate = self.app.mode == Mode::Separate;
         let write = Write {
             op,
+            request: request_of(&claimed),
+            // A key taken over in separate mode: its earlier holder's
+            // credit may have committed; find it rather than credit again.
+            resolve: separate && claimed.taken_over(),
             notify,
             fail_after_effect: self.fail_after_effect,
         };
@@ -175,11 +182,34 @@ impl<D: Ledger> Writer<D> {
         // the layer then rolls the transaction back (every `ApiError` is
         // either released or marked `DoNotStore`).
         Ok(match (self.app.mode, self.tx) {
-            (Mode::Separate, _) => self.app.db.in_transaction(write).await?,
+            (Mode::Separate, _) => {
+                // Fenced: a request paused past its lease, whose key another
+                // request took over meanwhile, writes nothing.
+                claimed.confirm().await.map_err(ApiError::NotConfirmed)?;
+                let lost = claimed.lease_lost();
+                self.app.db.in_transaction(write, lost).await?
+            }
             (Mode::Transactional, Some(tx)) => D::in_request(&tx, write).await?,
             (Mode::Transactional, None) => return Err(no_transaction()),
         })
     }
+}
+
+/// The request's idempotency key as its credit keeps it: SHA-256 over the
+/// layer's namespace, the scope and the key (each length-prefixed), in hex.
+fn request_of(claimed: &ClaimedKey) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    let parts = [
+        claimed.namespace().unwrap_or(""),
+        claimed.scope(),
+        claimed.key(),
+    ];
+    for part in parts {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part.as_bytes());
+    }
+    hex(&hash.finalize())
 }
 
 fn no_transaction() -> ApiError {
@@ -242,7 +272,11 @@ fn problem(status: StatusCode, title: &str, detail: impl Into<String>) -> Respon
 
 /// Why a request failed; each answers with a problem.
 enum ApiError {
+    /// The claim could not be confirmed right before the write.
+    NotConfirmed(tower_idempotency::key::NotConfirmed),
     BadRequest(String),
+    /// A body sent with a `Content-Encoding` the ledger does not decode.
+    UnsupportedEncoding,
     Ledger(LedgerError),
 }
 
@@ -262,9 +296,34 @@ impl IntoResponse for ApiError {
                 let refusal = problem(StatusCode::BAD_REQUEST, "Bad Request", detail);
                 (Extension(DoNotStore), refusal).into_response()
             }
+            ApiError::UnsupportedEncoding => {
+                let detail = "the body must be sent without a Content-Encoding (identity)";
+                let refusal = problem(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "Unsupported Media Type",
+                    detail,
+                );
+                (Extension(DoNotStore), refusal).into_response()
+            }
             ApiError::Ledger(LedgerError::NoSuchAccount) => {
                 let refusal = problem(StatusCode::NOT_FOUND, "Not Found", "no such account");
                 (Extension(DoNotStore), refusal).into_response()
+            }
+            ApiError::NotConfirmed(e) => {
+                tracing::warn!(error = %e, "a credit's claim was not confirmed; nothing was written");
+                unavailable(
+                    "this request no longer holds its idempotency key; nothing was written; retry with the same key",
+                )
+            }
+            ApiError::Ledger(LedgerError::OutcomeUnknown(e)) => {
+                tracing::error!(error = %e, "a credit's commit went unanswered");
+                // The layer answers `outcome-unknown` and keeps the key.
+                let unknown = problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Service Unavailable",
+                    "whether the credit was written is not known",
+                );
+                (Extension(OutcomeUnknown), unknown).into_response()
             }
             ApiError::Ledger(LedgerError::InjectedFailure) => problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -273,14 +332,20 @@ impl IntoResponse for ApiError {
             ),
             ApiError::Ledger(LedgerError::Database(e)) => {
                 tracing::error!(error = %e, "ledger database error");
-                problem(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "Service Unavailable",
-                    "the ledger database could not be reached",
-                )
+                unavailable("the ledger database could not be reached")
             }
         }
     }
+}
+
+/// 503 with `Retry-After: 1`: worth a retry with the same key.
+fn unavailable(detail: &str) -> Response {
+    let problem = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "Service Unavailable",
+        detail,
+    );
+    ([("retry-after", "1")], problem).into_response()
 }
 
 fn created(body: Json) -> Response {
@@ -288,9 +353,26 @@ fn created(body: Json) -> Response {
     (StatusCode::CREATED, json, body.0).into_response()
 }
 
-fn parse_json<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
+/// A JSON request body: one sent with a `Content-Encoding` other than
+/// `identity` (gzip, say) is refused 415, one that is not the JSON expected
+/// 400; neither is stored, so the corrected request may keep its key.
+struct JsonBody<T>(T);
+
+impl<S: Send + Sync, T: for<'de> Deserialize<'de>> axum::extract::FromRequest<S> for JsonBody<T> {
+    type Rejection = Response;
+
+    async fn from_request(request: axum::extract::Request, state: &S) -> Result<Self, Response> {
+        let encoding = request.headers().get(axum::http::header::CONTENT_ENCODING);
+        if encoding.is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity")) {
+            return Err(ApiError::UnsupportedEncoding.into_response());
+        }
+        let WithProblem(body) = WithProblem::<Bytes>::from_request(request, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        serde_json::from_slice(&body)
+            .map(JsonBody)
+            .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")).into_response())
+    }
 }
 
 /// The `{id}` of the path. One that is not a decimal integer, whatever its
@@ -357,12 +439,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     match args.backend() {
         Backend::Sqlite => serve(sqlite::open(&args.db, records).await?, args, on).await,
         #[cfg(feature = "postgres")]
-        Backend::Postgres => {
-            let lease = args
-                .lease
-                .unwrap_or(tower_idempotency::store::DEFAULT_LEASE);
-            serve(pg::open(&url, lease, records).await?, args, on).await
-        }
+        Backend::Postgres => serve(pg::open(&url, records).await?, args, on).await,
         #[cfg(feature = "sqlx-postgres")]
         Backend::SqlxPostgres => serve(sqlx_pg::open(&url, records).await?, args, on).await,
         #[cfg(feature = "sqlx-sqlite")]
@@ -425,17 +502,61 @@ async fn serve<D: Ledger>(
         }
         out.flush()?;
     }
-    let public = axum::serve(listener, app(state, protect));
-    match (admin_listener, admin) {
-        (Some(admin_listener), Some(admin)) => {
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let stopped = move || {
+        let mut stopping = stopping.clone();
+        async move { drop(stopping.wait_for(|stop| *stop).await) }
+    };
+    let public =
+        axum::serve(listener, app(state, protect)).with_graceful_shutdown(stopped.clone()());
+    let servers = async {
+        match (admin_listener, admin) {
             // Either server failing ends the process.
-            tokio::try_join!(async { public.await }, async {
-                axum::serve(admin_listener, admin).await
-            })?;
+            (Some(admin_listener), Some(admin)) => {
+                tokio::try_join!(async { public.await }, async {
+                    axum::serve(admin_listener, admin)
+                        .with_graceful_shutdown(stopped())
+                        .await
+                })
+                .map(drop)
+            }
+            _ => public.await,
         }
-        _ => public.await?,
+    };
+    tokio::select! {
+        served = servers => served?,
+        () = drain_after_signal(stop) => {}
     }
     Ok(())
+}
+
+/// The longest the ledger waits, after SIGTERM or SIGINT, for the requests
+/// in flight to be answered.
+const DRAIN: Duration = Duration::from_secs(30);
+
+/// Waits for SIGTERM or SIGINT, tells the servers to stop accepting (they
+/// answer the requests in flight, then end), and returns once `DRAIN` has
+/// passed without their end: the requests still running are then cut off
+/// as by a crash (transactional mode rolls them back, so their keys are free
+/// at once; in separate mode a key stays in flight until its lease ends).
+async fn drain_after_signal(stop: tokio::sync::watch::Sender<bool>) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            },
+            Err(_) => drop(tokio::signal::ctrl_c().await),
+        }
+    }
+    #[cfg(not(unix))]
+    drop(tokio::signal::ctrl_c().await);
+    eprintln!("ledger: stopping; answering the requests in flight (at most {DRAIN:?})");
+    stop.send_replace(true);
+    tokio::time::sleep(DRAIN).await;
+    eprintln!("ledger: requests still in flight after {DRAIN:?} are cut off");
 }
 
 /// The layer over a store that offers both modes, in `mode`.

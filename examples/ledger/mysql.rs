@@ -21,7 +21,13 @@ pub async fn open(
         .await?;
     let pool = store.pool().clone();
     for statement in schema::MYSQL {
-        pool.execute(statement).await?;
+        match pool.execute(statement).await {
+            // The columns are there already (1060: duplicate column name).
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42S21") => {}
+            done => {
+                done?;
+            }
+        }
     }
     Ok((SqlxDb { pool }, records.then_some(store)))
 }

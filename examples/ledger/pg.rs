@@ -2,8 +2,6 @@
 //! `--features postgres`): the ledger's tables share the idempotency
 //! store's connection pool.
 
-use std::time::Duration;
-
 use deadpool_postgres::{Object, Pool, StatementCache};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{GenericClient, Statement};
@@ -20,20 +18,11 @@ use crate::notify::Message;
 #[derive(Clone)]
 pub struct Postgres {
     pool: Pool,
-    /// How long a `separate` mode write may take (half the lease): past it
-    /// the write is abandoned and its connection closed, so a server cut
-    /// off from the database never sends the `COMMIT` later, after another
-    /// server has taken the key over.
-    write_budget: Duration,
 }
 
 /// Opens the store (its pool holds the ledger's tables too); it serves the
 /// records when `records` (no `--key-store`).
-pub async fn open(
-    url: &str,
-    lease: Duration,
-    records: bool,
-) -> Result<(Postgres, Option<PostgresStore>), BoxError> {
+pub async fn open(url: &str, records: bool) -> Result<(Postgres, Option<PostgresStore>), BoxError> {
     let store = PostgresStore::builder(url)
         .replay_cache(REPLAY_CACHE)
         .open()
@@ -44,10 +33,7 @@ pub async fn open(
     tx.execute(schema::POSTGRES_LOCK, &[]).await?;
     tx.batch_execute(schema::POSTGRES).await?;
     tx.commit().await?;
-    let db = Postgres {
-        pool,
-        write_budget: lease / 2,
-    };
+    let db = Postgres { pool };
     Ok((db, records.then_some(store)))
 }
 
@@ -67,29 +53,45 @@ impl Ledger for Postgres {
             .ok_or(LedgerError::NoSuchAccount)
     }
 
-    /// Abandoned past the write budget: the connection is closed, not
-    /// pooled, so statements stuck in the network are never followed by a
-    /// `COMMIT`.
-    async fn in_transaction(&self, write: Write) -> Result<Json, LedgerError> {
-        let started = tokio::time::Instant::now();
-        let mut client = tokio::time::timeout(self.write_budget, self.pool.get())
-            .await
-            .map_err(|_| LedgerError::from("no connection within the write budget"))??;
-        let work = async {
-            let tx = client.transaction().await?;
-            let mut conn = Pg {
-                client: &*tx,
-                statements: &tx.statement_cache,
-            };
-            let json = apply(&mut conn, write).await?;
-            tx.commit().await?;
-            Ok(json)
+    /// Runs as long as the claim holds (renewed, it outlasts a credit that
+    /// waits for a row lock); once the claim is lost the write is abandoned
+    /// and its connection closed, not pooled, so statements stuck in the
+    /// network are never followed by a `COMMIT` after another server took
+    /// the key over. A `COMMIT` sent and unanswered has an unknown outcome.
+    async fn in_transaction(
+        &self,
+        write: Write,
+        lost: impl Future<Output = ()> + Send,
+    ) -> Result<Json, LedgerError> {
+        let mut lost = std::pin::pin!(lost);
+        let mut client = tokio::select! {
+            client = self.pool.get() => client?,
+            // Nothing was written.
+            () = &mut lost => return Err("the request's claim was lost before it had a connection".into()),
         };
-        match tokio::time::timeout_at(started + self.write_budget, work).await {
-            Ok(result) => result,
-            Err(_) => {
+        let committed = {
+            let work = async {
+                let tx = client.transaction().await?;
+                let mut conn = Pg {
+                    client: &*tx,
+                    statements: &tx.statement_cache,
+                };
+                let json = apply(&mut conn, write).await?;
+                let commit = tx.commit().await;
+                Ok::<_, LedgerError>(commit.map(|()| json))
+            };
+            tokio::select! {
+                written = work => Some(written),
+                () = &mut lost => None,
+            }
+        };
+        match committed {
+            Some(Ok(Ok(json))) => Ok(json),
+            Some(Ok(Err(e))) => Err(LedgerError::OutcomeUnknown(e.into())),
+            Some(Err(e)) => Err(e),
+            None => {
                 drop(deadpool_postgres::Object::take(client));
-                Err("the write did not finish within its budget (half the lease); abandoned".into())
+                Err(claim_lost("while it was written; abandoned"))
             }
         }
     }
@@ -102,6 +104,12 @@ impl Ledger for Postgres {
         };
         apply(&mut conn, write).await
     }
+}
+
+/// The write's claim was lost while it was written: another request may
+/// run the credit, and this one's `COMMIT` may have been on its way.
+fn claim_lost(when: &str) -> LedgerError {
+    LedgerError::OutcomeUnknown(format!("the request's claim was lost {when}").into())
 }
 
 /// A tokio-postgres client or transaction, and its connection's statement

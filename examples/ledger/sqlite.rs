@@ -71,9 +71,19 @@ impl Sqlite {
         let db = Sqlite {
             pool: r2d2::Pool::builder().max_size(8).build_unchecked(manager),
         };
-        db.run(|conn| Ok(conn.execute_batch(schema::SQLITE)?))
-            .await
-            .map_err(LedgerError::boxed)?;
+        db.run(|conn| {
+            // Ledgers starting together on one file: the write lock orders them.
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            tx.execute_batch(schema::SQLITE)?;
+            let has_request: i64 = tx.query_row(schema::SQLITE_HAS_REQUEST, [], |r| r.get(0))?;
+            if has_request == 0 {
+                tx.execute_batch(schema::SQLITE_ADD_REQUEST)?;
+            }
+            tx.execute_batch(schema::REQUEST_INDEX)?;
+            Ok(tx.commit()?)
+        })
+        .await
+        .map_err(LedgerError::boxed)?;
         Ok(db)
     }
 
@@ -101,7 +111,14 @@ impl Ledger for Sqlite {
             .await
     }
 
-    async fn in_transaction(&self, write: Write) -> Result<Json, LedgerError> {
+    /// A local file: the commit's outcome is always known, and the write
+    /// is short (SQLite's write lock, at most about 5 s), so it is not
+    /// raced against the claim (`lost`).
+    async fn in_transaction(
+        &self,
+        write: Write,
+        _lost: impl Future<Output = ()> + Send,
+    ) -> Result<Json, LedgerError> {
         self.run(|conn| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
             let json = now(apply(&mut Rusqlite(&tx), write))?;

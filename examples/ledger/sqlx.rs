@@ -25,6 +25,10 @@ pub trait Dialect: tower_idempotency_sqlx::Dialect {
     /// Whether `INSERT` and `UPDATE` take `RETURNING`.
     const RETURNING: bool = true;
 
+    /// Whether a failed `COMMIT` may have committed (its answer lost with a
+    /// network connection); not for a local file.
+    const COMMIT_MAY_BE_LOST: bool = true;
+
     /// The ledger's SQL (`$1` placeholders) in this database's spelling.
     fn sql(sql: &'static str) -> impl SqlSafeStr {
         sql
@@ -84,12 +88,29 @@ where
             .ok_or(LedgerError::NoSuchAccount)
     }
 
-    /// An error drops the transaction, which rolls it back.
-    async fn in_transaction(&self, write: Write) -> Result<Json, LedgerError> {
-        let mut tx = DB::begin(&self.pool).await?;
-        let json = apply(&mut Sqlx::<DB>(&mut tx), write).await?;
-        tx.commit().await?;
-        Ok(json)
+    /// An error drops the transaction, which rolls it back. Once the claim
+    /// is lost the write is abandoned (dropped, so no `COMMIT` follows); a
+    /// `COMMIT` sent and unanswered over a network has an unknown outcome.
+    async fn in_transaction(
+        &self,
+        write: Write,
+        lost: impl Future<Output = ()> + Send,
+    ) -> Result<Json, LedgerError> {
+        let work = async {
+            let mut tx = DB::begin(&self.pool).await?;
+            let json = apply(&mut Sqlx::<DB>(&mut tx), write).await?;
+            match tx.commit().await {
+                Ok(()) => Ok(json),
+                Err(e) if DB::COMMIT_MAY_BE_LOST => Err(LedgerError::OutcomeUnknown(e.into())),
+                Err(e) => Err(e.into()),
+            }
+        };
+        tokio::select! {
+            written = work => written,
+            () = lost => Err(LedgerError::OutcomeUnknown(
+                "the request's claim was lost while its credit was written; abandoned".into(),
+            )),
+        }
     }
 
     /// Never through the pool: on SQLite it would wait for the very write

@@ -35,6 +35,17 @@ pub async fn open(
     // Ledgers starting together on one file: the write lock orders them.
     let mut tx = Sqlite::begin(&pool).await?;
     sqlx::raw_sql(schema::SQLITE).execute(&mut *tx).await?;
+    let has_request: i64 = sqlx::query_scalar(schema::SQLITE_HAS_REQUEST)
+        .fetch_one(&mut *tx)
+        .await?;
+    if has_request == 0 {
+        sqlx::raw_sql(schema::SQLITE_ADD_REQUEST)
+            .execute(&mut *tx)
+            .await?;
+    }
+    sqlx::raw_sql(schema::REQUEST_INDEX)
+        .execute(&mut *tx)
+        .await?;
     tx.commit().await?;
     let store = match records {
         true => Some(SqlxSqliteStore::from_pool(pool.clone()).await?),
@@ -45,6 +56,8 @@ pub async fn open(
 
 impl Dialect for Sqlite {
     type Store = SqlxSqliteStore;
+
+    const COMMIT_MAY_BE_LOST: bool = false;
 
     #[cfg(feature = "outbox")]
     async fn outbox(

@@ -105,6 +105,37 @@ impl Ledger {
         self.child = Some(child);
     }
 
+    /// SIGTERM, and wait for the process to end (at most `within`): its
+    /// exit status, `None` if it was still running then (it is killed).
+    pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        let sent = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(sent.success(), "kill -TERM failed");
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Some(status) = child.try_wait().expect("wait for the ledger") {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        None
+    }
+
+    /// Sends signal `name` (`STOP`, `CONT`, ...) to the process.
+    pub fn signal(&self, name: &str) {
+        let child = self.child.as_ref().expect("a running ledger");
+        let sent = Command::new("kill")
+            .args([&format!("-{name}"), &child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(sent.success(), "kill -{name} failed");
+    }
+
     /// SIGKILL, and wait for the process to be gone.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
