@@ -30,6 +30,11 @@ struct Ledger {
 
 impl Ledger {
     fn start(db: &OsStr, notify_url: &str) -> Ledger {
+        Ledger::start_with(db, notify_url, &[])
+    }
+
+    /// As [`Ledger::start`], with more arguments.
+    fn start_with(db: &OsStr, notify_url: &str, extra: &[&OsStr]) -> Ledger {
         let mut child = Command::new(driver::ledger_beside_tests())
             .arg("--db")
             .arg(db)
@@ -41,6 +46,7 @@ impl Ledger {
                 "--notify-url",
                 notify_url,
             ])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -102,6 +108,64 @@ async fn every_credit_is_applied_downstream_once_across_kills() {
 async fn every_credit_is_applied_downstream_once_across_kills_on_postgres() {
     let url = crate::common::services::postgres_url();
     storm(OsStr::new(&url)).await;
+}
+
+/// With `--encryption-key-file` (issue 38, item 4): the notification is
+/// delivered in the clear, byte for byte, while neither the outbox's row nor
+/// the idempotency record holds the credited amount in clear.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sealed_notifications_keep_no_amount_in_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("ledger.sqlite3");
+    let key = dir.path().join("records.key");
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).unwrap();
+    std::fs::write(&key, bytes).unwrap();
+    let ds = Downstream::start(
+        Arc::new(|_: &str, _: &[u8], _| Answer::Pass),
+        Duration::ZERO,
+    )
+    .await;
+    let args = [OsStr::new("--encryption-key-file"), key.as_os_str()];
+    let ledger = Ledger::start_with(db.as_os_str(), &ds.url(), &args);
+    let account = post(
+        ledger.addr,
+        "/accounts",
+        "a".into(),
+        r#"{"name":"a"}"#.into(),
+    )
+    .await;
+    assert_eq!(account.unwrap().status, 201);
+    let body = r#"{"amount":987654}"#;
+    let credit = post(ledger.addr, "/accounts/1/credits", "c".into(), body.into()).await;
+    assert_eq!(credit.unwrap().status, 201);
+    until(
+        Duration::from_secs(20),
+        "the notification delivered",
+        || !ds.effects().is_empty(),
+    )
+    .await;
+    let delivered = ds.attempts().remove(0).body;
+    assert_eq!(
+        delivered,
+        br#"{"credit_id":1,"account_id":1,"amount":987654}"#
+    );
+    let conn = outbox_support::rusqlite_conn(&db);
+    let blobs = |sql: &str| -> Vec<Vec<u8>> {
+        let mut statement = conn.prepare(sql).unwrap();
+        let rows = statement.query_map([], |r| r.get::<_, Vec<u8>>(0)).unwrap();
+        rows.map(Result::unwrap).collect()
+    };
+    let payloads = blobs("SELECT payload FROM tower_idempotency_outbox");
+    let responses = blobs("SELECT response FROM idempotency_records WHERE response IS NOT NULL");
+    assert_eq!((payloads.len(), responses.len()), (1, 2));
+    for stored in payloads.iter().chain(&responses) {
+        assert!(
+            !stored.windows(6).any(|w| w == b"987654"),
+            "a stored row holds the amount in clear"
+        );
+    }
+    ledger.kill();
 }
 
 /// Kills per run: `TOWER_IDEMPOTENCY_OUTBOX_KILLS` (default 4), for longer

@@ -464,7 +464,10 @@ async fn serve<D: Ledger>(
     // the store is the database's.
     #[cfg(feature = "outbox")]
     let notify = match (args.notify_url.clone(), &store) {
-        (Some(url), Some(store)) => Some(notify::start(url, D::outbox(store).await?)),
+        (Some(url), Some(store)) => {
+            let outbox = D::outbox(store).await?;
+            Some(notify::start(url, outbox, options.keys.clone()))
+        }
         _ => None,
     };
     #[cfg(not(feature = "outbox"))]

@@ -24,6 +24,7 @@ mod enabled {
     use hyper_util::client::legacy::Client;
     use hyper_util::rt::TokioExecutor;
     use tower_idempotency::key::ClaimedKey;
+    use tower_idempotency::seal::Keyring;
     pub use tower_idempotency_outbox::Message;
     use tower_idempotency_outbox::{HttpSink, Outbox};
 
@@ -38,10 +39,12 @@ mod enabled {
     /// A relay holds a notification at most this long.
     const LEASE: Duration = Duration::from_secs(15);
 
-    /// Where credits are notified.
+    /// Where credits are notified, and the keys that seal the
+    /// notifications at rest (`--encryption-key-file`).
     #[derive(Clone)]
     pub struct Notifier {
         url: String,
+        keys: Option<Keyring>,
     }
 
     /// The notification of one credit request.
@@ -59,11 +62,17 @@ mod enabled {
         Ok(url.to_owned())
     }
 
-    /// Starts the relay of `outbox`, the outbox in the ledger's database.
-    pub fn start(url: String, outbox: Outbox) -> Notifier {
+    /// Starts the relay of `outbox`, the outbox in the ledger's database;
+    /// with `keys`, notifications are sealed at rest and the relay opens
+    /// them.
+    pub fn start(url: String, outbox: Outbox, keys: Option<Keyring>) -> Notifier {
         let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-        outbox
-            .relay(HttpSink::new(client))
+        let relay = outbox.relay(HttpSink::new(client));
+        let relay = match &keys {
+            Some(keys) => relay.keyring(keys.clone()),
+            None => relay,
+        };
+        relay
             .backoff(Duration::from_millis(100), MAX_BACKOFF)
             .retry_after_max(MAX_RETRY_AFTER)
             .max_attempts(None)
@@ -71,7 +80,7 @@ mod enabled {
             .lease(LEASE)
             .poll_interval(Duration::from_millis(100))
             .spawn();
-        Notifier { url }
+        Notifier { url, keys }
     }
 
     impl Notify {
@@ -86,13 +95,11 @@ mod enabled {
             let notice: Notice = serde_json::from_str(&credit.0)?;
             let body = serde_json::to_vec(&notice)?;
             let url = self.notifier.url.clone();
-            Ok(Message::new(
-                &self.claimed,
-                0,
-                url,
-                "application/json",
-                body,
-            )?)
+            let message = Message::new(&self.claimed, 0, url, "application/json", body)?;
+            Ok(match &self.notifier.keys {
+                Some(keys) => message.seal(keys)?,
+                None => message,
+            })
         }
     }
 }

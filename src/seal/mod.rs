@@ -79,17 +79,27 @@
 //! key id, a changed byte, a record moved to another key, or a sealed record
 //! met by a layer without keys) is never replayed, and the handler does not
 //! run: the repeat gets the 503 problem
-//! [`Rejection::StoreUnavailable`](crate::problem::Rejection::StoreUnavailable),
-//! as for a corrupt record; the layer logs at ERROR (the key id and the
+//! [`Rejection::RecordSealed`](crate::problem::Rejection::RecordSealed)
+//! (`record-sealed`), which names the cause, where a corrupt record gets
+//! `store-unavailable`; the layer logs at ERROR (the key id and the
 //! reason, never key material) and counts it
 //! (`tower_idempotency_records_unopened_total` with the `metrics` feature).
 //!
 //! A plain record met by a layer with keys is replayed: a record stored
 //! before encryption was turned on keeps its replay until its TTL ends.
+//!
+//! # Beside the records
+//!
+//! [`Keyring::seal_bytes`] and [`Keyring::open_bytes`] seal other data with
+//! the same keys, bound to a context of the caller's (format byte 2, a
+//! domain of its own: sealed bytes never open as a record, nor the
+//! reverse). `tower-idempotency-outbox` seals its messages' payloads with
+//! them (`Message::seal`, opened by its relay), so that one keyring, and one
+//! rotation, covers the records and the messages they commit with.
 
 use std::sync::Arc;
 
-use bytes::{BufMut, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use chacha20poly1305::XNonce;
 use chacha20poly1305::aead::{Aead, Payload};
 use zeroize::Zeroizing;
@@ -102,6 +112,8 @@ mod key;
 pub use key::{KEY_LEN, SealingKey, SealingKeyError};
 
 const FORMAT: u8 = 1;
+/// The format byte of [`Keyring::seal_bytes`].
+const BYTES_FORMAT: u8 = 2;
 const NONCE_LEN: usize = 24;
 const TAG_LEN: usize = 16;
 const HEADER_LEN: usize = 1 + 4 + NONCE_LEN;
@@ -151,17 +163,61 @@ impl Keyring {
         fingerprint: &Fingerprint,
         response: &StoredResponse,
     ) -> Result<StoredResponse, SealError> {
+        let plaintext = Zeroizing::new(response.encode());
+        let aad = |head: &[u8]| associated_data(id, fingerprint, response.status, head);
+        let sealed = self.encrypt(FORMAT, aad, &plaintext)?;
+        Ok(StoredResponse {
+            status: response.status,
+            headers: Vec::new(),
+            body: StoredBody::Sealed(sealed),
+            trailers: None,
+        })
+    }
+
+    /// Seals `plaintext` bound to `context` (each part framed by its
+    /// length; a copy under another context does not open): for data kept
+    /// beside the records, such as `tower-idempotency-outbox`'s payloads.
+    /// The sealed bytes: a format byte (2), the sealing key's id (a
+    /// big-endian `u32`), a 24-byte nonce, the ciphertext and its 16-byte
+    /// tag: 45 bytes more than `plaintext`.
+    ///
+    /// # Errors
+    ///
+    /// [`SealError`] only if the operating system's random number generator
+    /// fails.
+    pub fn seal_bytes(&self, context: &[&[u8]], plaintext: &[u8]) -> Result<Bytes, SealError> {
+        self.encrypt(BYTES_FORMAT, |head| bytes_aad(context, head), plaintext)
+    }
+
+    /// Opens what [`Keyring::seal_bytes`] sealed under `context`, with the
+    /// key its bytes name.
+    ///
+    /// # Errors
+    ///
+    /// [`OpenError`] if no key of this keyring opens it under `context`.
+    pub fn open_bytes(&self, context: &[&[u8]], sealed: &[u8]) -> Result<Vec<u8>, OpenError> {
+        decrypt(self, BYTES_FORMAT, sealed, |head| bytes_aad(context, head))
+    }
+
+    /// `FORMAT`, the sealing key's id, a fresh nonce, then `plaintext`
+    /// encrypted with the associated data `aad` gives for those 5 first
+    /// bytes.
+    fn encrypt(
+        &self,
+        format: u8,
+        aad: impl FnOnce(&[u8]) -> Vec<u8>,
+        plaintext: &[u8],
+    ) -> Result<Bytes, SealError> {
         let key = &self.keys[0];
         let mut nonce = [0u8; NONCE_LEN];
         getrandom::fill(&mut nonce).map_err(|_| SealError(()))?;
-        let mut sealed = BytesMut::with_capacity(HEADER_LEN + 64);
-        sealed.put_u8(FORMAT);
+        let mut sealed = BytesMut::with_capacity(HEADER_LEN + TAG_LEN + plaintext.len());
+        sealed.put_u8(format);
         sealed.put_u32(key.id);
         sealed.put_slice(&nonce);
-        let plaintext = Zeroizing::new(response.encode());
-        let aad = associated_data(id, fingerprint, response.status, &sealed[..5]);
+        let aad = aad(&sealed[..5]);
         let payload = Payload {
-            msg: &plaintext,
+            msg: plaintext,
             aad: &aad,
         };
         // Fails only for a message longer than the cipher allows (256 GiB).
@@ -170,12 +226,7 @@ impl Keyring {
             .encrypt(XNonce::from_slice(&nonce), payload)
             .map_err(|_| SealError(()))?;
         sealed.put_slice(&ciphertext);
-        Ok(StoredResponse {
-            status: response.status,
-            headers: Vec::new(),
-            body: StoredBody::Sealed(sealed.freeze()),
-            trailers: None,
-        })
+        Ok(sealed.freeze())
     }
 
     /// Opens `stored`, the record of `id` for a request with `fingerprint`;
@@ -220,10 +271,26 @@ pub(crate) fn open(
         return Ok(stored);
     };
     let keyring = keyring.ok_or(OpenError::NoKeys)?;
-    if sealed.len() < HEADER_LEN + TAG_LEN || sealed[0] != FORMAT {
+    if !stored.headers.is_empty() || stored.trailers.is_some() {
         return Err(OpenError::Malformed);
     }
-    if !stored.headers.is_empty() || stored.trailers.is_some() {
+    let aad = |head: &[u8]| associated_data(id, fingerprint, stored.status, head);
+    let plaintext = Zeroizing::new(decrypt(keyring, FORMAT, sealed, aad)?);
+    match StoredResponse::decode(&plaintext) {
+        Ok(inner) if inner.status == stored.status && !inner.body.is_sealed() => Ok(inner),
+        _ => Err(OpenError::Malformed),
+    }
+}
+
+/// Opens `sealed` (of `format`) with the key of `keyring` it names, under
+/// the associated data `aad` gives for its 5 first bytes.
+fn decrypt(
+    keyring: &Keyring,
+    format: u8,
+    sealed: &[u8],
+    aad: impl FnOnce(&[u8]) -> Vec<u8>,
+) -> Result<Vec<u8>, OpenError> {
+    if sealed.len() < HEADER_LEN + TAG_LEN || sealed[0] != format {
         return Err(OpenError::Malformed);
     }
     let key_id = u32::from_be_bytes([sealed[1], sealed[2], sealed[3], sealed[4]]);
@@ -232,20 +299,34 @@ pub(crate) fn open(
         .iter()
         .find(|k| k.id == key_id)
         .ok_or(OpenError::UnknownKey(key_id))?;
-    let aad = associated_data(id, fingerprint, stored.status, &sealed[..5]);
+    let aad = aad(&sealed[..5]);
     let payload = Payload {
         msg: &sealed[HEADER_LEN..],
         aad: &aad,
     };
-    let plaintext = key
-        .cipher
+    key.cipher
         .decrypt(XNonce::from_slice(&sealed[5..HEADER_LEN]), payload)
-        .map(Zeroizing::new)
-        .map_err(|_| OpenError::Rejected(key_id))?;
-    match StoredResponse::decode(&plaintext) {
-        Ok(inner) if inner.status == stored.status && !inner.body.is_sealed() => Ok(inner),
-        _ => Err(OpenError::Malformed),
+        .map_err(|_| OpenError::Rejected(key_id))
+}
+
+/// What bytes sealed by [`Keyring::seal_bytes`] are bound to: a domain
+/// string of their own (so no sealed record opens as sealed bytes, nor the
+/// reverse), the caller's context parts and the format byte and key id,
+/// each preceded by its length (u64, big-endian).
+fn bytes_aad(context: &[&[u8]], head: &[u8]) -> Vec<u8> {
+    let parts: Vec<&[u8]> = context.iter().copied().chain([head]).collect();
+    framed(b"tower-idempotency/seal/bytes/v1", &parts)
+}
+
+/// `domain`, then each part preceded by its length (u64, big-endian).
+fn framed(domain: &[u8], parts: &[&[u8]]) -> Vec<u8> {
+    let mut aad = Vec::with_capacity(64 + parts.iter().map(|p| 8 + p.len()).sum::<usize>());
+    aad.extend_from_slice(domain);
+    for part in parts {
+        aad.extend_from_slice(&(part.len() as u64).to_be_bytes());
+        aad.extend_from_slice(part);
     }
+    aad
 }
 
 /// What a sealed record is bound to: a domain string, then the scope, the
@@ -265,13 +346,7 @@ fn associated_data(
         &status,
         head,
     ];
-    let mut aad = Vec::with_capacity(64 + parts.iter().map(|p| 8 + p.len()).sum::<usize>());
-    aad.extend_from_slice(b"tower-idempotency/seal/v1");
-    for part in parts {
-        aad.extend_from_slice(&(part.len() as u64).to_be_bytes());
-        aad.extend_from_slice(part);
-    }
-    aad
+    framed(b"tower-idempotency/seal/v1", &parts)
 }
 
 /// The operating system's random number generator failed: nothing was

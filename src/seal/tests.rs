@@ -207,3 +207,53 @@ fn keys_from_files_and_keyring_errors() {
     let twice = Keyring::new([a, b]);
     assert!(matches!(twice, Err(SealingKeyError::DuplicateId(_))));
 }
+
+#[test]
+fn sealed_bytes_open_only_under_their_context_and_never_as_a_record() {
+    let ring = keyring(&[(1, 3)]);
+    let context: [&[u8]; 2] = [b"outbox", b"obx1-abc"];
+    let secret = b"{\"amount\":4111}";
+    let sealed = ring.seal_bytes(&context, secret).unwrap();
+    assert_eq!(sealed.len(), secret.len() + 45);
+    assert!(!contains(&sealed, b"4111"));
+    assert_eq!(ring.open_bytes(&context, &sealed).unwrap(), secret);
+    // Another context, a changed byte, another key: refused.
+    let other: [&[u8]; 2] = [b"outbox", b"obx1-abd"];
+    assert_eq!(
+        ring.open_bytes(&other, &sealed),
+        Err(OpenError::Rejected(1))
+    );
+    let mut changed = sealed.to_vec();
+    *changed.last_mut().unwrap() ^= 1;
+    assert_eq!(
+        ring.open_bytes(&context, &changed),
+        Err(OpenError::Rejected(1))
+    );
+    assert_eq!(
+        keyring(&[(2, 3)]).open_bytes(&context, &sealed),
+        Err(OpenError::UnknownKey(1))
+    );
+    // Rotation: sealed with the first key, opened by a ring that holds it.
+    let rotated = keyring(&[(9, 4), (1, 3)]);
+    assert_eq!(rotated.open_bytes(&context, &sealed).unwrap(), secret);
+    // Sealed bytes are no sealed record, and a sealed record no sealed bytes.
+    let (id, fingerprint) = record();
+    let as_record = StoredResponse {
+        status: http::StatusCode::OK,
+        headers: Vec::new(),
+        body: StoredBody::Sealed(sealed.clone()),
+        trailers: None,
+    };
+    assert_eq!(
+        ring.open(&id, &fingerprint, as_record),
+        Err(OpenError::Malformed)
+    );
+    let record_bytes = match ring.seal(&id, &fingerprint, &response()).unwrap().body {
+        StoredBody::Sealed(bytes) => bytes,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        ring.open_bytes(&context, &record_bytes),
+        Err(OpenError::Malformed)
+    );
+}

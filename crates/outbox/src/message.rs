@@ -3,6 +3,7 @@
 use sha2::{Digest, Sha256};
 
 use tower_idempotency::key::ClaimedKey;
+use tower_idempotency::seal::{Keyring, SealError};
 
 /// The longest message key accepted, in bytes: what an `IdempotencyLayer`
 /// downstream accepts (1..=255 characters, see [`tower_idempotency::key`]).
@@ -117,6 +118,39 @@ fn check_fields(destination: &str, content_type: &str, payload: &[u8]) -> Result
     if payload.len() > MAX_PAYLOAD {
         return Err(MessageError::PayloadTooLarge(payload.len()));
     }
+    // Reserved for sealed payloads: a plain one never reads as sealed.
+    if payload.starts_with(SEALED) {
+        return Err(MessageError::InvalidField("payload"));
+    }
+    Ok(())
+}
+
+/// What a sealed payload starts with ([`Message::seal`]); a plain payload
+/// may not.
+pub(crate) const SEALED: &[u8] = b"\0tower-idempotency-outbox/sealed\0";
+
+/// What a sealed payload is bound to: the message's key, destination and
+/// content type.
+fn seal_context(message: &Message) -> [&[u8]; 4] {
+    [
+        b"tower-idempotency-outbox",
+        message.key.as_bytes(),
+        message.destination.as_bytes(),
+        message.content_type.as_bytes(),
+    ]
+}
+
+/// Opens the payload of `message` if it is sealed ([`Message::seal`]) with
+/// a key of `keyring`; a plain payload is left as it is.
+pub(crate) fn open(message: &mut Message, keyring: Option<&Keyring>) -> Result<(), String> {
+    let Some(sealed) = message.payload.strip_prefix(SEALED) else {
+        return Ok(());
+    };
+    let keyring = keyring.ok_or("the payload is sealed, and this relay has no keys")?;
+    let opened = keyring
+        .open_bytes(&seal_context(message), sealed)
+        .map_err(|e| format!("the sealed payload does not open: {e}"))?;
+    message.payload = opened;
     Ok(())
 }
 
@@ -178,6 +212,35 @@ impl Message {
         })
     }
 
+    /// The same message with its payload sealed at rest by `keyring`'s first
+    /// key (XChaCha20-Poly1305, see [`tower_idempotency::seal`]), bound to
+    /// its key, destination and content type: what the outbox table keeps
+    /// of the payload is ciphertext. A relay given the keyring
+    /// ([`Relay::keyring`](crate::Relay::keyring)) opens it before it
+    /// delivers; the sink, and the receiver, get the plain payload. The key,
+    /// the destination and the content type stay in the clear. Use the
+    /// keyring of the layer's
+    /// [`encrypt_at_rest`](tower_idempotency::IdempotencyLayer::encrypt_at_rest),
+    /// so that one rotation covers records and messages.
+    ///
+    /// # Errors
+    ///
+    /// [`SealError`] only if the operating system's random number generator
+    /// fails.
+    pub fn seal(mut self, keyring: &Keyring) -> Result<Message, SealError> {
+        let sealed = keyring.seal_bytes(&seal_context(&self), &self.payload)?;
+        let mut payload = Vec::with_capacity(SEALED.len() + sealed.len());
+        payload.extend_from_slice(SEALED);
+        payload.extend_from_slice(&sealed);
+        self.payload = payload;
+        Ok(self)
+    }
+
+    /// Whether the payload is sealed ([`Message::seal`]).
+    pub fn is_sealed(&self) -> bool {
+        self.payload.starts_with(SEALED)
+    }
+
     /// The message's idempotency key, as the receiver gets it (unquoted).
     pub fn key(&self) -> &str {
         &self.key
@@ -193,7 +256,8 @@ impl Message {
         &self.content_type
     }
 
-    /// Its bytes, delivered unchanged on every attempt.
+    /// Its bytes, delivered unchanged on every attempt (sealed, once
+    /// [`Message::seal`]ed: the relay opens them).
     pub fn payload(&self) -> &[u8] {
         &self.payload
     }
@@ -203,6 +267,40 @@ impl Message {
 mod tests {
     use super::*;
     use tower_idempotency::test_util::claimed_key;
+
+    #[test]
+    fn a_sealed_payload_opens_only_with_its_keys_and_fields() {
+        use tower_idempotency::seal::{Keyring, SealingKey};
+        let ring = Keyring::new([SealingKey::new(1, [5; 32])]).unwrap();
+        let plain = Message::with_key("k", "http://x/", "application/json", b"{\"n\":42}".to_vec())
+            .unwrap();
+        let sealed = plain.clone().seal(&ring).unwrap();
+        assert!(sealed.is_sealed() && !plain.is_sealed());
+        assert!(!sealed.payload().windows(6).any(|w| w == b"\"n\":42"));
+        let mut opened = sealed.clone();
+        open(&mut opened, Some(&ring)).unwrap();
+        assert_eq!(opened, plain);
+        // No keys, other keys, another key or destination: not opened.
+        assert!(open(&mut sealed.clone(), None).is_err());
+        let other = Keyring::new([SealingKey::new(2, [5; 32])]).unwrap();
+        assert!(open(&mut sealed.clone(), Some(&other)).is_err());
+        let mut moved = sealed.clone();
+        moved.key = "k2".into();
+        assert!(open(&mut moved, Some(&ring)).is_err());
+        moved = sealed;
+        moved.destination = "http://y/".into();
+        assert!(open(&mut moved, Some(&ring)).is_err());
+        // A plain payload is left as it is; one that looks sealed is refused.
+        let mut same = plain.clone();
+        open(&mut same, None).unwrap();
+        assert_eq!(same, plain);
+        let mut fake = SEALED.to_vec();
+        fake.push(1);
+        assert_eq!(
+            Message::with_key("k", "http://x/", "text/plain", fake),
+            Err(MessageError::InvalidField("payload"))
+        );
+    }
 
     #[test]
     fn keys_are_stable_and_distinct() {

@@ -11,6 +11,7 @@ use tokio::task::JoinSet;
 use tower::retry::backoff::{Backoff, ExponentialBackoffMaker, MakeBackoff};
 use tower::util::rng::HasherRng;
 
+use super::Message;
 use super::queue::{Claimed, Fate, Queue};
 use super::sink::{Delivery, Outcome, Sink};
 
@@ -29,6 +30,8 @@ pub(super) struct Config {
     pub(super) max_attempts: Option<u32>,
     pub(super) retention: Duration,
     pub(super) maintenance_every: Duration,
+    /// Opens sealed payloads ([`Message::seal`](crate::Message::seal)).
+    pub(super) keyring: Option<tower_idempotency::seal::Keyring>,
 }
 
 impl Default for Config {
@@ -45,6 +48,7 @@ impl Default for Config {
             max_attempts: Some(40),
             retention: Duration::from_secs(24 * 3600),
             maintenance_every: Duration::from_secs(10),
+            keyring: None,
         }
     }
 }
@@ -263,6 +267,18 @@ impl Relay {
         self
     }
 
+    /// The keys that open sealed payloads
+    /// ([`Message::seal`](crate::Message::seal)): the same keyring as the
+    /// layer's `encrypt_at_rest`, rotation included (the first key seals,
+    /// every key opens). A sealed payload this relay cannot open (no keys,
+    /// or none of the key it names) is not delivered: it is retried on the
+    /// relay's schedule, so a relay that has the key may take it, and
+    /// becomes a dead letter when its attempts run out.
+    pub fn keyring(mut self, keyring: tower_idempotency::seal::Keyring) -> Self {
+        self.config.keyring = Some(keyring);
+        self
+    }
+
     /// Starts the relay on the current Tokio runtime.
     ///
     /// # Panics
@@ -346,19 +362,27 @@ async fn maintain(queue: &dyn Queue, config: &Config) {
     }
 }
 
-/// One attempt at one claimed message, and its record.
-async fn attempt(queue: &dyn Queue, sink: &dyn Sink, config: &Config, c: Claimed) {
+/// Hands `message` to the sink, at most the attempt's timeout.
+async fn deliver(sink: &dyn Sink, config: &Config, message: Message, attempt: u32) -> Outcome {
     let delivery = Delivery {
-        key: c.message.key,
-        destination: c.message.destination,
-        content_type: c.message.content_type,
-        payload: Bytes::from(c.message.payload),
-        attempt: c.attempt,
+        key: message.key,
+        destination: message.destination,
+        content_type: message.content_type,
+        payload: Bytes::from(message.payload),
+        attempt,
     };
     let timeout = config.attempt_timeout();
-    let outcome = match tokio::time::timeout(timeout, sink.deliver(delivery)).await {
+    match tokio::time::timeout(timeout, sink.deliver(delivery)).await {
         Ok(outcome) => outcome,
         Err(_) => Outcome::Retry(format!("no answer within {} ms", timeout.as_millis())),
+    }
+}
+
+/// One attempt at one claimed message, and its record.
+async fn attempt(queue: &dyn Queue, sink: &dyn Sink, config: &Config, mut c: Claimed) {
+    let outcome = match crate::message::open(&mut c.message, config.keyring.as_ref()) {
+        Ok(()) => deliver(sink, config, c.message, c.attempt).await,
+        Err(error) => Outcome::Retry(error),
     };
     let (error, asked) = match outcome {
         Outcome::Delivered => (None, Duration::ZERO),
