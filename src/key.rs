@@ -362,9 +362,13 @@ impl ClaimedKey {
     /// key, and returns how long it surely holds it from now: finish the
     /// effect within that time, or confirm again.
     ///
-    /// In separate mode it is one store round trip: a renewal of the lease
-    /// fenced by the request's fencing token (one lease, never past the max
-    /// hold; the same write as [`IdempotencyLayer::renew_lease`](crate::IdempotencyLayer::renew_lease)'s).
+    /// In separate mode it costs nothing while the store has confirmed the
+    /// claim for at least half a lease more (its first lease, counted from
+    /// before the claim was sent, or a renewal's): a request shorter than
+    /// half its lease never pays for it. Past that it is one store round
+    /// trip: a renewal of the lease fenced by the request's fencing token
+    /// (one lease, never past the max hold; the same write as
+    /// [`IdempotencyLayer::renew_lease`](crate::IdempotencyLayer::renew_lease)'s).
     /// It closes the window in which a paused holder (a stopped process, a
     /// long GC pause, a partition) resumes after another request took its key
     /// over and makes the effect a second time: such a holder gets

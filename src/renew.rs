@@ -18,22 +18,45 @@ use crate::wait::WakeOnEnd;
 
 /// Whether the lease of a request's claim was lost; shared by the renewal
 /// task and the request's [`ClaimedKey`](crate::key::ClaimedKey).
+///
+/// It also keeps the instant until which the store has confirmed the claim
+/// (its first lease, then each renewal's), counted from before each request
+/// was sent, so that it is never later than the store's own deadline.
 #[derive(Debug, Default)]
-pub(crate) struct LeaseSignal(watch::Sender<bool>);
+pub(crate) struct LeaseSignal {
+    lost: watch::Sender<bool>,
+    confirmed_until: std::sync::Mutex<Option<Instant>>,
+}
 
 impl LeaseSignal {
     pub(crate) fn is_lost(&self) -> bool {
-        *self.0.borrow()
+        *self.lost.borrow()
     }
 
     pub(crate) async fn lost(&self) {
-        let mut lost = self.0.subscribe();
+        let mut lost = self.lost.subscribe();
         // The sender lives as long as `self`: `wait_for` cannot fail.
         let _ = lost.wait_for(|lost| *lost).await;
     }
 
     fn set_lost(&self) {
-        self.0.send_replace(true);
+        self.lost.send_replace(true);
+    }
+
+    /// The store confirmed the claim until `until` (never moved back).
+    pub(crate) fn confirmed(&self, until: Instant) {
+        let mut confirmed = self
+            .confirmed_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *confirmed = Some(confirmed.map_or(until, |t| t.max(until)));
+    }
+
+    fn confirmed_until(&self) -> Option<Instant> {
+        *self
+            .confirmed_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -102,6 +125,7 @@ async fn renew<St: Store>(lease: Lease<St>, mut stopped: watch::Receiver<bool>) 
         match renewed {
             Ok(Ok(true)) => {
                 confirmed_until = asked + extend;
+                lease.signal.confirmed(confirmed_until);
                 #[cfg(feature = "metrics")]
                 metrics::counter!("tower_idempotency_lease_renewals_total").increment(1);
             }
@@ -152,7 +176,11 @@ impl Confirmer {
     }
 
     /// A claim committed on its own (separate mode): a renewal of `lease`
-    /// (never past `hold_end`) fenced by `token`.
+    /// (never past `hold_end`) fenced by `token`, unless the store has
+    /// confirmed the claim for at least half a lease more already (its first
+    /// lease, a renewal): then it answers at once, at no cost, so a request
+    /// shorter than half its lease never pays a round trip. A holder paused
+    /// past its lease finds that confirmation run out, and asks the store.
     pub(crate) fn renewing<St: Store>(
         store: St,
         (id, token): (RecordId, FencingToken),
@@ -164,12 +192,24 @@ impl Confirmer {
             let (store, id, signal) = (store.clone(), id.clone(), signal.clone());
             Box::pin(async move {
                 let sent = Instant::now();
+                if signal.is_lost() {
+                    return Err(NotConfirmed::Lost);
+                }
+                let left = signal
+                    .confirmed_until()
+                    .map(|until| until.saturating_duration_since(sent));
+                if let Some(left) = left.filter(|left| *left >= lease / 2) {
+                    return Ok(left);
+                }
                 let extend = lease.min(hold_end.saturating_duration_since(sent));
-                if extend.is_zero() || signal.is_lost() {
+                if extend.is_zero() {
                     return Err(NotConfirmed::Lost);
                 }
                 match store.renew(id, token, extend).await {
-                    Ok(true) => Ok(extend.saturating_sub(sent.elapsed())),
+                    Ok(true) => {
+                        signal.confirmed(sent + extend);
+                        Ok(extend.saturating_sub(sent.elapsed()))
+                    }
                     Ok(false) => {
                         signal.set_lost();
                         Err(NotConfirmed::Lost)

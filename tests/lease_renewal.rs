@@ -304,7 +304,10 @@ mod confirm_and_unknown {
         while e.runs.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
+        // The holder is paused past its 1 s lease: on the store's clock,
+        // and on its own (its confirmation of the first lease runs out).
         clock.advance(Duration::from_secs(2));
+        tokio::time::sleep(Duration::from_millis(1100)).await;
         let repeat = call(&app).await;
         assert_eq!(
             (repeat.0, repeat.1.as_str()),

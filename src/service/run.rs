@@ -197,6 +197,8 @@ fn renew_and_confirm<M: Mode<St>, St: Store>(
         renew::Confirmer::atomic(hold_end)
     } else {
         let lease = settings.lease;
+        // The claim holds one lease from before it was sent.
+        claimed.lease_signal().confirmed(claimed_at + lease);
         let claim = (id.clone(), token);
         renew::Confirmer::renewing(
             store.clone(),
