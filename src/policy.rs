@@ -163,6 +163,54 @@ impl StorePolicy for DefaultStorePolicy {
     }
 }
 
+/// Whether a response is the rejection of one of axum's extractors (`Json`,
+/// `Form`, `Query`, `Path`, `Bytes`, `String`), refused before the handler
+/// ran: a 400, 413, 415 or 422 with axum's `text/plain; charset=utf-8` body
+/// that starts with one of the texts axum 0.8 gives those rejections
+/// ("Failed to deserialize the JSON body into the target type", "Expected
+/// request with `Content-Type: application/json`", "Invalid URL", ...).
+///
+/// The layer never stores such a response (feature `axum`): nothing
+/// happened, so the key is given back, as Stripe saves no result for a
+/// request refused before its endpoint runs, and the corrected request runs
+/// under the same key. Without this, the rejection would be replayed to the
+/// corrected request under the crate's own 422 `mismatch`: one status, two
+/// meanings.
+///
+/// ```
+/// use http::{HeaderMap, HeaderValue, StatusCode};
+/// use tower_idempotency::policy::is_axum_rejection;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert("content-type", HeaderValue::from_static("text/plain; charset=utf-8"));
+/// let body = b"Failed to deserialize the JSON body into the target type: missing field `amount`";
+/// assert!(is_axum_rejection(StatusCode::UNPROCESSABLE_ENTITY, &headers, body));
+/// // The handler's own 422, with its own words, is its answer: stored.
+/// assert!(!is_axum_rejection(StatusCode::UNPROCESSABLE_ENTITY, &headers, b"card declined"));
+/// ```
+pub fn is_axum_rejection(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> bool {
+    const TEXTS: [&[u8]; 12] = [
+        b"Failed to deserialize the JSON body into the target type",
+        b"Failed to parse the request body as JSON",
+        b"Expected request with `Content-Type: application/json`",
+        b"Form requests must have `Content-Type: application/x-www-form-urlencoded`",
+        b"Failed to deserialize form",
+        b"Failed to deserialize query string",
+        b"Failed to buffer the request body",
+        b"Request body didn't contain valid UTF-8",
+        b"Invalid URL",
+        b"Wrong number of path arguments",
+        b"No paths parameters found for matched route",
+        b"Cannot have two request body extractors",
+    ];
+    matches!(status.as_u16(), 400 | 413 | 415 | 422)
+        && headers.get(http::header::CONTENT_TYPE).is_some_and(|v| {
+            v.as_bytes()
+                .eq_ignore_ascii_case(b"text/plain; charset=utf-8")
+        })
+        && TEXTS.iter().any(|text| body.starts_with(text))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -203,6 +203,15 @@ async fn complete_record<H: Hold, P: StorePolicy>(
         release(hold).await;
         return Ok(());
     }
+    // Refused by an axum extractor before the handler ran: nothing
+    // happened, so the corrected request may keep the key.
+    #[cfg(feature = "axum")]
+    if let StoredBody::Complete(bytes) = &body
+        && crate::policy::is_axum_rejection(status, headers, bytes)
+    {
+        release(hold).await;
+        return Ok(());
+    }
     let omitted = body == StoredBody::Omitted;
     let stored = StoredResponse::capture_with_marker(
         status,

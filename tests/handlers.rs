@@ -511,3 +511,113 @@ async fn a_failed_statement_is_a_500_problem_and_gives_the_key_back() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+mod extractor_rejections {
+    //! axum's own extractor rejections never poison a key (issue 38, item
+    //! 2): `Json<T>` refusing a body (422), a missing content type (415),
+    //! a `Path` that does not parse (400) are answered and not stored, with
+    //! the default layer, so the corrected request under the same key runs
+    //! once and its repeat is the replay. In both modes.
+
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum::Router;
+    use axum::body::Body;
+    use axum::extract::{Json, Path, Request, State};
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    use tower_idempotency::store::{MemoryStore, SqliteStore, SqliteTransaction};
+    use tower_idempotency::{IdempotencyLayer, scope::GlobalScope};
+
+    #[derive(serde::Deserialize)]
+    struct Payment {
+        amount: u32,
+    }
+
+    async fn pay(
+        State(runs): State<Arc<AtomicUsize>>,
+        Path(account): Path<u32>,
+        Json(payment): Json<Payment>,
+    ) -> (StatusCode, String) {
+        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+        (
+            StatusCode::CREATED,
+            format!("run {n}: {} to {account}", payment.amount),
+        )
+    }
+
+    async fn pay_in_transaction(
+        State(runs): State<Arc<AtomicUsize>>,
+        _tx: SqliteTransaction,
+        Path(account): Path<u32>,
+        Json(payment): Json<Payment>,
+    ) -> (StatusCode, String) {
+        pay(State(runs), Path(account), Json(payment)).await
+    }
+
+    async fn call(app: &Router, path: &str, json: bool, body: &'static str) -> (u16, bool, String) {
+        let mut request = Request::post(path).header("idempotency-key", "\"k\"");
+        if json {
+            request = request.header("content-type", "application/json");
+        }
+        let response = app
+            .clone()
+            .oneshot(request.body(Body::from(body)).unwrap())
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let replayed = response.headers().contains_key("idempotent-replayed");
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, replayed, String::from_utf8(bytes.to_vec()).unwrap())
+    }
+
+    async fn corrected_request_runs_once(app: Router, runs: &AtomicUsize) {
+        // Refused by `Json` (a field missing: 422; no content type: 415)
+        // and by `Path` (400): each answered by axum, twice, never replayed.
+        for _ in 0..2 {
+            let missing = call(&app, "/pay/7", true, r#"{"amunt":5}"#).await;
+            assert_eq!((missing.0, missing.1), (422, false), "{missing:?}");
+            let untyped = call(&app, "/pay/7", false, r#"{"amount":5}"#).await;
+            assert_eq!((untyped.0, untyped.1), (415, false), "{untyped:?}");
+            let bad_path = call(&app, "/pay/seven", true, r#"{"amount":5}"#).await;
+            assert_eq!((bad_path.0, bad_path.1), (400, false), "{bad_path:?}");
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 0);
+        // The corrected request, same key: it runs, once.
+        let paid = call(&app, "/pay/7", true, r#"{"amount":5}"#).await;
+        assert_eq!(paid, (201, false, "run 1: 5 to 7".to_owned()));
+        let again = call(&app, "/pay/7", true, r#"{"amount":5}"#).await;
+        assert_eq!(again, (201, true, "run 1: 5 to 7".to_owned()));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn separate_mode() {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let app = Router::new()
+            .route("/pay/{account}", post(pay))
+            .route_layer(IdempotencyLayer::new(MemoryStore::new(), GlobalScope))
+            .with_state(runs.clone());
+        corrected_request_runs_once(app, &runs).await;
+    }
+
+    #[tokio::test]
+    async fn transactional_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("app.sqlite3"))
+            .await
+            .unwrap();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let layer = IdempotencyLayer::new(store, GlobalScope)
+            .require_key(true)
+            .transactional();
+        let app = Router::new()
+            .route("/pay/{account}", post(pay_in_transaction))
+            .route_layer(layer)
+            .with_state(runs.clone());
+        corrected_request_runs_once(app, &runs).await;
+    }
+}

@@ -255,6 +255,11 @@ fn storm(ledger: &Ledger, account: i64, cut: &Cut) -> usize {
                         let headers = [("idempotency-key", key.as_str()), CALLER];
                         match request(addr, "POST", &path, &headers, &body) {
                             Some(a) if a.status == 201 => break,
+                            // Every 503, the ledger's and the layer's, says
+                            // when to come back (issue 36, item 6).
+                            Some(a) if a.status == 503 && a.retry_after.is_none() => {
+                                panic!("a 503 without Retry-After: {}", a.body)
+                            }
                             Some(a) if a.body.contains("outcome-unknown") => {
                                 UNKNOWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             }

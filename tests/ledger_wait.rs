@@ -162,3 +162,80 @@ mod past_the_lease {
         a_repeat_past_the_lease_leaves_the_first_its_work(Path::new(&url), "sqlx", "separate");
     }
 }
+
+/// 300 repeats of a credit that takes 4 s, each allowed to wait 20 s: at
+/// most 256 wait and get its replay (255 when the probe that saw the credit
+/// in flight is still waiting too), the rest past the cap of waiting
+/// repeats get 409 at once, on SQLite (where the store itself keeps them waiting) as on
+/// PostgreSQL; one credit. The cap once held only for the layer's own
+/// waiters: the repeats past it waited in the store (a helper saw 400 of
+/// 400 wait).
+fn waiting_repeats_are_capped(db: &Path, driver: &str, mode: &str) {
+    let ledger = Ledger::start_with(
+        &driver::ledger_beside_tests(),
+        db,
+        mode,
+        60,
+        &["--wait-in-flight-ms", "20000", "--db-driver", driver],
+    );
+    let seen = hot_key(&ledger, 4000, 300);
+    let replays = seen.repeats.get(&(201, true)).copied().unwrap_or(0);
+    assert!((255..=256).contains(&replays), "{seen:?}");
+    assert_eq!(
+        seen.repeats.get(&(409, false)),
+        Some(&(300 - replays)),
+        "{seen:?}"
+    );
+    assert_eq!(seen.balances, (5, 5), "{seen:?}");
+}
+
+/// Without `--wait-in-flight-ms`, a repeat of a credit in flight gets 409
+/// at once, on SQLite in transactional mode too, where it used to wait for
+/// the first to commit (LEDGER.md: "Default 0: 409 at once").
+fn without_the_flag_repeats_get_409(db: &Path, driver: &str) {
+    let ledger = Ledger::start_with(
+        &driver::ledger_beside_tests(),
+        db,
+        "transactional",
+        60,
+        &["--db-driver", driver],
+    );
+    let seen = hot_key(&ledger, 2000, 20);
+    assert_eq!(seen.repeats.get(&(409, false)), Some(&20), "{seen:?}");
+    assert_eq!(seen.balances, (5, 5), "{seen:?}");
+}
+
+mod capped {
+    use super::*;
+
+    #[test]
+    fn sqlite_transactional() {
+        let dir = tempfile::tempdir().unwrap();
+        waiting_repeats_are_capped(&dir.path().join("l.sqlite3"), "rusqlite", "transactional");
+    }
+
+    #[cfg(feature = "sqlx-sqlite")]
+    #[test]
+    fn sqlx_sqlite_transactional() {
+        let dir = tempfile::tempdir().unwrap();
+        waiting_repeats_are_capped(&dir.path().join("l.sqlite3"), "sqlx", "transactional");
+    }
+
+    #[test]
+    fn postgres_separate() {
+        waiting_repeats_are_capped(Path::new(&postgres_url()), "rusqlite", "separate");
+    }
+
+    #[test]
+    fn sqlite_without_the_flag() {
+        let dir = tempfile::tempdir().unwrap();
+        without_the_flag_repeats_get_409(&dir.path().join("l.sqlite3"), "rusqlite");
+    }
+
+    #[cfg(feature = "sqlx-sqlite")]
+    #[test]
+    fn sqlx_sqlite_without_the_flag() {
+        let dir = tempfile::tempdir().unwrap();
+        without_the_flag_repeats_get_409(&dir.path().join("l.sqlite3"), "sqlx");
+    }
+}

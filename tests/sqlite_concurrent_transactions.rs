@@ -47,7 +47,13 @@ struct Fixture {
 }
 
 impl Fixture {
+    /// Duplicates wait up to 10 s for the request in flight (without
+    /// `wait_in_flight`: 409 at once).
     async fn start(concurrent: usize) -> Fixture {
+        Fixture::start_waiting(concurrent, Duration::from_secs(10)).await
+    }
+
+    async fn start_waiting(concurrent: usize, wait: Duration) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("app.sqlite3");
         let store = SqliteStore::builder(&path)
@@ -61,6 +67,7 @@ impl Fixture {
             .unwrap();
         let h = Harness::default();
         let layer = IdempotencyLayer::new(store.clone(), |_: &Parts| "anonymous".to_owned())
+            .wait_in_flight(wait)
             .transactional();
         let app = Router::new()
             .route("/items", post(item))
@@ -366,4 +373,40 @@ mod live_holder {
             }
         }
     }
+}
+
+/// `SqliteStore` over real sockets (issue 36, item 2): 300 repeats released
+/// together while the first request is open, each allowed to wait 200 ms
+/// (`wait_in_flight`), are each answered 409 while the first still holds
+/// its key: none waited for it (they used to wait the 5 s busy timeout and
+/// then get its replay), none ran; the first then commits once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn repeats_of_an_open_request_wait_at_most_their_bound() {
+    const REPEATS: usize = 300;
+    let f = Fixture::start_waiting(4, Duration::from_millis(200)).await;
+    let (h, addr) = (f.h.clone(), f.addr);
+    let mut entered = h.watch();
+    let first = tokio::spawn(async move {
+        let headers: [(&str, &[u8]); 2] = [("idempotency-key", b"k"), ("x-gate", b"g")];
+        send(addr, "POST", "/items", &headers, b"{}").await
+    });
+    assert_eq!(entered.recv().await.as_deref(), Some("g"));
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(REPEATS));
+    let repeats: Vec<_> = (0..REPEATS)
+        .map(|_| {
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                send(addr, "POST", "/items", &[("idempotency-key", b"k")], b"{}").await
+            })
+        })
+        .collect();
+    for repeat in repeats {
+        let r = repeat.await.unwrap();
+        assert_eq!(r.assert_problem(409), types::IN_FLIGHT, "{r:?}");
+    }
+    h.open("g");
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.replayed()), (201, false));
+    assert_eq!((f.items(), f.h.runs()), (1, 1));
 }

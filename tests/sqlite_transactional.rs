@@ -122,6 +122,19 @@ impl Fixture {
     }
 
     async fn start_with(options: impl FnOnce(SqliteStoreBuilder) -> SqliteStoreBuilder) -> Fixture {
+        Fixture::build(options, None).await
+    }
+
+    /// As [`Fixture::start`], with repeats that wait up to `wait` for the
+    /// request in flight (`wait_in_flight`; without it they get 409 at once).
+    async fn start_waiting(busy_timeout: Duration, wait: Duration) -> Fixture {
+        Fixture::build(|b| b.busy_timeout(busy_timeout), Some(wait)).await
+    }
+
+    async fn build(
+        options: impl FnOnce(SqliteStoreBuilder) -> SqliteStoreBuilder,
+        wait: Option<Duration>,
+    ) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("app.sqlite3");
         let store = options(SqliteStore::builder(&path)).open().await.unwrap();
@@ -130,7 +143,9 @@ impl Fixture {
             .execute_batch(SCHEMA)
             .unwrap();
         let h = Harness::default();
-        let layer = IdempotencyLayer::new(store.clone(), |p: &Parts| user(p)).transactional();
+        let layer = IdempotencyLayer::new(store.clone(), |p: &Parts| user(p))
+            .wait_in_flight(wait.unwrap_or_default())
+            .transactional();
         let (handed, handed_rx) = tokio::sync::mpsc::channel(1);
         let (late, late_rx) = tokio::sync::mpsc::channel(1);
         let go_on = Arc::new(tokio::sync::Notify::new());
@@ -297,7 +312,7 @@ async fn a_failed_commit_answers_503_and_leaves_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_duplicates_wait_and_replay_without_running() {
-    let f = Fixture::start(Duration::from_secs(10)).await;
+    let f = Fixture::start_waiting(Duration::from_secs(10), Duration::from_secs(10)).await;
     let mut entered = f.h.watch();
     const N: usize = 16;
     let barrier = Arc::new(Barrier::new(N));
@@ -329,10 +344,10 @@ async fn concurrent_duplicates_wait_and_replay_without_running() {
     assert_eq!((f.items(), f.records(), f.h.runs()), (1, 1, 1));
 }
 
-/// A duplicate waits for the first (SQLite's one writer) up to the busy
-/// timeout, then is told it is in flight (409), while a request with
-/// another key that outwaits it is told the store is busy (503), and
-/// another body with the key is refused at once (422).
+/// A duplicate is told at once that the first is in flight (409: no
+/// `wait_in_flight`), while a request with another key that outwaits the
+/// busy timeout is told the store is busy (503), and another body with the
+/// key is refused at once (422).
 #[tokio::test]
 async fn a_duplicate_that_outwaits_the_busy_timeout_gets_409_another_key_503() {
     let f = Fixture::start(Duration::from_millis(100)).await;
@@ -377,7 +392,7 @@ async fn a_duplicate_that_outwaits_the_busy_timeout_gets_409_another_key_503() {
 /// never be answered.
 #[tokio::test(flavor = "current_thread")]
 async fn async_workers_never_block_on_the_held_transaction() {
-    let f = Fixture::start(Duration::from_secs(10)).await;
+    let f = Fixture::start_waiting(Duration::from_secs(10), Duration::from_secs(10)).await;
     let mut entered = f.h.watch();
     let addr = f.addr;
     let holder = tokio::spawn(async move {

@@ -114,7 +114,9 @@ where
             lease: settings.lease,
             ttl: settings.ttl,
             max_hold: settings.max_hold,
-            wait_in_flight: settings.wait.as_ref().map(|w| w.bound),
+            // Set per claim when the repeat has a place to wait
+            // (`claim_or_wait`).
+            wait_in_flight: std::time::Duration::ZERO,
         };
         let waiting_bytes = body.len();
         let request = Request::from_parts(parts, RequestBody::buffered(body, trailers));

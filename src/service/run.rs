@@ -273,30 +273,31 @@ async fn claim_or_wait<M: Mode<St>, St: Store>(
         let sent = tokio::time::Instant::now();
         return (sent, timed(Operation::Claim, M::claim(store, claim)).await);
     };
-    // The bound counts from the first claim: a store that waits itself
-    // (`ClaimRequest::wait_in_flight`) spends it there.
+    // The bound counts from the first claim. The first claim never waits;
+    // a repeat that it finds in flight takes a place among the layer's
+    // waiters, and only then may its claims wait inside a store that can
+    // (`ClaimRequest::wait_in_flight`): the cap counts every waiting repeat.
     let deadline = tokio::time::Instant::now() + waiting.bound;
-    let once = || {
+    let claim_waiting = |wait: bool| {
         let sent = tokio::time::Instant::now();
-        let claim = claim
-            .clone()
-            .with_wait_in_flight(deadline.saturating_duration_since(sent));
+        let wait = match wait {
+            true => deadline.saturating_duration_since(sent),
+            false => std::time::Duration::ZERO,
+        };
+        let claim = claim.clone().with_wait_in_flight(wait);
         let answer = timed(Operation::Claim, M::claim(store, claim));
         async move { (sent, answer.await) }
     };
-    let first = once().await;
+    let first = claim_waiting(false).await;
     let Ok(Err(Refusal::InFlight { .. })) = &first.1 else {
         return first;
     };
-    if tokio::time::Instant::now() >= deadline {
-        telemetry::wait("timed_out");
-        return first;
-    }
     let id = claim.record_id();
     let Some(waiter) = waiting.enter(&id, waiting_bytes) else {
         telemetry::wait("full");
         return first;
     };
+    let once = || claim_waiting(true);
     // Watched before the next claim, so that its change is not missed.
     let watch = store.watch(&id);
     let in_flight = |(_, answer): &Claimed<M, St>| match answer {

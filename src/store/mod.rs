@@ -156,13 +156,14 @@ pub struct ClaimRequest {
     pub max_hold: Option<Duration>,
     /// How long the store may keep this claim waiting for a live holder of
     /// its key to end, where the store itself can wait for it, before it
-    /// answers [`Refusal::InFlight`]: `SqliteStore`'s writer queues a
+    /// answers [`Refusal::InFlight`]: both SQLite stores queue a
     /// transactional claim behind the open request that holds its key.
     /// Stores that cannot wait answer at once. The layer sets it to what is
     /// left of [`IdempotencyLayer::wait_in_flight`](crate::IdempotencyLayer::wait_in_flight)'s
-    /// bound; `None` (no `wait_in_flight`): the store's own bound (SQLite:
-    /// its busy timeout, 5 s by default).
-    pub wait_in_flight: Option<Duration>,
+    /// bound when the repeat has a place among the layer's waiters; zero
+    /// (the default: 409 at once, the IETF draft's rule) otherwise. A store
+    /// never waits past its own bound (SQLite: its busy timeout).
+    pub wait_in_flight: Duration,
 }
 
 impl ClaimRequest {
@@ -180,7 +181,7 @@ impl ClaimRequest {
             lease: DEFAULT_LEASE,
             ttl: DEFAULT_TTL,
             max_hold: None,
-            wait_in_flight: None,
+            wait_in_flight: Duration::ZERO,
         }
     }
 
@@ -188,7 +189,7 @@ impl ClaimRequest {
     /// key at most `wait` ([`ClaimRequest::wait_in_flight`]).
     #[must_use]
     pub fn with_wait_in_flight(mut self, wait: Duration) -> Self {
-        self.wait_in_flight = Some(wait);
+        self.wait_in_flight = wait;
         self
     }
 

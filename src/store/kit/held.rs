@@ -8,7 +8,8 @@
 //! * a claim with **another fingerprint** is refused at once (422), before
 //!   it waits for anything ([`HeldKeys::wait_for`]);
 //! * a claim of a held key **waits** for the holder to end, at most its own
-//!   bound ([`ClaimRequest::wait_in_flight`], else the store's default), and
+//!   bound ([`ClaimRequest::wait_in_flight`]: zero, 409 at once, unless the
+//!   layer lets repeats wait; never past the store's own bound), and
 //!   at most [`MAX_WAITERS`] claims wait per key; past either it is refused
 //!   as in flight (409), with the holder's remaining hold as its
 //!   `lease_remaining`;
@@ -176,12 +177,12 @@ impl HeldKeys {
     /// its holder ended while it waited): claim it. Otherwise the refusal:
     /// [`Refusal::Mismatch`] at once for another fingerprint, else
     /// [`Refusal::InFlight`] once its wait ends
-    /// ([`ClaimRequest::wait_in_flight`], else `default`) or at once when
-    /// [`MAX_WAITERS`] claims already wait.
+    /// ([`ClaimRequest::wait_in_flight`], at most `default`, the store's
+    /// own bound) or at once when it may not wait or [`MAX_WAITERS`] claims
+    /// already wait.
     pub async fn wait_for(&self, req: &ClaimRequest, default: Duration) -> Option<Refusal> {
         let id = req.record_id();
-        let deadline =
-            tokio::time::Instant::now() + req.wait_in_flight.unwrap_or(default).min(default);
+        let deadline = tokio::time::Instant::now() + req.wait_in_flight.min(default);
         loop {
             let (mut ended, holder, generation) = {
                 let mut keys = self.lock();

@@ -227,13 +227,14 @@ impl<'t, 'c> Batch<'t, 'c> {
             // past the cap) takes no place in the batch: repeats of one slow
             // key must not fill it and shut out other keys' requests. Its
             // caller stops waiting at its bound
-            // (`ClaimRequest::wait_in_flight`); at most `MAX_WAITERS` wait
-            // per key (`store::kit::held`), and the next is answered in
-            // flight at once.
+            // (`ClaimRequest::wait_in_flight`; one that may not wait is
+            // answered at once); at most `MAX_WAITERS` wait per key
+            // (`store::kit::held`), and the next is answered in flight at
+            // once.
             self.started -= 1;
             // Waiters whose callers stopped waiting hold no place.
             owner.waiters.retain(|waiter| !waiter.reply.is_closed());
-            if owner.waiters.len() < MAX_WAITERS {
+            if owner.waiters.len() < MAX_WAITERS && !begin.req.wait_in_flight.is_zero() {
                 owner.waiters.push(begin);
                 return;
             }
@@ -319,11 +320,19 @@ impl<'t, 'c> Batch<'t, 'c> {
         let Some(at) = self.members.iter().position(|m| m.id == id) else {
             return;
         };
-        let member = self.members.swap_remove(at);
-        if let (Some(ended), Some(state)) = (&member.ended, state) {
+        let Member {
+            ended,
+            waiters,
+            _held: held,
+            ..
+        } = self.members.swap_remove(at);
+        // The key is free before anyone hears the request ended: a retry
+        // sent on its answer is not met as in flight.
+        drop(held);
+        if let (Some(ended), Some(state)) = (&ended, state) {
             ended.send_replace(state);
         }
-        for begin in member.waiters.into_iter().rev() {
+        for begin in waiters.into_iter().rev() {
             pending.push_front(Queued(Work::Request(begin), None));
         }
     }

@@ -479,20 +479,24 @@ impl TransactionalStore for SqliteStore {
         // Another fingerprint than the open request holding the key: 422
         // at once (checked first, as on every store), without waiting for
         // the writer that request holds.
-        if writer
-            .holder(&id)
-            .is_some_and(|held| held.fingerprint != req.fingerprint)
-        {
-            return Ok(TransactionClaim::Refused(Refusal::Mismatch));
+        match writer.holder(&id) {
+            Some(held) if held.fingerprint != req.fingerprint => {
+                return Ok(TransactionClaim::Refused(Refusal::Mismatch));
+            }
+            // In flight, and not to wait: 409 at once, the writer untouched.
+            Some(held) if req.wait_in_flight.is_zero() => {
+                return Ok(TransactionClaim::Refused(Refusal::InFlight {
+                    lease_remaining: held.remaining(),
+                }));
+            }
+            _ => {}
         }
         let sent = tokio::time::Instant::now();
         let busy = sent + self.busy_timeout;
         // A claim that waits behind the open request holding its key waits
         // at most its own bound (the layer's `wait_in_flight`); one that
         // waits for the writer, at most the busy timeout.
-        let bound = req
-            .wait_in_flight
-            .map_or(busy, |wait| (sent + wait).min(busy));
+        let bound = (sent + req.wait_in_flight).min(busy);
         self.send(Work::Request(Begin { req, reply, events }))?;
         for deadline in [bound, busy] {
             if let Ok(answer) = tokio::time::timeout_at(deadline, &mut answer).await {
@@ -527,5 +531,12 @@ impl TransactionalStore for SqliteStore {
 
     fn rollback(&self, transaction: &SqliteTransaction) {
         let _ = transaction.handle.send(Command::Rollback);
+    }
+
+    /// Returns once the writer has rolled the request back and its key is
+    /// free: a retry sent on the answer is not met as in flight (409).
+    async fn roll_back_and_wait(&self, transaction: &SqliteTransaction) {
+        self.rollback(transaction);
+        transaction.closed().await;
     }
 }

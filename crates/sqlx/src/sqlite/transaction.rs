@@ -290,7 +290,12 @@ impl TransactionalStore for SqlxSqliteStore {
         transaction: &SqlxSqliteTransaction,
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
-        let open = transaction.take().await.ok_or_else(|| transaction.over())?;
+        let Some(open) = transaction.take().await else {
+            // The max-hold timer took it: answer once its rollback is done
+            // and the key is free, so that a retry sent on this answer runs.
+            transaction.closed().await;
+            return Err(transaction.over());
+        };
         transaction.stop_timer();
         if !transaction.held.fate.end() {
             // The max hold time passed first: roll back, as its timer would.
