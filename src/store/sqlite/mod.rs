@@ -502,6 +502,11 @@ impl TransactionalStore for SqliteStore {
             if let Ok(answer) = tokio::time::timeout_at(deadline, &mut answer).await {
                 return answer.map_err(|_| transaction_over())?;
             }
+            // The writer answers a claim before it marks its key held: a
+            // holder seen now may be this very claim, whose answer is here.
+            if let Ok(answer) = answer.try_recv() {
+                return answer;
+            }
             // Its wait ended while a request holding its key is open: that
             // one is in flight (409), the store is not too busy (503).
             // Dropping `answer` gives up the claim: the writer skips it, or
