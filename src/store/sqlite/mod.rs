@@ -503,7 +503,9 @@ impl TransactionalStore for SqliteStore {
                 return answer.map_err(|_| transaction_over())?;
             }
             // The writer answers a claim before it marks its key held: a
-            // holder seen now may be this very claim, whose answer is here.
+            // holder seen here may be this very claim, and then its answer
+            // is here too (read after the holder).
+            let holder = writer.holder(&id);
             if let Ok(answer) = answer.try_recv() {
                 return answer;
             }
@@ -511,7 +513,7 @@ impl TransactionalStore for SqliteStore {
             // one is in flight (409), the store is not too busy (503).
             // Dropping `answer` gives up the claim: the writer skips it, or
             // rolls back a claim it acquired meanwhile.
-            if let Some(holder) = writer.holder(&id) {
+            if let Some(holder) = holder {
                 return Ok(TransactionClaim::Refused(Refusal::InFlight {
                     lease_remaining: holder.remaining(),
                 }));
