@@ -66,10 +66,12 @@ pub enum Op {
 /// A write and what runs with it in the same transaction.
 pub struct Write {
     pub op: Op,
-    /// The request's idempotency key (namespace, scope and key, hashed),
-    /// kept with its credit: unique, so a credit is never made twice for
-    /// one key, and a retry can find it.
-    pub request: String,
+    /// In separate mode, the request's idempotency key (namespace, scope
+    /// and key, hashed), kept with its credit: unique, so a credit is never
+    /// made twice for one key, and a retry can find it. Transactional mode
+    /// keeps none: the record commits with the credit, so a retry finds the
+    /// record (and the unique index costs a third of SQLite's credit rate).
+    pub request: Option<String>,
     /// Look for a credit made under `request` first and answer with it: the
     /// key was taken over from a request whose credit may have committed
     /// (separate mode: a crash, or a commit whose answer was lost).
@@ -85,6 +87,8 @@ pub struct Write {
 pub enum Param<'a> {
     Int(i64),
     Text(&'a str),
+    /// A text that may be `NULL`.
+    OptText(Option<&'a str>),
 }
 
 /// What the last statement changed (for dialects without `RETURNING`).
@@ -159,9 +163,9 @@ ALTER TABLE credits ADD COLUMN request TEXT;
 ALTER TABLE credits ADD COLUMN balance_after INTEGER;
 ";
 
-    /// After the columns exist (SQLite, PostgreSQL).
-    pub const REQUEST_INDEX: &str =
-        "CREATE UNIQUE INDEX IF NOT EXISTS credits_request ON credits (request);";
+    /// After the columns exist (SQLite): over separate mode's credits only.
+    pub const REQUEST_INDEX: &str = "CREATE UNIQUE INDEX IF NOT EXISTS credits_request
+        ON credits (request) WHERE request IS NOT NULL;";
 
     #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     /// Run after `POSTGRES_LOCK`, in its transaction: ledgers starting
@@ -181,7 +185,7 @@ CREATE TABLE IF NOT EXISTS credits (
 );
 ALTER TABLE credits ADD COLUMN IF NOT EXISTS request TEXT;
 ALTER TABLE credits ADD COLUMN IF NOT EXISTS balance_after BIGINT;
-CREATE UNIQUE INDEX IF NOT EXISTS credits_request ON credits (request);
+CREATE UNIQUE INDEX IF NOT EXISTS credits_request ON credits (request) WHERE request IS NOT NULL;
 ";
     #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     pub const POSTGRES_LOCK: &str = "SELECT pg_advisory_xact_lock(7261)";
@@ -237,10 +241,10 @@ pub async fn apply<C: Conn>(c: &mut C, write: Write) -> Result<Json, LedgerError
             })?
         }
         Op::Credit { account_id, amount } => {
-            let credit = (account_id, amount, write.request.as_str());
-            let found = match write.resolve {
-                true => made_before(c, credit).await?,
-                false => None,
+            let credit = (account_id, amount, write.request.as_deref());
+            let found = match (write.resolve, credit.2) {
+                (true, Some(request)) => made_before(c, (account_id, amount, request)).await?,
+                _ => None,
             };
             if let Some(made) = found {
                 // Its effects (the balance, a notification) came with it.
@@ -294,7 +298,7 @@ async fn made_before<C: Conn>(
 /// account's new balance.
 async fn credit<C: Conn>(
     c: &mut C,
-    (account_id, amount, request): (i64, i64, &str),
+    (account_id, amount, request): (i64, i64, Option<&str>),
 ) -> Result<Credit, LedgerError> {
     let (id, amt) = (Param::Int(account_id), Param::Int(amount));
     let (add, add_returning) = returning!(
@@ -315,7 +319,7 @@ async fn credit<C: Conn>(
         "INSERT INTO credits (account_id, amount, request, balance_after) VALUES ($1, $2, $3, $4)",
         "id"
     );
-    let params = [id, amt, Param::Text(request), Param::Int(balance)];
+    let params = [id, amt, Param::OptText(request), Param::Int(balance)];
     let credit_id = insert_row(c, insert, &params).await?;
     Ok(Credit {
         credit_id,

@@ -171,7 +171,7 @@ impl<D: Ledger> Writer<D> {
         let separate = self.app.mode == Mode::Separate;
         let write = Write {
             op,
-            request: request_of(&claimed),
+            request: separate.then(|| request_of(&claimed)),
             // A key taken over in separate mode: its earlier holder's
             // credit may have committed; find it rather than credit again.
             resolve: separate && claimed.taken_over(),

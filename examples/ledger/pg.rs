@@ -139,6 +139,7 @@ fn params<'a>(params: &'a [Param<'_>]) -> Vec<&'a (dyn ToSql + Sync)> {
         match p {
             Param::Int(i) => i,
             Param::Text(s) => s,
+            Param::OptText(s) => s,
         }
     };
     params.iter().map(one).collect()

@@ -144,6 +144,7 @@ impl ToSql for Param<'_> {
         match self {
             Param::Int(i) => i.to_sql(),
             Param::Text(s) => s.to_sql(),
+            Param::OptText(s) => s.to_sql(),
         }
     }
 }

@@ -132,6 +132,7 @@ macro_rules! bind {
         $params.iter().fold($query, |query, param| match *param {
             Param::Int(i) => query.bind(i),
             Param::Text(s) => query.bind(s.to_owned()),
+            Param::OptText(s) => query.bind(s.map(str::to_owned)),
         })
     };
 }
@@ -145,6 +146,7 @@ where
     DB::Arguments: IntoArguments<DB>,
     for<'q> i64: Encode<'q, DB> + Type<DB>,
     for<'q> String: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<String>: Encode<'q, DB> + Type<DB>,
     (i64,): for<'r> FromRow<'r, DB::Row>,
     (i64, String, i64): for<'r> FromRow<'r, DB::Row>,
 {
