@@ -61,6 +61,7 @@ use std::sync::Arc;
 use http::HeaderMap;
 use http::header::AsHeaderName;
 
+pub use crate::renew::NotConfirmed;
 use crate::renew::{Confirmer, LeaseSignal};
 
 /// The longest key accepted, in characters (Stripe's documented limit).
@@ -285,39 +286,6 @@ pub struct ClaimedKey {
     lease: Arc<LeaseSignal>,
     taken_over: bool,
     confirmer: Option<Arc<Confirmer>>,
-}
-
-/// Why [`ClaimedKey::confirm`] could not confirm that the request still
-/// holds its key. Either way, do not start the effect.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum NotConfirmed {
-    /// The key was taken over by another request (this one's lease ended
-    /// unrenewed), released or completed, or the request's max hold has
-    /// passed: another request may run the operation.
-    Lost,
-    /// The store did not answer: whether the claim holds is unknown.
-    Store(crate::store::StoreError),
-}
-
-impl fmt::Display for NotConfirmed {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            NotConfirmed::Lost => f.write_str(
-                "this request no longer holds its idempotency key: another request may run the operation",
-            ),
-            NotConfirmed::Store(e) => write!(f, "the idempotency claim could not be confirmed: {e}"),
-        }
-    }
-}
-
-impl std::error::Error for NotConfirmed {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            NotConfirmed::Lost => None,
-            NotConfirmed::Store(e) => Some(e),
-        }
-    }
 }
 
 /// Two claimed keys are equal when their keys, scopes and namespaces are.

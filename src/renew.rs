@@ -10,7 +10,6 @@ use tokio::sync::watch;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use crate::hooks::{EventKind, Hooks};
-use crate::key::NotConfirmed;
 use crate::mode::Hold;
 use crate::response::StoredResponse;
 use crate::store::{Completion, FencingToken, RecordId, Store, StoreError};
@@ -146,6 +145,40 @@ async fn renew<St: Store>(lease: Lease<St>, mut stopped: watch::Receiver<bool>) 
                     "no renewal was confirmed before the lease ended (is the store's connection pool exhausted?)",
                 );
             }
+        }
+    }
+}
+
+/// Why [`ClaimedKey::confirm`](crate::key::ClaimedKey::confirm) could not
+/// confirm that the request still holds its key. Either way, do not start
+/// the effect.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum NotConfirmed {
+    /// The key was taken over by another request (this one's lease ended
+    /// unrenewed), released or completed, or the request's max hold has
+    /// passed: another request may run the operation.
+    Lost,
+    /// The store did not answer: whether the claim holds is unknown.
+    Store(crate::store::StoreError),
+}
+
+impl std::fmt::Display for NotConfirmed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotConfirmed::Lost => f.write_str(
+                "this request no longer holds its idempotency key: another request may run the operation",
+            ),
+            NotConfirmed::Store(e) => write!(f, "the idempotency claim could not be confirmed: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for NotConfirmed {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            NotConfirmed::Lost => None,
+            NotConfirmed::Store(e) => Some(e),
         }
     }
 }
