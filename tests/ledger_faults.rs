@@ -84,7 +84,7 @@ fn a_paused_holder_makes_no_second_credit() {
                 CALLER,
                 ("x-ledger-delay-ms", "1500"),
             ];
-            request(addr, "POST", &path, &headers, body)
+            driver::request_past_409(addr, "POST", &path, &headers, body)
         })
     };
     driver::until_in_flight(a.addr, &path, &[("idempotency-key", "k"), CALLER], body);

@@ -105,8 +105,16 @@ fn sigterm_drains_the_credit_in_flight(mode: &str) {
     );
     let addr = ledger.addr;
     let slow = std::thread::spawn(move || {
-        let delay = [("x-ledger-delay-ms", "2000")];
-        post(addr, "c", "/accounts/1/credits", r#"{"amount":5}"#, &delay)
+        // Past a 409 from a probe of `until_in_flight` that came first.
+        let headers = [("idempotency-key", "c"), ("x-ledger-delay-ms", "2000")];
+        driver::request_past_409(
+            addr,
+            "POST",
+            "/accounts/1/credits",
+            &headers,
+            r#"{"amount":5}"#,
+        )
+        .expect("an answer")
     });
     driver::until_in_flight(
         addr,

@@ -408,8 +408,8 @@ pub fn request_past_409(
 /// Returns once another request holds the key of `headers` on `path`: the
 /// same request, marked to fail after its effect (`X-Ledger-Fail`, not part
 /// of the fingerprint), meets it in flight: 409, or no answer within 300 ms
-/// where a repeat waits for the holder (SQLite, transactional mode; that
-/// probe is then left waiting). A probe that comes first runs, fails, rolls
+/// where a repeat waits for the holder (`--wait-in-flight-ms`; that probe
+/// is then left waiting). A probe that comes first runs, fails, rolls
 /// its effect back and gives the key back: it changes nothing (and the
 /// other request, sent with [`request_past_409`], tries again).
 pub fn until_in_flight(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) {
