@@ -72,43 +72,9 @@ where
     let (claimed_at, claimed) =
         claim_or_wait::<M, _>(&store, settings, claim, waiting_bytes, &abandoned).await;
     let mut lease_end = claimed_at + stream_deadline(settings.lease);
-    let (hold, taken_over) = match claimed {
-        Ok(Ok((hold, taken_over))) => {
-            telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
-            if taken_over {
-                settings.hooks.emit(EventKind::TakenOver, Some(&id));
-            }
-            (hold, taken_over)
-        }
-        Ok(Err(Refusal::Mismatch)) => {
-            telemetry::claim("mismatch");
-            return Ok(reject(
-                settings,
-                Some(&id),
-                Outcome::Mismatch,
-                Rejection::Mismatch,
-            ));
-        }
-        Ok(Err(Refusal::InFlight { lease_remaining })) => {
-            telemetry::claim("in_flight");
-            let retry_after_secs = retry_after_secs(
-                lease_remaining,
-                settings.lease,
-                settings.in_flight_retry_after,
-            );
-            let rejection = Rejection::InFlight { retry_after_secs };
-            return Ok(reject(settings, Some(&id), Outcome::InFlight, rejection));
-        }
-        Ok(Err(Refusal::Completed(stored))) => {
-            telemetry::claim("replayed");
-            return Ok(replay_record(settings, &id, &fingerprint, stored));
-        }
-        Err(e) => {
-            telemetry::claim("store_error");
-            tracing::error!(error = %e, "idempotency store failed to claim; answering 503");
-            let rejection = Rejection::store_failed(&e, STORE_RETRY_AFTER_SECS);
-            return Ok(reject(settings, Some(&id), Outcome::StoreError, rejection));
-        }
+    let (hold, taken_over) = match held_or_answer(settings, &id, &fingerprint, claimed) {
+        Ok(held) => held,
+        Err(answer) => return Ok(answer),
     };
 
     // No live record, and first sent longer ago than the TTL: it may have
@@ -177,6 +143,56 @@ where
     let mut response = store_response(hold, &config, lease_end, response, sealer).await;
     first_sent::advertise(settings, response.headers_mut());
     Ok(response)
+}
+
+/// What the claim answered: the hold (and whether it took a lapsed lease
+/// over), or the client's answer: 422, 409, the replay, or 503.
+// The answer is moved once, to the caller that returns it: no chain of `?`.
+#[allow(clippy::result_large_err)]
+fn held_or_answer<H, B: Body>(
+    settings: &Settings,
+    id: &RecordId,
+    fingerprint: &Fingerprint,
+    claimed: Result<Result<(H, bool), Refusal>, StoreError>,
+) -> Result<(H, bool), Response<ResponseBody<B>>> {
+    match claimed {
+        Ok(Ok((hold, taken_over))) => {
+            telemetry::claim(if taken_over { "taken_over" } else { "acquired" });
+            if taken_over {
+                settings.hooks.emit(EventKind::TakenOver, Some(id));
+            }
+            Ok((hold, taken_over))
+        }
+        Ok(Err(Refusal::Mismatch)) => {
+            telemetry::claim("mismatch");
+            Err(reject(
+                settings,
+                Some(id),
+                Outcome::Mismatch,
+                Rejection::Mismatch,
+            ))
+        }
+        Ok(Err(Refusal::InFlight { lease_remaining })) => {
+            telemetry::claim("in_flight");
+            let retry_after_secs = retry_after_secs(
+                lease_remaining,
+                settings.lease,
+                settings.in_flight_retry_after,
+            );
+            let rejection = Rejection::InFlight { retry_after_secs };
+            Err(reject(settings, Some(id), Outcome::InFlight, rejection))
+        }
+        Ok(Err(Refusal::Completed(stored))) => {
+            telemetry::claim("replayed");
+            Err(replay_record(settings, id, fingerprint, stored))
+        }
+        Err(e) => {
+            telemetry::claim("store_error");
+            tracing::error!(error = %e, "idempotency store failed to claim; answering 503");
+            let rejection = Rejection::store_failed(&e, STORE_RETRY_AFTER_SECS);
+            Err(reject(settings, Some(id), Outcome::StoreError, rejection))
+        }
+    }
 }
 
 /// Starts renewing the claim's lease while the request runs (with

@@ -145,10 +145,6 @@ fn transaction_over() -> StoreError {
     unavailable("the idempotency transaction has already been committed or rolled back")
 }
 
-fn held_too_long(hold: Duration) -> StoreError {
-    StoreError::held_too_long(hold)
-}
-
 impl<D: TwoPhase> Held<D> {
     /// The open transaction, mapped to what the handler writes through.
     /// Calls from clones take turns.
@@ -178,7 +174,7 @@ impl<D: TwoPhase> Held<D> {
     /// The error of a call after the transaction ended.
     fn over(&self) -> StoreError {
         if self.fate.expired() {
-            held_too_long(self.fate.hold)
+            StoreError::held_too_long(self.fate.hold)
         } else {
             transaction_over()
         }

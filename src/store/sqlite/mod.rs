@@ -496,9 +496,11 @@ impl TransactionalStore for SqliteStore {
         // A claim that waits behind the open request holding its key waits
         // at most its own bound (the layer's `wait_in_flight`); one that
         // waits for the writer, at most the busy timeout.
-        let bound = (sent + req.wait_in_flight).min(busy);
+        // A claim that may not wait has one deadline: no timer more on the
+        // hot path (the writer answers it at once if it meets a holder).
+        let bound = (!req.wait_in_flight.is_zero()).then(|| (sent + req.wait_in_flight).min(busy));
         self.send(Work::Request(Begin { req, reply, events }))?;
-        for deadline in [bound, busy] {
+        for deadline in bound.into_iter().chain([busy]) {
             if let Ok(answer) = tokio::time::timeout_at(deadline, &mut answer).await {
                 return answer.map_err(|_| transaction_over())?;
             }

@@ -200,7 +200,7 @@ impl Shared {
     /// The error of a call after the transaction ended.
     fn over(&self) -> StoreError {
         if self.fate.expired() {
-            hold::held_too_long(self.fate.hold)
+            StoreError::held_too_long(self.fate.hold)
         } else {
             transaction_over()
         }

@@ -5,16 +5,10 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::Duration;
 
-use tower_idempotency::store::StoreError;
 pub(super) use tower_idempotency::store::kit::fate::Fate;
 
 use super::super::Counters;
-
-pub(super) fn held_too_long(hold: Duration) -> StoreError {
-    StoreError::held_too_long(hold)
-}
 
 /// One transaction of the store, waiting for the write lock or open:
 /// counted from `new` until dropped.
