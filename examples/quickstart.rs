@@ -2,7 +2,8 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::http::StatusCode;
-use axum::{Router, extract::Request, middleware::Next, response::Response, routing::post};
+use axum::{Json, Router, extract::Request, middleware::Next, response::Response, routing::post};
+use serde::Deserialize;
 use tower_idempotency::{IdempotencyLayer, SqliteStore, scope};
 
 /// The caller, as your authentication established it; its `Display` is the scope.
@@ -27,6 +28,12 @@ async fn authenticate(mut request: Request, next: Next) -> Result<Response, Stat
     Ok(next.run(request).await)
 }
 
+#[derive(Deserialize)]
+struct NewOrder {
+    item: String,
+    quantity: u32,
+}
+
 static ORDERS: AtomicU64 = AtomicU64::new(0);
 
 #[tokio::main]
@@ -40,9 +47,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = Router::new()
         .route(
             "/orders",
-            post(|| async {
+            // A body `Json` refuses (422, 415, 400) is answered and not
+            // stored: the corrected request may keep its key.
+            post(|Json(order): Json<NewOrder>| async move {
                 let n = ORDERS.fetch_add(1, Ordering::SeqCst) + 1;
-                (StatusCode::CREATED, format!("order {n}\n"))
+                let NewOrder { item, quantity } = order;
+                (StatusCode::CREATED, format!("order {n}: {quantity} x {item}\n"))
             }),
         )
         .route_layer(idempotency) // added first: inside, runs second
