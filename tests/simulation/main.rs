@@ -24,6 +24,8 @@
 mod app;
 mod checks;
 mod http;
+#[path = "../common/invariants.rs"]
+mod invariants;
 mod store_host;
 mod wire;
 mod world;

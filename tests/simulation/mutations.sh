@@ -10,20 +10,9 @@ repo="$(cd "$(dirname "$0")/../.." && pwd)"
 seeds="${1:-300}"
 shift || true
 only=" $* "
-scratch="$(mktemp -d)"
-trap 'rm -rf "$scratch"' EXIT
+# shellcheck source=tests/common/plant.sh
+source "$repo/tests/common/plant.sh"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target}/sim-mutants"
-
-# file, the text replaced, its replacement
-plant() {
-    python3 - "$scratch/p/$1" "$2" "$3" <<'PY'
-import sys
-path, old, new = sys.argv[1:]
-text = open(path).read()
-assert text.count(old) == 1, f"{path}: the text to replace occurs {text.count(old)} times"
-open(path, "w").write(text.replace(old, new))
-PY
-}
 
 failed=0
 run() {
@@ -31,10 +20,7 @@ run() {
     if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then
         return
     fi
-    rm -rf "$scratch/p"
-    # Not -a: fresh mtimes, so that cargo rebuilds a file the last
-    # mutation changed and this copy restores.
-    rsync -rlp --exclude target --exclude .git "$repo/" "$scratch/p/"
+    fresh_copy
     shift
     if [ "$name" != none ]; then
         plant "$@" || { echo "=== mutation $name: could not be planted"; failed=$((failed + 1)); return; }
