@@ -11,7 +11,7 @@ mod common;
 use std::time::Duration;
 
 use tower_idempotency::StoreError;
-use tower_idempotency::store::FencingToken;
+use tower_idempotency::store::{FencingToken, Purge};
 use tower_idempotency::test_util::suite::replays_come_from_the_cache_until_the_ttl_ends as cached_replays;
 use tower_idempotency::test_util::suite::two_handles_one_winner;
 use tower_idempotency::test_util::{ClockOffset, ManualClock, START_MS, store_suite};
@@ -65,10 +65,15 @@ async fn open(table: &str) -> MySqlStore {
 }
 
 async fn mysql(clock: ManualClock) -> (MySqlStore, DropTables) {
+    purging(clock, Purge::default()).await
+}
+
+async fn purging(clock: ManualClock, purge: Purge) -> (MySqlStore, DropTables) {
     let table = unique("idem_test");
     let store = MySqlStore::builder(&url())
         .table(table.clone())
         .clock_offset(ClockOffset(clock))
+        .purge(purge)
         .open()
         .await
         .unwrap_or_else(|e| {
@@ -81,6 +86,7 @@ async fn mysql(clock: ManualClock) -> (MySqlStore, DropTables) {
 }
 
 store_suite!(mysql_store, mysql, inspect);
+store_suite!(mysql_purge, purging, purge);
 
 /// A replay cached by one replay answers the next ones, until its TTL ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

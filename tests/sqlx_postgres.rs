@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-use tower_idempotency::store::FencingToken;
+use tower_idempotency::store::{FencingToken, Purge};
 use tower_idempotency::test_util::suite::replays_come_from_the_cache_until_the_ttl_ends as cached_replays;
 use tower_idempotency::test_util::suite::two_handles_one_winner;
 use tower_idempotency::test_util::{ClockOffset, ManualClock, START_MS, store_suite};
@@ -65,11 +65,24 @@ async fn sqlx_postgres(clock: ManualClock) -> (SqlxPostgresStore, DropTable) {
 
 /// A store on a table of its own; `notify`: with `notify_waiters`.
 async fn open(clock: ManualClock, notify: bool) -> (SqlxPostgresStore, DropTable) {
+    open_purging(clock, notify, Purge::default()).await
+}
+
+async fn purging(clock: ManualClock, purge: Purge) -> (SqlxPostgresStore, DropTable) {
+    open_purging(clock, false, purge).await
+}
+
+async fn open_purging(
+    clock: ManualClock,
+    notify: bool,
+    purge: Purge,
+) -> (SqlxPostgresStore, DropTable) {
     let table = table();
     let store = SqlxPostgresStore::builder(pool().await)
         .table(table.clone())
         .clock_offset(ClockOffset(clock))
         .notify_waiters(notify)
+        .purge(purge)
         .open()
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {} is required for these tests: {e}", url()));
@@ -77,6 +90,7 @@ async fn open(clock: ManualClock, notify: bool) -> (SqlxPostgresStore, DropTable
 }
 
 store_suite!(sqlx_postgres_store, sqlx_postgres, inspect);
+store_suite!(sqlx_postgres_purge, purging, purge);
 
 /// With `notify_waiters`: the completion and the release run the notifying
 /// statements, whose row counts the store reads as stored or fenced.

@@ -21,7 +21,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use tower::ServiceExt;
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
-use tower_idempotency::store::{Inspect, RecordCounts};
+use tower_idempotency::store::{Inspect, Purge, RecordCounts};
 use tower_idempotency::test_util::suite::{
     inspect_is_exact_on_a_manual_clock, two_handles_one_winner,
 };
@@ -43,10 +43,15 @@ async fn pool(path: &Path, busy: Duration) -> SqlitePool {
 }
 
 async fn make(clock: ManualClock) -> (SqlxSqliteStore, tempfile::TempDir) {
+    purging(clock, Purge::default()).await
+}
+
+async fn purging(clock: ManualClock, purge: Purge) -> (SqlxSqliteStore, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let pool = pool(&dir.path().join("records.sqlite3"), Duration::from_secs(5)).await;
     let store = SqlxSqliteStore::builder(pool)
         .clock(clock)
+        .purge(purge)
         .open()
         .await
         .unwrap();
@@ -54,6 +59,7 @@ async fn make(clock: ManualClock) -> (SqlxSqliteStore, tempfile::TempDir) {
 }
 
 store_suite!(sqlx_sqlite_store, make, inspect);
+store_suite!(sqlx_sqlite_purge, purging, purge);
 
 #[tokio::test]
 async fn inspect_is_exact() {

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use tower_idempotency::store::{Claim, FencingToken, RecordId, Store};
+use tower_idempotency::store::{Claim, FencingToken, Purge, RecordId, Store};
 use tower_idempotency::store::{MemoryStore, SqliteStore};
 #[cfg(any(feature = "postgres", feature = "redis"))]
 use tower_idempotency::test_util::suite::replays_come_from_the_cache_until_the_ttl_ends as cached_replays;
@@ -28,9 +28,14 @@ async fn memory(clock: ManualClock) -> (MemoryStore, ()) {
 }
 
 async fn sqlite(clock: ManualClock) -> (SqliteStore, tempfile::TempDir) {
+    sqlite_purging(clock, Purge::default()).await
+}
+
+async fn sqlite_purging(clock: ManualClock, purge: Purge) -> (SqliteStore, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::builder(dir.path().join("records.sqlite3"))
         .clock(clock)
+        .purge(purge)
         .open()
         .await
         .unwrap();
@@ -39,6 +44,7 @@ async fn sqlite(clock: ManualClock) -> (SqliteStore, tempfile::TempDir) {
 
 store_suite!(memory_store, memory, inspect);
 store_suite!(sqlite_store, sqlite, inspect);
+store_suite!(sqlite_purge, sqlite_purging, purge);
 
 /// Where the PostgreSQL tests connect: `TOWER_IDEMPOTENCY_POSTGRES_URL`, or
 /// the local server's `test` database.
@@ -77,10 +83,19 @@ impl Drop for DropTable {
 
 #[cfg(feature = "postgres")]
 async fn postgres(clock: ManualClock) -> (tower_idempotency_postgres::PostgresStore, DropTable) {
+    postgres_purging(clock, Purge::default()).await
+}
+
+#[cfg(feature = "postgres")]
+async fn postgres_purging(
+    clock: ManualClock,
+    purge: Purge,
+) -> (tower_idempotency_postgres::PostgresStore, DropTable) {
     let table = format!("idem_test_{:016x}", FencingToken::random().0);
     let store = tower_idempotency_postgres::PostgresStore::builder(&postgres_url())
         .table(table.clone())
         .clock_offset(ClockOffset(clock))
+        .purge(purge)
         .open()
         .await
         .unwrap_or_else(|e| {
@@ -94,6 +109,8 @@ async fn postgres(clock: ManualClock) -> (tower_idempotency_postgres::PostgresSt
 
 #[cfg(feature = "postgres")]
 store_suite!(postgres_store, postgres, inspect);
+#[cfg(feature = "postgres")]
+store_suite!(postgres_purge, postgres_purging, purge);
 
 /// The whole contract again with the replay cache on.
 #[cfg(feature = "postgres")]

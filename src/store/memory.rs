@@ -174,6 +174,12 @@ impl MemoryStore {
         self.len() == 0
     }
 
+    /// The records' shared allocation, for tests that count its holders.
+    #[cfg(test)]
+    pub(crate) fn records_handle(&self) -> Arc<dyn std::any::Any + Send + Sync> {
+        self.records.clone()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Records> {
         // A panic while the lock was held cannot leave a record half-written
         // (every update below is one assignment), so a poisoned map is usable.

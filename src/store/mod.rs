@@ -112,6 +112,7 @@ pub(crate) use decide::{Decision, Existing, Kind, decide, retry_after_secs};
 pub use error::StoreError;
 pub use inspect::{Inspect, RecordCounts, RecordSummary};
 pub use kit::feed::Watch;
+pub use kit::purge::Purge;
 pub use memory::MemoryStore;
 #[cfg(feature = "sqlite")]
 pub use sqlite::{

@@ -148,6 +148,9 @@ where
 /// `store_suite!(module_name, make, inspect)` to add the checks of
 /// [`Inspect`] (the store must implement it). `make` is an
 /// `async fn(ManualClock) -> (S, G)`; see the [module docs](self).
+/// `store_suite!(module_name, make, purge)` writes the checks of a store's
+/// own purge ([`Purge`](crate::store::Purge)), with `make` an
+/// `async fn(ManualClock, Purge) -> (S, G)` that builds the store with it.
 #[doc(inline)]
 pub use crate::__store_suite as store_suite;
 
@@ -171,6 +174,32 @@ macro_rules! __store_suite {
                 counts_sort_every_record_into_one_kind,
                 stuck_lists_ended_leases_oldest_first,
             );
+        }
+    };
+    // Retention: `$make` is an `async fn(ManualClock, Purge) -> (S, G)`.
+    ($module:ident, $make:expr, purge $(,)?) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+
+            #[test]
+            fn expired_records_are_purged_on_their_own() {
+                let every = std::time::Duration::from_millis(20);
+                let purge = $crate::store::Purge::every(every).batch(2);
+                $crate::test_util::run(
+                    |clock| $make(clock, purge),
+                    $crate::test_util::suite::expired_records_are_purged_on_their_own,
+                );
+            }
+
+            #[test]
+            fn purge_deletes_in_batches_until_none_is_left() {
+                let purge = $crate::store::Purge::off().batch(2);
+                $crate::test_util::run(
+                    |clock| $make(clock, purge),
+                    $crate::test_util::suite::purge_deletes_in_batches_until_none_is_left,
+                );
+            }
         }
     };
     // The `Store` checks, then `$extra`.

@@ -378,6 +378,46 @@ pub async fn counts_sort_every_record_into_one_kind<S: Inspect>(store: S, clock:
     assert_eq!(store.counts().await.unwrap(), counts(0, 1, 0, 0));
 }
 
+/// Retention on by default: `store`, built with a purge every few
+/// milliseconds in batches of 2 (`.purge(Purge::every(Duration::from_millis(20)).batch(2))`),
+/// deletes its 5 records past their TTL on its own, completed or not, and
+/// keeps the one still within it.
+pub async fn expired_records_are_purged_on_their_own<S: Inspect>(store: S, clock: ManualClock) {
+    for key in ["a", "b", "c"] {
+        acquire(&store, key).await;
+    }
+    for key in ["d", "e"] {
+        let token = acquire(&store, key).await;
+        complete(&store, key, token, b"ok").await;
+    }
+    clock.advance(TTL + Duration::from_secs(1));
+    claim_ttl(&store, "s", "alive", 1, TTL).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = store.counts().await.unwrap();
+        if now == counts(1, 0, 0, 0) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no purge within 10 s: {now:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// [`Store::purge_expired`] on a store whose statements delete at most 2
+/// rows (`.purge(Purge::off().batch(2))`) still deletes every record past
+/// its TTL, 5 here, in one call, and nothing else.
+pub async fn purge_deletes_in_batches_until_none_is_left<S: Inspect>(store: S, clock: ManualClock) {
+    for key in ["a", "b", "c", "d", "e"] {
+        acquire(&store, key).await;
+    }
+    clock.advance(TTL + Duration::from_secs(1));
+    claim_ttl(&store, "s", "alive", 1, TTL).await;
+    assert_eq!(store.counts().await.unwrap(), counts(1, 0, 0, 5));
+    assert_eq!(store.purge_expired().await.unwrap(), 5);
+    assert_eq!(store.counts().await.unwrap(), counts(1, 0, 0, 0));
+    assert_eq!(store.purge_expired().await.unwrap(), 0);
+}
+
 /// [`Inspect::stuck`] lists in-flight records whose lease ended, oldest lease
 /// end first, up to the limit; a takeover takes one off the list.
 pub async fn stuck_lists_ended_leases_oldest_first<S: Inspect>(store: S, clock: ManualClock) {

@@ -25,6 +25,7 @@ use tower_idempotency::store::kit::claim::{
 };
 use tower_idempotency::store::kit::feed::{DEFAULT_MAX_WATCHED_KEYS, Feed, change_payload};
 use tower_idempotency::store::kit::pg_sql::{PgSql, advisory_key, schema};
+use tower_idempotency::store::kit::purge::{PurgeTask, in_batches};
 use tower_idempotency::store::{
     Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, Watch, duration_ms,
 };
@@ -234,14 +235,16 @@ impl PostgresStoreBuilder {
             .await
             .map_err(unavailable)?;
         tx.commit().await.map_err(unavailable)?;
-        Ok(PostgresStore {
+        let mut store = PostgresStore {
             pool,
             sql: Arc::new(sql),
             limits: self.settings.limits(),
             notify: self
                 .notify
                 .then(|| (Feed::new(DEFAULT_MAX_WATCHED_KEYS), target)),
-        })
+        };
+        store.limits.purge_task = PurgeTask::start(store.clone(), self.settings.purge);
+        Ok(store)
     }
 }
 
@@ -533,9 +536,17 @@ impl Store for PostgresStore {
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         let client = self.client().await?;
-        client
-            .execute(&self.sql.purge, &[&self.offset_ms()])
-            .await
-            .map_err(unavailable)
+        let offset = self.offset_ms();
+        in_batches(self.limits.purge_batch, |rows| {
+            let (client, sql) = (&client, &self.sql.purge);
+            async move {
+                let rows = i64::from(rows);
+                client
+                    .execute(sql, &[&offset, &rows])
+                    .await
+                    .map_err(unavailable)
+            }
+        })
+        .await
     }
 }

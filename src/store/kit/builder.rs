@@ -1,6 +1,7 @@
 //! The settings every SQL store with a configurable table and a two-phase
-//! transaction shares, written once: `table`, `max_hold`, `replay_cache`,
-//! `replay_cache_bytes` and (feature `test-util`) `clock_offset`, with one
+//! transaction shares, written once: `table`, `max_hold`, `purge`,
+//! `replay_cache`, `replay_cache_bytes` and (feature `test-util`)
+//! `clock_offset`, with one
 //! documentation; [`Settings`] holds them on a builder, [`Limits`] on the
 //! store it opens.
 
@@ -8,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
+use super::purge::{Purge, PurgeTask};
 use super::replay_cache::{CacheBounds, ReplayCache, offset_instant};
 use crate::store::Clock;
 
@@ -22,17 +24,20 @@ pub struct Settings {
     pub offset: Option<Arc<dyn Clock>>,
     /// The replay cache's bounds (off by default).
     pub replays: CacheBounds,
+    /// When the store deletes its expired records (every 60 s by default).
+    pub purge: Purge,
 }
 
 impl Default for Settings {
     /// Table `idempotency_records`, a max hold of 30 s, the server's clock,
-    /// no replay cache.
+    /// no replay cache, a purge every 60 s.
     fn default() -> Self {
         Settings {
             table: "idempotency_records".into(),
             max_hold: Duration::from_secs(30),
             offset: None,
             replays: CacheBounds::default(),
+            purge: Purge::default(),
         }
     }
 }
@@ -45,6 +50,8 @@ impl Settings {
             max_hold: self.max_hold,
             held_too_long: Arc::default(),
             replays: self.replays.open(),
+            purge_batch: self.purge.batch_rows(),
+            purge_task: PurgeTask::default(),
         }
     }
 }
@@ -60,6 +67,11 @@ pub struct Limits {
     /// Completed records cached for replays, each until an [`Instant`]
     /// (see [`Limits::instant`]).
     pub replays: Arc<ReplayCache>,
+    /// The rows one purge statement deletes at most.
+    pub purge_batch: u32,
+    /// The store's purge task (none until the store starts it:
+    /// [`PurgeTask::start`]).
+    pub purge_task: PurgeTask,
 }
 
 impl Limits {
@@ -109,6 +121,14 @@ macro_rules! __sql_builder_settings {
             #[doc = concat!("[`", stringify!($transaction), "`], \"Max hold time\".")]
             pub fn max_hold(mut self, hold: std::time::Duration) -> Self {
                 self.settings.max_hold = hold;
+                self
+            }
+
+            /// When the store deletes its expired records, in statements of
+            /// at most how many rows (default: every 60 s, 1,000 rows;
+            /// `Purge::off()` for none): see `tower_idempotency::store::Purge`.
+            pub fn purge(mut self, purge: $crate::store::Purge) -> Self {
+                self.settings.purge = purge;
                 self
             }
 

@@ -23,6 +23,8 @@
 //! * [`held`]: the keys held by this process's open transactional
 //!   requests, where the claim lives in an uncommitted transaction (SQLite):
 //!   422 before any wait, a bounded wait for the holder, never a takeover.
+//! * [`purge`]: retention on by default: the purge task every SQL store
+//!   keeps, and its bounded batches.
 //! * [`feed`]: the change feed that wakes waiting repeats on other servers
 //!   (`Store::watch`): the watched keys, the listener's state.
 //! * [`transaction_extractor!`]: a store's transaction type as an axum
@@ -39,6 +41,7 @@ pub mod fate;
 pub mod feed;
 pub mod held;
 pub mod pg_sql;
+pub mod purge;
 pub mod release;
 pub mod replay_cache;
 pub mod sqlite_sql;

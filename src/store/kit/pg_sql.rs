@@ -121,7 +121,8 @@ pub struct PgSql<S> {
     /// The lease renewal, fenced by the token: `($1 scope, $2 key,
     /// $3 token, $4 clock offset ms, $5 lease ms)`.
     pub renew: S,
-    /// The purge of records past their TTL.
+    /// The purge of records past their TTL: `(offset, at most this many
+    /// rows)`.
     pub purge: S,
     /// [`Inspect::stuck`](crate::store::Inspect::stuck).
     pub stuck: S,
@@ -182,9 +183,16 @@ impl<S> PgSql<S> {
                    AND expires_at > {now}",
                 now = now_ms(4)
             )),
+            // At most $2 rows a statement (`kit::purge`). The outer test
+            // of the deadline is checked again on a row a claim replaced
+            // meanwhile (READ COMMITTED re-reads it), so a record taken
+            // over since the subquery read it stays.
             purge: statement(format!(
-                "DELETE FROM {table} WHERE expires_at <= {}",
-                now_ms(1)
+                "DELETE FROM {table}
+                 WHERE (scope, key) IN (
+                     SELECT scope, key FROM {table} WHERE expires_at <= {now} LIMIT $2::bigint)
+                   AND expires_at <= {now}",
+                now = now_ms(1)
             )),
             // The clock is read once per statement (a MATERIALIZED CTE is
             // evaluated once), so every row is judged at the same instant.

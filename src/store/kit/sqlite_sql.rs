@@ -62,6 +62,11 @@ pub fn migration(without_rowid: bool) -> String {
     )
 }
 
+/// The purge of at most `?2` records past their TTL at `?1` (unix ms), as
+/// `kit::purge` runs it, in both SQLite stores.
+pub const PURGE: &str = "DELETE FROM idempotency_records WHERE rowid IN (
+    SELECT rowid FROM idempotency_records WHERE expires_at <= ?1 LIMIT ?2)";
+
 /// The lease renewal, fenced by the token: `(?1 scope, ?2 key, ?3 token,
 /// ?4 the new lease deadline, ?5 now)`, unix ms.
 pub const RENEW: &str = "UPDATE idempotency_records SET lease_until = ?4

@@ -9,8 +9,9 @@ use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::TransactionBehavior;
 
 use super::{Limits, SqliteStore, blocking};
+use crate::store::kit::purge::PurgeTask;
 use crate::store::kit::sqlite_sql::{IS_WITHOUT_ROWID, SCHEMA_VERSION, migration};
-use crate::store::{Clock, StoreError, SystemClock, duration_ms};
+use crate::store::{Clock, Purge, StoreError, SystemClock, duration_ms};
 
 /// SQLite's `synchronous` setting: how often a commit waits for the disk.
 ///
@@ -49,6 +50,7 @@ pub struct SqliteStoreBuilder {
     replay_cache_bytes: usize,
     max_hold: Duration,
     writer_queue: usize,
+    purge: Purge,
     on_connect: Option<ConnectHook>,
 }
 
@@ -158,6 +160,14 @@ impl SqliteStoreBuilder {
     /// write of the store waits (at most the busy timeout), so keep it short.
     pub fn max_hold(mut self, hold: Duration) -> Self {
         self.max_hold = hold;
+        self
+    }
+
+    /// When the store deletes its expired records, in statements of at most
+    /// how many rows (default: every 60 s, 1,000 rows; [`Purge::off`] for
+    /// none): see [`Purge`].
+    pub fn purge(mut self, purge: Purge) -> Self {
+        self.purge = purge;
         self
     }
 
@@ -271,7 +281,7 @@ impl SqliteStoreBuilder {
             Ok(pool)
         })
         .await?;
-        Ok(SqliteStore {
+        let mut store = SqliteStore {
             pool,
             clock: self.clock,
             path: Arc::new(path),
@@ -289,7 +299,10 @@ impl SqliteStoreBuilder {
                 self.replay_cache,
                 self.replay_cache_bytes,
             )),
-        })
+            purge: (self.purge.batch_rows(), PurgeTask::default()),
+        };
+        store.purge.1 = PurgeTask::start(store.clone(), self.purge);
+        Ok(store)
     }
 }
 
@@ -343,6 +356,7 @@ impl SqliteStore {
             replay_cache_bytes: crate::store::kit::replay_cache::DEFAULT_BYTES,
             max_hold: Duration::from_secs(30),
             writer_queue: 1024,
+            purge: Purge::default(),
             on_connect: None,
         }
     }

@@ -16,6 +16,7 @@ use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::params;
 
 use crate::response::StoredResponse;
+use crate::store::kit::purge::{PurgeTask, in_batches};
 use crate::store::kit::replay_cache::ReplayCache;
 use crate::store::{
     Claim, ClaimRequest, Clock, Completion, Decision, FencingToken, RecordId, Refusal, Store,
@@ -103,6 +104,8 @@ pub struct SqliteStore {
     /// Completed records recently replayed, until their `expires_at` on the
     /// store's clock (bounded; see `store::kit::replay_cache`).
     completed: Arc<ReplayCache<i64>>,
+    /// The rows one purge statement deletes at most, and the purge task.
+    purge: (u32, PurgeTask),
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -212,12 +215,12 @@ impl Store for SqliteStore {
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.with_conn(|conn, clock| {
-            let n = conn.execute(
-                "DELETE FROM idempotency_records WHERE expires_at <= ?1",
-                params![clock.now_ms()],
-            )?;
-            Ok(n as u64)
+        in_batches(self.purge.0, |rows| {
+            self.with_conn(move |conn, clock| {
+                let purge = crate::store::kit::sqlite_sql::PURGE;
+                let n = conn.execute(purge, params![clock.now_ms(), rows])?;
+                Ok(n as u64)
+            })
         })
         .await
     }

@@ -17,6 +17,7 @@ use sqlx::{AssertSqlSafe, Executor, Row};
 use tower_idempotency::fingerprint::Hasher;
 use tower_idempotency::response::StoredResponse;
 use tower_idempotency::store::kit::builder::{Limits, Settings};
+use tower_idempotency::store::kit::purge::{PurgeTask, in_batches};
 use tower_idempotency::store::{
     Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError,
 };
@@ -210,11 +211,13 @@ impl MySqlStoreBuilder {
                 engine.as_deref().unwrap_or("unknown")
             )));
         }
-        Ok(MySqlStore {
+        let mut store = MySqlStore {
             pool,
             sql: Arc::new(sql),
             limits: self.settings.limits(),
-        })
+        };
+        store.limits.purge_task = PurgeTask::start(store.clone(), self.settings.purge);
+        Ok(store)
     }
 }
 
@@ -485,11 +488,13 @@ impl Store for MySqlStore {
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
-        q(&self.sql.purge)
-            .bind(self.offset_ms())
-            .execute(&self.pool)
-            .await
-            .map(|done| done.rows_affected())
-            .map_err(unavailable)
+        in_batches(self.limits.purge_batch, |rows| {
+            let purge = q(&self.sql.purge).bind(self.offset_ms()).bind(rows);
+            async move {
+                let purged = purge.execute(&self.pool).await.map_err(unavailable)?;
+                Ok(purged.rows_affected())
+            }
+        })
+        .await
     }
 }

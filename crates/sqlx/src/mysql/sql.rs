@@ -34,6 +34,7 @@ pub(super) struct Sql {
     /// than the last (renewals are a third of a lease apart), so a renewed
     /// row always counts as changed, whatever CLIENT_FOUND_ROWS says.
     pub(super) renew: Arc<str>,
+    /// `(offset, at most this many rows)`.
     pub(super) purge: Arc<str>,
     pub(super) stuck: Arc<str>,
     pub(super) counts: Arc<str>,
@@ -95,7 +96,12 @@ impl Sql {
                 "UPDATE {table} SET lease_until = {NOW_MS}
                  WHERE id = ? AND token = ? AND state = 'in_flight' AND expires_at > {NOW_MS}"
             )),
-            purge: s(format!("DELETE FROM {table} WHERE expires_at <= {NOW_MS}")),
+            // At most `?` rows a statement (`kit::purge`), oldest first:
+            // ORDER BY makes the rows a LIMIT picks deterministic, as
+            // statement-based replication needs.
+            purge: s(format!(
+                "DELETE FROM {table} WHERE expires_at <= {NOW_MS} ORDER BY expires_at LIMIT ?"
+            )),
             // `NOW(6)` is read once per statement: every row is judged at
             // the same instant.
             stuck: s(format!(

@@ -34,6 +34,7 @@ use tower_idempotency::store::kit::builder::{Limits, Settings};
 use tower_idempotency::store::kit::feed::{
     DEFAULT_MAX_WATCHED_KEYS, Feed, change_key, change_payload,
 };
+use tower_idempotency::store::kit::purge::{PurgeTask, in_batches};
 use tower_idempotency::store::{
     Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, Watch,
 };
@@ -246,12 +247,14 @@ impl SqlxPostgresStoreBuilder {
             .await
             .map_err(unavailable)?;
         tx.commit().await.map_err(unavailable)?;
-        Ok(SqlxPostgresStore {
+        let mut store = SqlxPostgresStore {
             pool: self.pool,
             sql: Arc::new(sql),
             limits: self.settings.limits(),
             feed: self.notify.then(|| Feed::new(DEFAULT_MAX_WATCHED_KEYS)),
-        })
+        };
+        store.limits.purge_task = PurgeTask::start(store.clone(), self.settings.purge);
+        Ok(store)
     }
 }
 
@@ -536,11 +539,15 @@ impl Store for SqlxPostgresStore {
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
-        let purged = query(&self.sql.purge)
-            .bind(self.offset_ms())
-            .execute(&self.pool)
-            .await
-            .map_err(unavailable)?;
-        Ok(purged.rows_affected())
+        in_batches(self.limits.purge_batch, |rows| {
+            let purge = query(&self.sql.purge)
+                .bind(self.offset_ms())
+                .bind(i64::from(rows));
+            async move {
+                let purged = purge.execute(&self.pool).await.map_err(unavailable)?;
+                Ok(purged.rows_affected())
+            }
+        })
+        .await
     }
 }

@@ -16,11 +16,13 @@ use sqlx::{Row, Sqlite, SqlitePool};
 
 use tower_idempotency::response::StoredResponse;
 use tower_idempotency::store::kit::held::HeldKeys;
+use tower_idempotency::store::kit::purge::{PurgeTask, in_batches};
 use tower_idempotency::store::kit::sqlite_sql::{
-    IS_WITHOUT_ROWID, RENEW, SCHEMA_VERSION, migration,
+    IS_WITHOUT_ROWID, PURGE, RENEW, SCHEMA_VERSION, migration,
 };
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Clock, Completion, FencingToken, RecordId, Store, StoreError, SystemClock,
+    Claim, ClaimRequest, Clock, Completion, FencingToken, Purge, RecordId, Store, StoreError,
+    SystemClock,
 };
 
 mod claim;
@@ -120,6 +122,8 @@ pub struct SqlxSqliteStore {
     counters: Arc<Counters>,
     /// The keys this store's open transactional requests hold.
     held: Arc<HeldKeys>,
+    /// The rows one purge statement deletes at most, and the purge task.
+    purge: (u32, PurgeTask),
 }
 
 #[derive(Default)]
@@ -144,6 +148,7 @@ pub struct SqlxSqliteStoreBuilder {
     pool: SqlitePool,
     clock: Arc<dyn Clock>,
     max_hold: Duration,
+    purge: Purge,
 }
 
 impl SqlxSqliteStoreBuilder {
@@ -164,6 +169,14 @@ impl SqlxSqliteStoreBuilder {
         self
     }
 
+    /// When the store deletes its expired records, in statements of at most
+    /// how many rows (default: every 60 s, 1,000 rows; `Purge::off()` for
+    /// none): see [`Purge`].
+    pub fn purge(mut self, purge: Purge) -> Self {
+        self.purge = purge;
+        self
+    }
+
     /// Creates or migrates the schema (in one `BEGIN IMMEDIATE`
     /// transaction), checks the pool's settings (a warning is logged when
     /// the database is not in WAL mode or `busy_timeout` is 0), and returns
@@ -181,8 +194,10 @@ impl SqlxSqliteStoreBuilder {
             busy_timeout: Duration::ZERO,
             counters: Arc::default(),
             held: Arc::default(),
+            purge: (self.purge.batch_rows(), PurgeTask::default()),
         };
         store.busy_timeout = store.migrate().await?;
+        store.purge.1 = PurgeTask::start(store.clone(), self.purge);
         Ok(store)
     }
 }
@@ -204,6 +219,7 @@ impl SqlxSqliteStore {
             pool,
             clock: Arc::new(SystemClock),
             max_hold: Duration::from_secs(30),
+            purge: Purge::default(),
         }
     }
 
@@ -394,11 +410,13 @@ impl Store for SqlxSqliteStore {
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
-        let deleted = sqlx::query("DELETE FROM idempotency_records WHERE expires_at <= ?1")
-            .bind(self.clock.now_ms())
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.error(e))?;
-        Ok(deleted.rows_affected())
+        in_batches(self.purge.0, |rows| {
+            let purge = sqlx::query(PURGE).bind(self.clock.now_ms()).bind(rows);
+            async move {
+                let deleted = purge.execute(&self.pool).await.map_err(|e| self.error(e))?;
+                Ok(deleted.rows_affected())
+            }
+        })
+        .await
     }
 }
