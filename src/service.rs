@@ -91,6 +91,21 @@ impl<S, St, Sc, F, P, M> Idempotency<S, St, Sc, F, P, M> {
             mode: PhantomData,
         }
     }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S, St, Sc, F, P, M, ReqBody, ResBody> Service<Request<ReqBody>>
@@ -118,6 +133,7 @@ where
     type Error = S::Error;
     type Future = ResponseFuture<S::Future, ResBody, S::Error>;
 
+    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }

@@ -150,3 +150,15 @@ fn tokio_stream_iter<T: Unpin>(items: Vec<T>) -> impl futures_core::Stream<Item 
     }
     Iter(items.into_iter())
 }
+
+/// tower-http's conventions: the inner service is reachable, borrowed,
+/// mutably borrowed, and unwrapped.
+#[test]
+fn the_inner_service_is_reachable() {
+    #[derive(Debug, PartialEq)]
+    struct Inner(u32);
+    let mut svc = IdempotencyLayer::new(MemoryStore::new(), GlobalScope).layer(Inner(1));
+    assert_eq!(svc.get_ref(), &Inner(1));
+    svc.get_mut().0 = 2;
+    assert_eq!(svc.into_inner(), Inner(2));
+}
