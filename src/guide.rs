@@ -16,6 +16,9 @@ pub mod stores {}
 #[doc = include_str!("../docs/guide/operations.md")]
 pub mod operations {}
 
+#[doc = include_str!("../docs/guide/fleet.md")]
+pub mod fleet {}
+
 #[doc = include_str!("../docs/guide/clients.md")]
 pub mod clients {}
 

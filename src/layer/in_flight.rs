@@ -87,8 +87,9 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// - **Woken by the store for other servers.** A store with a signal
     ///   ([`Store::watch`](crate::store::Store::watch)) wakes a waiter when
     ///   a first request on another server completes or gives its key back:
-    ///   `PostgresStore` with `notify_waiters(true)` (PostgreSQL
-    ///   `LISTEN`/`NOTIFY`, off by default: it costs commit throughput) and
+    ///   `PostgresStore` and `SqlxPostgresStore` with
+    ///   `notify_waiters(true)` (PostgreSQL `LISTEN`/`NOTIFY`, off by
+    ///   default: it costs commit throughput) and
     ///   `RedisStore` on one server (pub/sub). Measured on loopback
     ///   (`bench/wake`, 200 runs): a waiter on another server answers
     ///   0.4 ms (PostgreSQL) or 0.6 ms (Redis) after the first request's
@@ -96,8 +97,9 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     ///   polling alone: 29 ms at the median, 97 ms at worst.
     /// - **Polling as the backstop.** A waiter also claims again after
     ///   5 ms, then at doubling intervals up to 100 ms (without a live
-    ///   signal: the memory and SQLite stores, MySQL, the sqlx PostgreSQL
-    ///   store, a Redis Cluster, or while the store's listener reconnects),
+    ///   signal: the memory and SQLite stores, MySQL, a PostgreSQL store
+    ///   without `notify_waiters`, a Redis Cluster, or while the store's
+    ///   listener reconnects),
     ///   or every [`signalled_poll_interval`](Self::signalled_poll_interval)
     ///   (default 1 s) while the signal is live; and at the end of the first
     ///   request's lease. Without a signal a first request on another server
