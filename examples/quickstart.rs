@@ -36,6 +36,14 @@ struct NewOrder {
 
 static ORDERS: AtomicU64 = AtomicU64::new(0);
 
+/// A body that `Json` refuses (422, 415, 400) is answered and not stored,
+/// so the corrected request may keep its key.
+async fn new_order(Json(order): Json<NewOrder>) -> (StatusCode, String) {
+    let n = ORDERS.fetch_add(1, Ordering::SeqCst) + 1;
+    let body = format!("order {n}: {} x {}\n", order.quantity, order.item);
+    (StatusCode::CREATED, body)
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The causes of 500s and 503s are logged here, never sent to the client.
@@ -45,16 +53,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // `Caller` would get 401, never a shared scope.
     let idempotency = IdempotencyLayer::new(store, scope::extension::<Caller>()).require_key(true);
     let app = Router::new()
-        .route(
-            "/orders",
-            // A body `Json` refuses (422, 415, 400) is answered and not
-            // stored: the corrected request may keep its key.
-            post(|Json(order): Json<NewOrder>| async move {
-                let n = ORDERS.fetch_add(1, Ordering::SeqCst) + 1;
-                let NewOrder { item, quantity } = order;
-                (StatusCode::CREATED, format!("order {n}: {quantity} x {item}\n"))
-            }),
-        )
+        .route("/orders", post(new_order))
         .route_layer(idempotency) // added first: inside, runs second
         .route_layer(axum::middleware::from_fn(authenticate)); // added last: outside, runs first
     let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
