@@ -72,30 +72,64 @@ fn main() {
         .build()
         .expect("a Tokio runtime");
     let binary = driver::ledger_beside_tests();
-    let (mut runs, mut failures) = (0, 0);
-    for config in chosen {
-        let mut totals = run::Totals::default();
-        for &seed in &seeds {
-            let outcome = run::run(&runtime, &binary, config, seed);
-            runs += 1;
-            totals.add(&outcome.totals);
-            if !outcome.problems.is_empty() {
-                failures += 1;
-                println!(
-                    "{} seed {seed}: FAILED\n  - {}",
-                    config.name(),
-                    outcome.problems.join("\n  - ")
-                );
-                println!(
-                    "  plan again: REAL_SEED={seed} REAL_STORES={} cargo test --all-features -p integration --test real_stores",
-                    config.name()
-                );
-            }
-        }
-        println!("{}: {} seeds, {totals}", config.name(), seeds.len());
+    // Configurations run side by side, `REAL_JOBS` at a time (default 2):
+    // each has databases of its own, and only one uses Redis.
+    let jobs = number("REAL_JOBS").unwrap_or(2).max(1) as usize;
+    let next = std::sync::Mutex::new(chosen.iter().enumerate());
+    let mut reports: Vec<(usize, String, usize)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..jobs)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut done = Vec::new();
+                    while let Some((n, config)) = next.lock().unwrap().next() {
+                        let (report, failed) = seeds_of(&runtime, &binary, config, &seeds);
+                        done.push((n, report, failed));
+                    }
+                    done
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a worker"))
+            .collect()
+    });
+    reports.sort_by_key(|(n, _, _)| *n);
+    let runs = chosen.len() * seeds.len();
+    let mut failures = 0;
+    for (_, report, failed) in reports {
+        print!("{report}");
+        failures += failed;
     }
     println!("real stores: {runs} runs, {failures} failures");
     if failures > 0 {
         std::process::exit(1);
     }
+}
+
+/// Runs `seeds` on `config`: what to print, and how many runs failed.
+fn seeds_of(
+    runtime: &tokio::runtime::Runtime,
+    binary: &std::path::Path,
+    config: &stores::Config,
+    seeds: &[u64],
+) -> (String, usize) {
+    let mut report = String::new();
+    let mut totals = run::Totals::default();
+    let mut failures = 0;
+    for &seed in seeds {
+        let outcome = run::run(runtime, binary, config, seed);
+        totals.add(&outcome.totals);
+        if !outcome.problems.is_empty() {
+            failures += 1;
+            let name = config.name();
+            let problems = outcome.problems.join("\n  - ");
+            report += &format!("{name} seed {seed}: FAILED\n  - {problems}\n");
+            report += &format!(
+                "  plan again: REAL_SEED={seed} REAL_STORES={name} cargo test --all-features -p integration --test real_stores\n"
+            );
+        }
+    }
+    report += &format!("{}: {} seeds, {totals}\n", config.name(), seeds.len());
+    (report, failures)
 }

@@ -17,7 +17,7 @@ source "$repo/tests/common/plant.sh"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target}/real-mutants"
 
 failed=0
-# run NAME STORES [FILE OLD NEW]
+# run NAME STORES [FILE OLD NEW]... (each triple planted)
 run() {
     local name=$1 stores=$2
     if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then
@@ -25,9 +25,10 @@ run() {
     fi
     shift 2
     fresh_copy
-    if [ "$name" != none ]; then
-        plant "$@" || { echo "=== mutation $name: could not be planted"; failed=$((failed + 1)); return; }
-    fi
+    while [ "$#" -ge 3 ]; do
+        plant "$1" "$2" "$3" || { echo "=== mutation $name: could not be planted"; failed=$((failed + 1)); return; }
+        shift 3
+    done
     (cd "$scratch/p" && cargo build --quiet --all-features -p integration --example ledger --test real_stores) ||
         { echo "=== mutation $name: does not build"; failed=$((failed + 1)); return; }
     local out rc seed caught=""
@@ -63,13 +64,20 @@ run takeover-while-lease-alive postgres/separate,mysql/transactional src/store/d
     "} else if lease_alive(existing.lease_until, now, lease) {" \
     "} else if lease_alive(existing.lease_until, now + 1500, lease) {"
 # Issue 36, item 5: the ledger writes in separate mode without fencing:
-# no confirmation of its claim first, and no race against a lost lease (a
-# holder paused past its lease writes a second credit).
+# no confirmation of its claim first, no race against a lost lease, and no
+# credit found by its key across processes (the key's hash made per
+# process), so a holder paused past its lease, or killed after its write,
+# writes a second credit.
 run unfenced-write sqlite/separate,postgres/separate,mysql/separate examples/ledger/main.rs \
     "claimed.confirm().await.map_err(ApiError::NotConfirmed)?;
                 let lost = claimed.lease_lost();" \
     "let _ = ApiError::NotConfirmed;
-                let lost = std::future::pending::<()>();"
+                let lost = std::future::pending::<()>();" \
+    examples/ledger/main.rs \
+    "    hex(&hash.finalize())
+}" \
+    "    format!(\"{}-{}\", hex(&hash.finalize()[..24]), std::process::id())
+}"
 run none sqlite,postgres
 if [ "$failed" -ne 0 ]; then
     echo "real-store mutations: $failed problem(s)"

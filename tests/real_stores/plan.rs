@@ -11,8 +11,11 @@ use rand::{Rng, SeedableRng};
 pub const LEASE: Duration = Duration::from_secs(2);
 /// Keys sent while faults happen.
 const FAULT_PHASE_KEYS: usize = 10;
-/// Faults start before this.
-const FAULTS_BEFORE: Duration = Duration::from_secs(6);
+/// The targeted pause (issue 36, item 5): when, and for how long.
+const TARGETED_PAUSE: (Duration, Duration) =
+    (Duration::from_millis(800), Duration::from_millis(3500));
+/// The other faults start within this after the targeted pause ends.
+const FAULTS_WITHIN: Duration = Duration::from_secs(5);
 /// After the last fault is healed, nothing explains a 503 this long later.
 pub const GRACE: Duration = Duration::from_millis(1500);
 
@@ -74,9 +77,22 @@ pub fn plan(seed: u64, tag: &str, cuts: bool) -> Plan {
     let mut rng = StdRng::seed_from_u64(seed);
     let ms = |rng: &mut StdRng, lo: u64, hi: u64| Duration::from_millis(rng.random_range(lo..hi));
     let slow = |rng: &mut StdRng| rng.random_range(2600..3400);
-    let mut faults = Vec::new();
+    // First, issue 36, item 5's scenario: a slow credit on one ledger, that
+    // ledger stopped 0.5 s in (before its first renewal) for 3.5 s, and the
+    // credit's repeat sent to the other ledger 3 s in, past the unrenewed
+    // lease: it takes the key over, and the stopped holder, resumed, must
+    // not write.
+    let stopped = rng.random_range(0..2);
+    let mut faults = vec![(
+        TARGETED_PAUSE.0,
+        Fault::Pause {
+            ledger: stopped,
+            stopped: TARGETED_PAUSE.1,
+        },
+    )];
+    let after_targeted = TARGETED_PAUSE.0 + TARGETED_PAUSE.1;
     for _ in 0..rng.random_range(2..=4) {
-        let at = ms(&mut rng, 300, FAULTS_BEFORE.as_millis() as u64);
+        let at = after_targeted + ms(&mut rng, 300, FAULTS_WITHIN.as_millis() as u64);
         let ledger = rng.random_range(0..2);
         let fault = match rng.random_range(0..4) {
             0 => Fault::Kill {
@@ -108,7 +124,14 @@ pub fn plan(seed: u64, tag: &str, cuts: bool) -> Plan {
         .unwrap_or_default();
     let quiet_from = healed + GRACE;
 
-    let mut keys = Vec::new();
+    let mut keys = vec![KeyPlan {
+        key: format!("{tag}-1"),
+        amount: 1,
+        at: TARGETED_PAUSE.0 - Duration::from_millis(500),
+        ledger: stopped,
+        slow_ms: 3000,
+        repeats: vec![(Duration::from_secs(3), 1 - stopped)],
+    }];
     let mut key = |at, ledger, slow_ms, repeats| {
         let n = keys.len() + 1;
         keys.push(KeyPlan {
@@ -121,7 +144,11 @@ pub fn plan(seed: u64, tag: &str, cuts: bool) -> Plan {
         });
     };
     for _ in 0..FAULT_PHASE_KEYS {
-        let at = ms(&mut rng, 0, FAULTS_BEFORE.as_millis() as u64);
+        let at = ms(
+            &mut rng,
+            0,
+            (after_targeted + FAULTS_WITHIN).as_millis() as u64,
+        );
         let ledger = rng.random_range(0..2);
         if rng.random_bool(0.3) {
             let slow_ms = slow(&mut rng);

@@ -127,15 +127,13 @@ impl World {
 
 pub fn run(rt: &Runtime, binary: &Path, config: &Config, seed: u64) -> Outcome {
     let dir = tempfile::tempdir().expect("a temporary directory");
-    let tag = format!(
-        "real_{}_{}_{seed}",
-        config.store.name().replace('-', "_"),
-        config.mode
-    );
-    let db = Db::fresh(rt, config.store, &tag, dir.path());
-    // Keys unique to this run: Redis keeps its records from earlier runs.
+    // Names unique to this run: Redis keeps its records from earlier runs,
+    // and two runs may share a database server.
     let nonce: u32 = rand::random();
-    let plan = plan::plan(seed, &format!("{tag}-{nonce:08x}"), config.store.cuts());
+    let store = config.store.name().replace('-', "_");
+    let tag = format!("real_{store}_{}_{seed}_{nonce:08x}", config.mode);
+    let db = Db::fresh(rt, config.store, &tag, dir.path());
+    let plan = plan::plan(seed, &tag, config.store.cuts());
     let transactional = config.mode == "transactional";
     let downstream = Downstream::start();
     let mut flags: Vec<String> = db.flags.clone();
@@ -206,6 +204,8 @@ pub fn run(rt: &Runtime, binary: &Path, config: &Config, seed: u64) -> Outcome {
         balance,
         notifications: transactional.then_some(&received),
     });
+    drop(world);
+    rt.block_on(db.remove());
     let count = |f: &dyn Fn(&Sent) -> bool| sent.iter().filter(|s| f(s)).count();
     let faulted = |f: &dyn Fn(&Fault) -> bool| plan.faults.iter().filter(|(_, x)| f(x)).count();
     let totals = Totals {

@@ -138,7 +138,8 @@ impl Db {
             Store::Postgres | Store::SqlxPostgres => {
                 let url = services::postgres_url();
                 let drop = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
-                rt.block_on(recreate::<sqlx::PgConnection>(&url, drop, name));
+                let create = format!("CREATE DATABASE {name}");
+                rt.block_on(run_on::<sqlx::PgConnection>(&url, [drop, create]));
                 let driver = if store == Store::SqlxPostgres {
                     vec!["--db-driver", "sqlx"]
                 } else {
@@ -149,7 +150,8 @@ impl Db {
             Store::Mysql => {
                 let url = services::mysql_url();
                 let drop = format!("DROP DATABASE IF EXISTS {name}");
-                rt.block_on(recreate::<sqlx::MySqlConnection>(&url, drop, name));
+                let create = format!("CREATE DATABASE {name}");
+                rt.block_on(run_on::<sqlx::MySqlConnection>(&url, [drop, create]));
                 (
                     PathBuf::from(on_server(&url, name)),
                     vec!["--db-driver", "sqlx"],
@@ -165,6 +167,21 @@ impl Db {
             arg,
             name: name.to_owned(),
             flags,
+        }
+    }
+
+    /// Drops the run's database from its server (its SQLite file goes with
+    /// the run's directory).
+    pub async fn remove(&self) {
+        let drop = format!("DROP DATABASE IF EXISTS {}", self.name);
+        match self.store {
+            Store::Postgres | Store::SqlxPostgres => {
+                let url = services::postgres_url();
+                let drop = format!("{drop} WITH (FORCE)");
+                run_on::<sqlx::PgConnection>(&url, [drop]).await;
+            }
+            Store::Mysql => run_on::<sqlx::MySqlConnection>(&services::mysql_url(), [drop]).await,
+            Store::Sqlite | Store::SqlxSqlite | Store::Redis => {}
         }
     }
 
@@ -323,16 +340,21 @@ impl Db {
     }
 }
 
-/// Runs `drop`, then creates database `name`, on the server of `url`.
-async fn recreate<C>(url: &str, drop: String, name: &str)
+/// Runs `statements` on the server of `url`, one after the other.
+async fn run_on<C>(url: &str, statements: impl IntoIterator<Item = String>)
 where
     C: Connection,
     for<'c> &'c mut C: Executor<'c, Database = C::Database>,
 {
-    let mut admin = C::connect(url).await.expect("connect to the database server");
-    for statement in [drop, format!("CREATE DATABASE {name}")] {
+    let mut admin = C::connect(url)
+        .await
+        .expect("connect to the database server");
+    for statement in statements {
         let statement = sqlx::AssertSqlSafe(statement);
-        admin.execute(statement).await.expect("recreate the run's database");
+        admin
+            .execute(statement)
+            .await
+            .expect("create or drop the run's database");
     }
 }
 
