@@ -183,17 +183,7 @@ impl<S> PgSql<S> {
                    AND expires_at > {now}",
                 now = now_ms(4)
             )),
-            // At most $2 rows a statement (`kit::purge`). The outer test
-            // of the deadline is checked again on a row a claim replaced
-            // meanwhile (READ COMMITTED re-reads it), so a record taken
-            // over since the subquery read it stays.
-            purge: statement(format!(
-                "DELETE FROM {table}
-                 WHERE (scope, key) IN (
-                     SELECT scope, key FROM {table} WHERE expires_at <= {now} LIMIT $2::bigint)
-                   AND expires_at <= {now}",
-                now = now_ms(1)
-            )),
+            purge: statement(purge(table)),
             // The clock is read once per statement (a MATERIALIZED CTE is
             // evaluated once), so every row is judged at the same instant.
             stuck: statement(format!(
@@ -272,6 +262,20 @@ pub fn advisory_key(table: &str, scope: &str, key: &str) -> i64 {
 }
 
 /// The server's clock in unix milliseconds, shifted by parameter `$n` (ms).
+/// The purge: at most `$2` rows a statement (`kit::purge`). The outer test
+/// of the deadline is checked again on a row a claim replaced meanwhile
+/// (READ COMMITTED re-reads it), so a record taken over since the subquery
+/// read it stays.
+fn purge(table: &str) -> String {
+    format!(
+        "DELETE FROM {table}
+         WHERE (scope, key) IN (
+             SELECT scope, key FROM {table} WHERE expires_at <= {now} LIMIT $2::bigint)
+           AND expires_at <= {now}",
+        now = now_ms(1)
+    )
+}
+
 fn now_ms(n: u8) -> String {
     format!("(floor(extract(epoch from clock_timestamp()) * 1000)::bigint + ${n}::bigint)")
 }
