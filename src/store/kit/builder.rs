@@ -131,14 +131,18 @@ macro_rules! __sql_builder_settings {
                 self.settings.purge = purge;
                 self
             }
+        }
 
-            /// For tests of leases and TTLs: a `Clock`
-            /// whose reading, in milliseconds, is added to the database
-            /// server's clock, which judges leases and TTLs on this store.
-            #[cfg(feature = "test-util")]
-            pub fn clock_offset(mut self, offset: impl $crate::store::Clock) -> Self {
-                self.settings.offset = Some(std::sync::Arc::new(offset));
-                self
+        // The core's `test-util` feature decides, not the calling crate's.
+        $crate::__if_test_util! {
+            impl $builder {
+                /// For tests of leases and TTLs: a `Clock`
+                /// whose reading, in milliseconds, is added to the database
+                /// server's clock, which judges leases and TTLs on this store.
+                pub fn clock_offset(mut self, offset: impl $crate::store::Clock) -> Self {
+                    self.settings.offset = Some(std::sync::Arc::new(offset));
+                    self
+                }
             }
         }
     };

@@ -15,55 +15,56 @@
 /// `&'static std::sync::Once`, one per database: a `static` inside a
 /// generic function is one for all of them) says whether it was logged.
 ///
-/// The impls are compiled when the crate that invokes the macro has a
-/// feature named `axum`, which must enable this crate's `axum` feature
-/// (`axum = ["tower-idempotency/axum"]`).
+/// The impls are compiled when this crate is built with its `axum`
+/// feature, whatever the features of the crate that invokes the macro are
+/// named.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __transaction_extractor {
     ([$($generics:tt)*] $transaction:ty, $name:expr, $logged:expr) => {
-        /// Extracts the request's transaction in a handler behind a
-        /// `IdempotencyLayer::transactional` layer. A request without
-        /// one (a route whose layer is not `.transactional()`, or has no
-        /// `require_key(true)`) is answered with a 500 problem saying so, and
-        /// the first such request of the process is logged at error level.
-        /// The compiler cannot catch this: the extractor does not see the
-        /// layer's type.
-        #[cfg(feature = "axum")]
-        impl<S: Sync, $($generics)*> $crate::__private::axum_core::extract::FromRequestParts<S> for $transaction {
-            type Rejection = $crate::__private::http::Response<$crate::__private::axum_core::body::Body>;
+        // The core's `axum` feature decides, not the calling crate's.
+        $crate::__if_axum! {
+            /// Extracts the request's transaction in a handler behind a
+            /// `IdempotencyLayer::transactional` layer. A request without
+            /// one (a route whose layer is not `.transactional()`, or has no
+            /// `require_key(true)`) is answered with a 500 problem saying so, and
+            /// the first such request of the process is logged at error level.
+            /// The compiler cannot catch this: the extractor does not see the
+            /// layer's type.
+            impl<S: Sync, $($generics)*> $crate::__private::axum_core::extract::FromRequestParts<S> for $transaction {
+                type Rejection = $crate::__private::http::Response<$crate::__private::axum_core::body::Body>;
 
-            async fn from_request_parts(
-                parts: &mut $crate::__private::http::request::Parts,
-                _state: &S,
-            ) -> Result<Self, Self::Rejection> {
-                let logged: &'static std::sync::Once = $logged;
-                parts
-                    .extensions
-                    .get::<$transaction>()
-                    .cloned()
-                    .ok_or_else(|| {
-                        $crate::__private::misconfigured(
-                            logged,
-                            &format!(
-                                "this handler takes a {}, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)",
-                                $name,
-                            ),
-                        )
-                    })
+                async fn from_request_parts(
+                    parts: &mut $crate::__private::http::request::Parts,
+                    _state: &S,
+                ) -> Result<Self, Self::Rejection> {
+                    let logged: &'static std::sync::Once = $logged;
+                    parts
+                        .extensions
+                        .get::<$transaction>()
+                        .cloned()
+                        .ok_or_else(|| {
+                            $crate::__private::misconfigured(
+                                logged,
+                                &format!(
+                                    "this handler takes a {}, and the request has none: put the route behind IdempotencyLayer::transactional() with require_key(true)",
+                                    $name,
+                                ),
+                            )
+                        })
+                }
             }
-        }
 
-        /// `Option<_>`: `None` for requests that passed through without a key.
-        #[cfg(feature = "axum")]
-        impl<S: Sync, $($generics)*> $crate::__private::axum_core::extract::OptionalFromRequestParts<S> for $transaction {
-            type Rejection = std::convert::Infallible;
+            /// `Option<_>`: `None` for requests that passed through without a key.
+            impl<S: Sync, $($generics)*> $crate::__private::axum_core::extract::OptionalFromRequestParts<S> for $transaction {
+                type Rejection = std::convert::Infallible;
 
-            async fn from_request_parts(
-                parts: &mut $crate::__private::http::request::Parts,
-                _state: &S,
-            ) -> Result<Option<Self>, Self::Rejection> {
-                Ok(parts.extensions.get::<$transaction>().cloned())
+                async fn from_request_parts(
+                    parts: &mut $crate::__private::http::request::Parts,
+                    _state: &S,
+                ) -> Result<Option<Self>, Self::Rejection> {
+                    Ok(parts.extensions.get::<$transaction>().cloned())
+                }
             }
         }
     };
@@ -73,4 +74,37 @@ macro_rules! __transaction_extractor {
             &LOGGED
         });
     };
+}
+
+/// Its tokens when the core is built with `axum`, else nothing: the kit's
+/// macros expand in the store's crate, whose features are its own.
+#[doc(hidden)]
+#[macro_export]
+#[cfg(feature = "axum")]
+macro_rules! __if_axum {
+    ($($tokens:tt)*) => { $($tokens)* };
+}
+
+/// Its tokens when the core is built with `axum`, else nothing.
+#[doc(hidden)]
+#[macro_export]
+#[cfg(not(feature = "axum"))]
+macro_rules! __if_axum {
+    ($($tokens:tt)*) => {};
+}
+
+/// Its tokens when the core is built with `test-util`, else nothing.
+#[doc(hidden)]
+#[macro_export]
+#[cfg(feature = "test-util")]
+macro_rules! __if_test_util {
+    ($($tokens:tt)*) => { $($tokens)* };
+}
+
+/// Its tokens when the core is built with `test-util`, else nothing.
+#[doc(hidden)]
+#[macro_export]
+#[cfg(not(feature = "test-util"))]
+macro_rules! __if_test_util {
+    ($($tokens:tt)*) => {};
 }
