@@ -331,6 +331,6 @@ where
     type Service = Idempotency<S, St, Sc, F, P, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, self.store.clone(), Arc::new(self.config.clone()))
+        Idempotency::from_config(inner, self.store.clone(), Arc::new(self.config.clone()))
     }
 }

@@ -33,10 +33,11 @@ use tower_service::Service;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::{Config, Settings};
-use crate::fingerprint::Fingerprinter;
+use crate::fingerprint::{DefaultFingerprinter, Fingerprinter};
 use crate::key::parse_key;
+use crate::layer::IdempotencyLayer;
 use crate::mode::{Mode, Separate};
-use crate::policy::StorePolicy;
+use crate::policy::{DefaultStorePolicy, StorePolicy};
 use crate::problem::Rejection;
 use crate::scope::Scope;
 use crate::store::Store;
@@ -56,7 +57,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The inner service receives `Request<`[`RequestBody<B>`]`>` and its errors
 /// pass through unchanged (`Error = S::Error`); the layer's own rejections are
 /// responses, so it can sit in axum, whose services must be infallible.
-pub struct Idempotency<S, St, Sc, F, P, M = Separate> {
+pub struct Idempotency<S, St, Sc, F = DefaultFingerprinter, P = DefaultStorePolicy, M = Separate> {
     inner: S,
     store: St,
     config: Arc<Config<Sc, F, P>>,
@@ -82,8 +83,24 @@ impl<S: std::fmt::Debug, St, Sc, F, P, M> std::fmt::Debug for Idempotency<S, St,
     }
 }
 
+impl<S, St: Store, Sc: Scope + Clone>
+    Idempotency<S, St, Sc, DefaultFingerprinter, DefaultStorePolicy>
+{
+    /// `inner` behind [`IdempotencyLayer::new`]`(store, scope)` with every
+    /// default: the same as `IdempotencyLayer::new(store, scope).layer(inner)`.
+    pub fn new(inner: S, store: St, scope: Sc) -> Self {
+        tower_layer::Layer::layer(&IdempotencyLayer::new(store, scope), inner)
+    }
+
+    /// The layer that makes this service, to configure before it wraps
+    /// one: [`IdempotencyLayer::new`]`(store, scope)`.
+    pub fn layer(store: St, scope: Sc) -> IdempotencyLayer<St, Sc> {
+        IdempotencyLayer::new(store, scope)
+    }
+}
+
 impl<S, St, Sc, F, P, M> Idempotency<S, St, Sc, F, P, M> {
-    pub(crate) fn new(inner: S, store: St, config: Arc<Config<Sc, F, P>>) -> Self {
+    pub(crate) fn from_config(inner: S, store: St, config: Arc<Config<Sc, F, P>>) -> Self {
         Idempotency {
             inner,
             store,

@@ -152,7 +152,7 @@ fn tokio_stream_iter<T: Unpin>(items: Vec<T>) -> impl futures_core::Stream<Item 
 }
 
 /// tower-http's conventions: the inner service is reachable, borrowed,
-/// mutably borrowed, and unwrapped.
+/// mutably borrowed, and unwrapped; the service has `new` and `layer`.
 #[test]
 fn the_inner_service_is_reachable() {
     #[derive(Debug, PartialEq)]
@@ -161,4 +161,11 @@ fn the_inner_service_is_reachable() {
     assert_eq!(svc.get_ref(), &Inner(1));
     svc.get_mut().0 = 2;
     assert_eq!(svc.into_inner(), Inner(2));
+    // And made as tower-http's services are: `new`, or `layer` to configure.
+    let svc = tower_idempotency::Idempotency::new(Inner(3), MemoryStore::new(), GlobalScope);
+    assert_eq!(svc.get_ref(), &Inner(3));
+    let layer =
+        tower_idempotency::Idempotency::<Inner, _, _>::layer(MemoryStore::new(), GlobalScope)
+            .require_key(true);
+    assert_eq!(layer.layer(Inner(4)).into_inner(), Inner(4));
 }
