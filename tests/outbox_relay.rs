@@ -436,3 +436,44 @@ async fn metrics_count_deliveries_retries_and_dead_letters() {
     .collect();
     assert_eq!(counters, expected);
 }
+
+/// The relay deletes delivered messages past their retention on the
+/// stores' `Purge` schedule, in bounded batches: 7 delivered messages with
+/// a zero retention and batches of 2 are all deleted (four statements in
+/// one round), while a dead letter stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_relay_purges_delivered_messages_in_batches_on_its_schedule() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.sqlite3");
+    let ds = Downstream::start(
+        script(|key, _, _| {
+            if key == "refused" {
+                Answer::FailBefore(400)
+            } else {
+                Answer::Pass
+            }
+        }),
+        Duration::ZERO,
+    )
+    .await;
+    let outbox = Outbox::sqlite(&db).await.unwrap();
+    let keys = ["a", "b", "c", "d", "e", "f", "g", "refused"];
+    let messages: Vec<(&str, &str)> = keys.iter().map(|k| (*k, "{}")).collect();
+    enqueue_direct(&db, &ds.url(), &messages);
+    let purge = tower_idempotency::store::Purge::every(Duration::from_millis(50)).batch(2);
+    let _relay = outbox
+        .relay(http_sink())
+        .poll_interval(Duration::from_millis(10))
+        .retention(Duration::ZERO)
+        .purge(purge)
+        .spawn();
+    until_async(WAIT, "7 delivered and purged, 1 dead letter", || async {
+        let c = outbox.counts().await.unwrap();
+        (c.pending, c.in_flight, c.done, c.dead) == (0, 0, 0, 1)
+    })
+    .await;
+    assert_eq!(ds.effects().len(), 7);
+    let dead = outbox.list(View::Dead, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].key, "refused");
+}

@@ -364,14 +364,18 @@ impl Outbox {
         self.queue.counts().await
     }
 
-    /// Deletes up to 10 000 messages delivered more than `older_than` ago
-    /// (relays do this by themselves, see [`Relay::retention`]); returns how
-    /// many.
+    /// Deletes every message delivered more than `older_than` ago, in
+    /// statements of at most 1,000 rows (relays do this by themselves, see
+    /// [`Relay::retention`] and [`Relay::purge`]); returns how many.
     ///
     /// # Errors
     ///
     /// [`StoreError::Unavailable`] when the database does not answer.
     pub async fn purge_delivered(&self, older_than: Duration) -> Result<u64, StoreError> {
-        self.queue.purge(older_than, 10_000).await
+        let batch = tower_idempotency::store::Purge::default().batch_rows();
+        tower_idempotency::store::kit::purge::in_batches(batch, |rows| {
+            self.queue.purge(older_than, rows as usize)
+        })
+        .await
     }
 }

@@ -11,6 +11,9 @@ use tokio::task::JoinSet;
 use tower::retry::backoff::{Backoff, ExponentialBackoffMaker, MakeBackoff};
 use tower::util::rng::HasherRng;
 
+use tower_idempotency::store::Purge;
+use tower_idempotency::store::kit::purge::in_batches;
+
 use super::Message;
 use super::queue::{Claimed, Fate, Queue};
 use super::sink::{Delivery, Outcome, Sink};
@@ -29,6 +32,9 @@ pub(super) struct Config {
     pub(super) retry_after_max: Duration,
     pub(super) max_attempts: Option<u32>,
     pub(super) retention: Duration,
+    /// When delivered messages past their retention are deleted, and how
+    /// many one statement deletes: the stores' [`Purge`].
+    pub(super) purge: Purge,
     pub(super) maintenance_every: Duration,
     /// Opens sealed payloads ([`Message::seal`](crate::Message::seal)).
     pub(super) keyring: Option<tower_idempotency::seal::Keyring>,
@@ -47,6 +53,7 @@ impl Default for Config {
             retry_after_max: Duration::from_secs(3600),
             max_attempts: Some(40),
             retention: Duration::from_secs(24 * 3600),
+            purge: Purge::default(),
             maintenance_every: Duration::from_secs(10),
             keyring: None,
         }
@@ -261,9 +268,21 @@ impl Relay {
     }
 
     /// How long delivered messages are kept before the relay deletes them
-    /// (default 24 h). Dead letters are never deleted by the relay.
+    /// (default 24 h, as the records' TTL). Dead letters are never deleted
+    /// by the relay.
     pub fn retention(mut self, d: Duration) -> Self {
         self.config.retention = d;
+        self
+    }
+
+    /// When the relay deletes delivered messages past their
+    /// [`retention`](Relay::retention), in statements of at most how many
+    /// rows: the same setting, with the same default, as the stores' own
+    /// `purge` of expired records (every 60 s, 1,000 rows a statement;
+    /// `Purge::off()`: the application calls
+    /// [`Outbox::purge_delivered`](crate::Outbox::purge_delivered)).
+    pub fn purge(mut self, purge: Purge) -> Self {
+        self.config.purge = purge;
         self
     }
 
@@ -304,10 +323,16 @@ async fn run(relay: Relay, stop: Arc<Stop>) {
     let slots = Arc::new(Semaphore::new(config.max_in_flight));
     let mut tasks = JoinSet::new();
     let mut next_maintenance = tokio::time::Instant::now();
+    let mut next_purge = config.purge.period().map(|every| next_maintenance + every);
     while !stop.flag.load(Ordering::SeqCst) {
         while tasks.try_join_next().is_some() {}
-        if tokio::time::Instant::now() >= next_maintenance {
-            maintain(&*relay.queue, &config).await;
+        let now = tokio::time::Instant::now();
+        if next_purge.is_some_and(|at| now >= at) {
+            purge(&*relay.queue, &config).await;
+            next_purge = config.purge.period().map(|every| now + every);
+        }
+        if now >= next_maintenance {
+            maintain(&*relay.queue).await;
             next_maintenance = tokio::time::Instant::now() + config.maintenance_every;
         }
         let free = slots.available_permits().min(config.batch_size);
@@ -347,19 +372,28 @@ async fn run(relay: Relay, stop: Arc<Stop>) {
     while tasks.join_next().await.is_some() {}
 }
 
-/// Purges delivered messages past their retention, and sets the gauge of
-/// the oldest pending message's age.
-async fn maintain(queue: &dyn Queue, config: &Config) {
-    match queue.purge(config.retention, 10_000).await {
+/// Deletes delivered messages past their retention, in bounded batches.
+async fn purge(queue: &dyn Queue, config: &Config) {
+    let purged = in_batches(config.purge.batch_rows(), |rows| {
+        queue.purge(config.retention, rows as usize)
+    });
+    match purged.await {
         Ok(n) if n > 0 => tracing::debug!(purged = n, "outbox relay: purged delivered messages"),
         Ok(_) => {}
         Err(e) => tracing::warn!(error = %e, "outbox relay: purging delivered messages failed"),
     }
+}
+
+/// Sets the gauge of the oldest pending message's age (with the `metrics`
+/// feature; nothing without it).
+async fn maintain(queue: &dyn Queue) {
     #[cfg(feature = "metrics")]
     if let Ok(counts) = queue.counts().await {
         let age = counts.oldest_pending_age_ms.unwrap_or(0) as f64 / 1000.0;
         metrics::gauge!(super::METRIC_OLDEST_PENDING).set(age);
     }
+    #[cfg(not(feature = "metrics"))]
+    let _ = queue;
 }
 
 /// Hands `message` to the sink, at most the attempt's timeout.
