@@ -25,11 +25,11 @@ pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
 ///
 /// Most handlers finish in well under a second, so a client that obeys the
 /// hint retries soon after the first request completes and gets its replay.
-/// The remaining lease (up to [`DEFAULT_LEASE`](crate::store::DEFAULT_LEASE),
-/// 60 s) would be the time after which the claim may be *taken over*, not
-/// the time the first request needs; sent as the hint, it makes obedient
-/// clients wait a minute for a result that was ready after a few
-/// milliseconds.
+/// The remaining lease (up to [`DEFAULT_LEASE`](crate::DEFAULT_LEASE), 10 s,
+/// renewed while the request runs) is the time after which the claim may be
+/// *taken over*, not the time the first request needs; sent as the hint, it
+/// would make obedient clients wait seconds for a result that was ready
+/// after a few milliseconds.
 pub const DEFAULT_IN_FLIGHT_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 type RejectionFn = Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
@@ -53,9 +53,11 @@ pub(crate) struct Settings {
     pub(crate) methods: Vec<Method>,
     pub(crate) require_key: bool,
     pub(crate) lease: Duration,
-    /// Lease renewal: `Some(max_hold)` renews the lease while the request
-    /// runs, for at most `max_hold` from the claim.
-    pub(crate) max_hold: Option<Duration>,
+    /// The longest a request may hold its key, counted from its claim: its
+    /// lease is renewed while it runs, up to this (`max_hold`).
+    pub(crate) max_hold: Duration,
+    /// The layer's one renewal task, shared by its services.
+    pub(crate) renewer: Arc<dyn crate::renew::Renew>,
     pub(crate) in_flight_retry_after: Duration,
     pub(crate) ttl: Duration,
     pub(crate) max_request_body: usize,

@@ -89,7 +89,7 @@ pub enum EventKind {
     /// handler runs again for a key that may have run before.
     TakenOver,
     /// A running request lost its key's lease (see
-    /// [`renew_lease`](crate::IdempotencyLayer::renew_lease)).
+    /// [`max_hold`](crate::IdempotencyLayer::max_hold)).
     LeaseLost,
 }
 

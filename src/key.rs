@@ -336,7 +336,8 @@ impl ClaimedKey {
     /// half its lease never pays for it. Past that it is one store round
     /// trip: a renewal of the lease fenced by the request's fencing token
     /// (one lease, never past the max hold; the same write as
-    /// [`IdempotencyLayer::renew_lease`](crate::IdempotencyLayer::renew_lease)'s).
+    /// the layer's renewals while the request runs, see
+    /// [`IdempotencyLayer::max_hold`](crate::IdempotencyLayer::max_hold)).
     /// It closes the window in which a paused holder (a stopped process, a
     /// long GC pause, a partition) resumes after another request took its key
     /// over and makes the effect a second time: such a holder gets
@@ -369,8 +370,8 @@ impl ClaimedKey {
         self.lease.clone()
     }
 
-    /// Resolves if this request's lease is lost while it runs: with
-    /// [`IdempotencyLayer::renew_lease`](crate::IdempotencyLayer::renew_lease),
+    /// Resolves if this request's lease is lost while it runs (see
+    /// [`IdempotencyLayer::max_hold`](crate::IdempotencyLayer::max_hold)):
     /// a renewal found the key taken over, or none was confirmed before the
     /// lease ended, or the max hold passed. Another request may then run
     /// the same operation: a handler with a long effect can race this

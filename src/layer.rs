@@ -25,7 +25,7 @@ use crate::problem::Rejection;
 use crate::scope::Scope;
 use crate::seal::Keyring;
 use crate::service::Idempotency;
-use crate::store::{DEFAULT_LEASE, DEFAULT_TTL};
+use crate::store::{DEFAULT_LEASE, DEFAULT_MAX_HOLD, DEFAULT_TTL};
 use crate::store::{Store, TransactionalStore};
 use crate::wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES, DEFAULT_SIGNALLED_POLL};
 
@@ -119,21 +119,22 @@ impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
     /// [`crate::scope#put-the-layer-inside-authentication`]).
     ///
     /// Defaults: header `Idempotency-Key`; methods POST and PATCH; a key is
-    /// optional; lease [`DEFAULT_LEASE`]; TTL [`DEFAULT_TTL`]; request and
+    /// optional; lease [`DEFAULT_LEASE`] (10 s), renewed while the request
+    /// runs up to [`DEFAULT_MAX_HOLD`] (60 s); TTL [`DEFAULT_TTL`]; request and
     /// response limits [`DEFAULT_MAX_REQUEST_BODY`] and
     /// [`DEFAULT_MAX_RESPONSE_BODY`]; marker `Idempotent-Replayed`;
     /// [`DefaultFingerprinter`]; [`DefaultStorePolicy`]; problem+json rejections.
     pub fn new(store: St, scope: Sc) -> Self {
         IdempotencyLayer {
-            store,
             config: Config {
                 settings: Settings {
+                    renewer: Arc::new(crate::renew::Renewer::new(store.clone())),
                     header: HeaderName::from_static("idempotency-key"),
                     key_source: None,
                     methods: vec![Method::POST, Method::PATCH],
                     require_key: false,
                     lease: DEFAULT_LEASE,
-                    max_hold: None,
+                    max_hold: DEFAULT_MAX_HOLD,
                     in_flight_retry_after: DEFAULT_IN_FLIGHT_RETRY_AFTER,
                     ttl: DEFAULT_TTL,
                     max_request_body: DEFAULT_MAX_REQUEST_BODY,
@@ -153,6 +154,7 @@ impl<St: Store, Sc: Scope> IdempotencyLayer<St, Sc> {
                 fingerprinter: DefaultFingerprinter::new(),
                 policy: DefaultStorePolicy,
             },
+            store,
             mode: PhantomData,
         }
     }
@@ -181,10 +183,12 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
         self
     }
 
-    /// How long an in-flight claim holds before a repeat may take it over
-    /// (default [`DEFAULT_LEASE`]). Set it above the handler's longest
-    /// running time: a holder still running when its lease ends may see its
-    /// work repeated by the request that took over.
+    /// How long an in-flight claim holds, unless renewed, before a repeat
+    /// may take it over (default [`DEFAULT_LEASE`], 10 s): how long a crashed
+    /// holder's keys stay in flight. A live request's lease is renewed while
+    /// it runs, up to [`max_hold`](Self::max_hold), so the lease need not
+    /// exceed the handler's running time. Keep it well above the store's
+    /// round trip (a second or more): a renewal comes every third of a lease.
     ///
     /// Every layer that shares a store's keys must use the same lease. A
     /// lease deadline further ahead than the claiming request's own lease
@@ -332,5 +336,23 @@ where
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency::from_config(inner, self.store.clone(), Arc::new(self.config.clone()))
+    }
+}
+
+/// The service's own constructors, as tower-http's services have: kept
+/// here, beside the layer they build on, so the service needs no layer.
+impl<S, St: Store, Sc: Scope + Clone>
+    Idempotency<S, St, Sc, DefaultFingerprinter, DefaultStorePolicy>
+{
+    /// `inner` behind [`IdempotencyLayer::new`]`(store, scope)` with every
+    /// default: the same as `IdempotencyLayer::new(store, scope).layer(inner)`.
+    pub fn new(inner: S, store: St, scope: Sc) -> Self {
+        tower_layer::Layer::layer(&IdempotencyLayer::new(store, scope), inner)
+    }
+
+    /// The layer that makes this service, to configure before it wraps
+    /// one: [`IdempotencyLayer::new`]`(store, scope)`.
+    pub fn layer(store: St, scope: Sc) -> IdempotencyLayer<St, Sc> {
+        IdempotencyLayer::new(store, scope)
     }
 }

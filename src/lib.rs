@@ -161,6 +161,6 @@ pub use rusqlite;
 pub use service::{Idempotency, ResponseFuture};
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-pub use store::{DEFAULT_LEASE, DEFAULT_TTL};
+pub use store::{DEFAULT_LEASE, DEFAULT_MAX_HOLD, DEFAULT_TTL};
 pub use store::{MemoryStore, Store, StoreError};
 pub use wait::{DEFAULT_MAX_WAITERS, DEFAULT_MAX_WAITING_BYTES, DEFAULT_SIGNALLED_POLL};

@@ -73,9 +73,9 @@
 //! store, an `Err`, a panic or a dropped request roll the effect back and give
 //! the key back. If the commit fails, the first caller gets 503 instead of the
 //! handler's response, since nothing happened. A transaction is held at
-//! most the store's max hold time or the lease, whichever is shorter
-//! (`SqliteStoreBuilder::max_hold`, `PostgresStoreBuilder::max_hold`,
-//! default 30 s); past it the store rolls it back and the request gets 503.
+//! most the layer's max hold time
+//! ([`IdempotencyLayer::max_hold`](crate::IdempotencyLayer::max_hold),
+//! default 60 s); past it the store rolls it back and the request gets 503.
 //!
 //! ## Streamed responses are buffered
 //!

@@ -69,7 +69,7 @@
 //! ## held-too-long
 //!
 //! Status 503. The request ran past its max hold time in transactional mode
-//! (the store's `max_hold`, or the layer's `renew_lease` cap), so its
+//! (the layer's `max_hold`), so its
 //! transaction was rolled back: nothing of it happened and its key is free.
 //! The store was reachable; the handler was slow. Retry after `Retry-After`
 //! seconds with the same key; if it happens again, the handler needs more

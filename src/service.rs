@@ -35,7 +35,6 @@ use crate::body::{RequestBody, ResponseBody};
 use crate::config::{Config, Settings};
 use crate::fingerprint::{DefaultFingerprinter, Fingerprinter};
 use crate::key::parse_key;
-use crate::layer::IdempotencyLayer;
 use crate::mode::{Mode, Separate};
 use crate::policy::{DefaultStorePolicy, StorePolicy};
 use crate::problem::Rejection;
@@ -80,22 +79,6 @@ impl<S: std::fmt::Debug, St, Sc, F, P, M> std::fmt::Debug for Idempotency<S, St,
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
             .finish_non_exhaustive()
-    }
-}
-
-impl<S, St: Store, Sc: Scope + Clone>
-    Idempotency<S, St, Sc, DefaultFingerprinter, DefaultStorePolicy>
-{
-    /// `inner` behind [`IdempotencyLayer::new`]`(store, scope)` with every
-    /// default: the same as `IdempotencyLayer::new(store, scope).layer(inner)`.
-    pub fn new(inner: S, store: St, scope: Sc) -> Self {
-        tower_layer::Layer::layer(&IdempotencyLayer::new(store, scope), inner)
-    }
-
-    /// The layer that makes this service, to configure before it wraps
-    /// one: [`IdempotencyLayer::new`]`(store, scope)`.
-    pub fn layer(store: St, scope: Sc) -> IdempotencyLayer<St, Sc> {
-        IdempotencyLayer::new(store, scope)
     }
 }
 

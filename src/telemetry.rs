@@ -71,7 +71,7 @@
 //! |---|---|---|---|
 //! | `tower_idempotency_requests_total` | counter | `outcome` | requests the layer answered or ran, by [`Outcome`] |
 //! | `tower_idempotency_takeovers_total` | counter | | in-flight records taken over after their lease ended (a holder crashed or was too slow) |
-//! | `tower_idempotency_lease_renewals_total` | counter | | leases renewed while their request ran ([`renew_lease`](crate::IdempotencyLayer::renew_lease)) |
+//! | `tower_idempotency_lease_renewals_total` | counter | | leases renewed while their request ran ([`max_hold`](crate::IdempotencyLayer::max_hold)) |
 //! | `tower_idempotency_leases_lost_total` | counter | | leases lost while their request ran: taken over, not confirmed in time, or held past the max hold |
 //! | `tower_idempotency_waits_total` | counter | `ended` = `woken`, `timed_out` or `full` | repeats that waited for their first request ([`wait_in_flight`](crate::IdempotencyLayer::wait_in_flight)): the key left the in-flight state, the wait passed its bound, or no place was free |
 //! | `tower_idempotency_records_unopened_total` | counter | | stored responses sealed at rest that no configured key opened ([`crate::seal`]): never replayed, answered 503 |

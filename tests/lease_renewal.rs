@@ -1,6 +1,6 @@
-//! `IdempotencyLayer::renew_lease`: a handler slower than its lease keeps
-//! its key while it runs (a repeat gets 409, never a second run); without
-//! renewal the same repeat takes the key over and runs again. A renewal that
+//! `IdempotencyLayer::max_hold`: a handler slower than its lease keeps
+//! its key while it runs (a repeat gets 409, never a second run); past its
+//! max hold the same repeat takes the key over and runs again. A renewal that
 //! finds the key taken over, or the max hold passing, fires
 //! `ClaimedKey::lease_lost`.
 
@@ -86,11 +86,8 @@ async fn until_running(h: &Handler) {
 async fn repeat_after_two_leases(renew: bool) -> (u16, u16, usize) {
     let layer =
         IdempotencyLayer::new(MemoryStore::new(), GlobalScope).lease(Duration::from_secs(1));
-    let layer = if renew {
-        layer.renew_lease(Duration::from_secs(60))
-    } else {
-        layer
-    };
+    // Without renewal past the first lease: a max hold of one lease.
+    let layer = layer.max_hold(Duration::from_secs(if renew { 60 } else { 1 }));
     let (app, h) = app(layer);
     let first = tokio::spawn({
         let app = app.clone();
@@ -111,9 +108,12 @@ async fn a_renewed_lease_outlives_a_slow_handler() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_renewal_the_repeat_takes_the_key_over_and_runs_again() {
-    // The contrast: the same timing, no renewal, and the handler runs twice.
-    assert_eq!(repeat_after_two_leases(false).await, (201, 201, 2));
+async fn past_its_max_hold_the_repeat_takes_the_key_over_and_runs_again() {
+    // The contrast: the same timing, renewed only up to a max hold of one
+    // lease: the first run hears that its lease is lost at the max hold
+    // (503 from the handler), the repeat takes the key over, and the
+    // handler runs twice.
+    assert_eq!(repeat_after_two_leases(false).await, (503, 201, 2));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,7 +124,7 @@ async fn a_renewal_that_finds_the_key_taken_over_signals_lease_lost() {
     let log = events.clone();
     let layer = IdempotencyLayer::new(store, GlobalScope)
         .lease(Duration::from_millis(600))
-        .renew_lease(Duration::from_secs(60))
+        .max_hold(Duration::from_secs(60))
         .on_event(move |e: &Event<'_>| {
             if matches!(e.kind, EventKind::TakenOver | EventKind::LeaseLost) {
                 log.lock().unwrap().push((e.kind, e.key.map(str::to_owned)));
@@ -173,7 +173,7 @@ async fn a_renewal_that_finds_the_key_taken_over_signals_lease_lost() {
 async fn renewals_stop_at_the_max_hold() {
     let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope)
         .lease(Duration::from_millis(300))
-        .renew_lease(Duration::from_secs(1));
+        .max_hold(Duration::from_secs(1));
     let (app, h) = app(layer);
     let first = tokio::spawn({
         let app = app.clone();
@@ -254,8 +254,12 @@ mod confirm_and_unknown {
         clock: &ManualClock,
     ) -> (Router, Effects) {
         let store = MemoryStore::with_clock(clock.clone());
+        // A max hold that ends before the first renewal (a third of a
+        // lease in): as a paused process renews nothing, no renewal keeps
+        // the key past its first lease.
         let layer = IdempotencyLayer::new(store, GlobalScope)
             .lease(Duration::from_secs(1))
+            .max_hold(Duration::from_millis(100))
             .require_key(true);
         let e = Effects {
             runs: Arc::default(),

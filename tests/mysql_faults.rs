@@ -35,6 +35,8 @@ fn url() -> String {
 /// A store on tables of its own (records and `_credits`), dropped at the end.
 struct Db {
     store: MySqlStore,
+    /// The layer's max hold.
+    hold: Duration,
     table: String,
     admin: sqlx::MySqlPool,
 }
@@ -45,7 +47,6 @@ impl Db {
         let store = MySqlStore::builder(url)
             .table(table.clone())
             .wait_timeout(Duration::from_secs(2))
-            .max_hold(hold)
             .open()
             .await
             .unwrap_or_else(|e| panic!("MySQL/MariaDB at {url} is required: {e}"));
@@ -59,6 +60,7 @@ impl Db {
         Db {
             store,
             table,
+            hold,
             admin,
         }
     }
@@ -139,7 +141,7 @@ async fn start(db: &Db, transactional: bool) -> (SocketAddr, App) {
         table: db.table.clone(),
         connection: Arc::default(),
     };
-    let layer = IdempotencyLayer::new(db.store.clone(), GlobalScope);
+    let layer = IdempotencyLayer::new(db.store.clone(), GlobalScope).max_hold(db.hold);
     let router = if transactional {
         Router::new()
             .route("/charge", post(charge_tx))
@@ -361,6 +363,7 @@ async fn partitioned_server_never_causes_a_second_effect() {
     let through = format!("mysql://{user}@{}/{db_name}", proxy.addr);
     let lease = Duration::from_secs(3);
     let db = Db::new(&through, &direct, Duration::from_secs(2)).await;
+    let hold = db.hold;
     let b_store = MySqlStore::builder(&direct)
         .table(db.table.clone())
         .open()
@@ -370,6 +373,7 @@ async fn partitioned_server_never_causes_a_second_effect() {
         let router = Router::new().route("/charge", post(charge_tx)).route_layer(
             IdempotencyLayer::new(store, GlobalScope)
                 .lease(lease)
+                .max_hold(hold)
                 .transactional(),
         );
         serve(router.with_state(app)).await

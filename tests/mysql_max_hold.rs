@@ -35,7 +35,6 @@ async fn a_statement_past_the_max_hold_is_stopped_with_the_pool_exhausted() {
         .table(&table)
         .pool_size(1)
         .wait_timeout(Duration::from_secs(5))
-        .max_hold(Duration::from_secs(1))
         .open()
         .await
         .unwrap_or_else(|e| panic!("MySQL/MariaDB at {} is required: {e}", url()));
@@ -83,7 +82,11 @@ async fn a_statement_past_the_max_hold_is_stopped_with_the_pool_exhausted() {
                 }
             }),
         )
-        .layer(IdempotencyLayer::new(store.clone(), GlobalScope).transactional());
+        .layer(
+            IdempotencyLayer::new(store.clone(), GlobalScope)
+                .max_hold(Duration::from_secs(1))
+                .transactional(),
+        );
     let addr = common::serve(app).await;
     let request = tokio::spawn(async move {
         common::send(

@@ -386,7 +386,6 @@ async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503() 
     let db = Db::new().await;
     let store = PostgresStore::builder(&url())
         .table(db.table.clone())
-        .max_hold(Duration::from_millis(200))
         .open()
         .await
         .unwrap();
@@ -421,7 +420,11 @@ async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503() 
                 },
             ),
         )
-        .route_layer(IdempotencyLayer::new(store.clone(), GlobalScope).transactional())
+        .route_layer(
+            IdempotencyLayer::new(store.clone(), GlobalScope)
+                .max_hold(Duration::from_millis(200))
+                .transactional(),
+        )
         .with_state((h.clone(), db.table.clone()));
     let addr = serve(app).await;
     let first = tokio::spawn(async move {
@@ -463,7 +466,6 @@ async fn a_statement_running_past_the_max_hold_is_cancelled() {
     let db = Db::new().await;
     let store = PostgresStore::builder(&url())
         .table(db.table.clone())
-        .max_hold(Duration::from_millis(200))
         .open()
         .await
         .unwrap();
@@ -488,7 +490,11 @@ async fn a_statement_running_past_the_max_hold_is_cancelled() {
                 (StatusCode::CREATED, "slept")
             }),
         )
-        .route_layer(IdempotencyLayer::new(store.clone(), GlobalScope).transactional())
+        .route_layer(
+            IdempotencyLayer::new(store.clone(), GlobalScope)
+                .max_hold(Duration::from_millis(200))
+                .transactional(),
+        )
         .with_state((Harness::default(), db.table.clone()));
     let addr = serve(app).await;
     let r = send(addr, "POST", "/sleeps", &[("idempotency-key", b"k")], b"{}").await;

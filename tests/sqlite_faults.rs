@@ -187,9 +187,9 @@ async fn sqlite_lock_between_claim_and_completion() {
     blocker.execute_batch("ROLLBACK").unwrap();
     assert_eq!(db.state("k"), "in_flight");
 
-    // The whole default lease (60 s) is left: the clock has not moved.
-    assert_in_flight(&request(addr, "k", &[]).await, "60");
-    db.clock.advance(Duration::from_secs(59));
+    // The whole default lease (10 s) is left: the clock has not moved.
+    assert_in_flight(&request(addr, "k", &[]).await, "10");
+    db.clock.advance(Duration::from_secs(9));
     assert_in_flight(&request(addr, "k", &[]).await, "1");
     assert_eq!(db.h.runs(), 1);
     // The lease is over: the retry takes the key over and runs (separate
@@ -397,12 +397,12 @@ async fn sqlite_disk_full_at_completion_separate() {
     assert_eq!(first.header("idempotent-replayed"), None);
     assert_eq!(first.body, vec![b'x'; 65536]);
     assert_eq!(db.state("k"), "in_flight");
-    assert_in_flight(&request(addr, "k", LARGE).await, "60");
+    assert_in_flight(&request(addr, "k", LARGE).await, "10");
 
     let addr = db.app(Mode::Separate, None).await;
-    assert_in_flight(&request(addr, "k", LARGE).await, "60");
+    assert_in_flight(&request(addr, "k", LARGE).await, "10");
     assert_eq!(db.h.runs(), 1);
-    db.clock.advance(Duration::from_secs(60));
+    db.clock.advance(Duration::from_secs(10));
     let second = request(addr, "k", LARGE).await;
     assert_eq!((second.status, second.replayed()), (201, false));
     assert_eq!(second.header_str("x-charge"), Some("2"));

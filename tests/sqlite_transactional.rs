@@ -122,18 +122,20 @@ impl Fixture {
     }
 
     async fn start_with(options: impl FnOnce(SqliteStoreBuilder) -> SqliteStoreBuilder) -> Fixture {
-        Fixture::build(options, None).await
+        Fixture::build(options, None, tower_idempotency::DEFAULT_MAX_HOLD).await
     }
 
     /// As [`Fixture::start`], with repeats that wait up to `wait` for the
     /// request in flight (`wait_in_flight`; without it they get 409 at once).
     async fn start_waiting(busy_timeout: Duration, wait: Duration) -> Fixture {
-        Fixture::build(|b| b.busy_timeout(busy_timeout), Some(wait)).await
+        let hold = tower_idempotency::DEFAULT_MAX_HOLD;
+        Fixture::build(|b| b.busy_timeout(busy_timeout), Some(wait), hold).await
     }
 
     async fn build(
         options: impl FnOnce(SqliteStoreBuilder) -> SqliteStoreBuilder,
         wait: Option<Duration>,
+        max_hold: Duration,
     ) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("app.sqlite3");
@@ -145,6 +147,7 @@ impl Fixture {
         let h = Harness::default();
         let layer = IdempotencyLayer::new(store.clone(), |p: &Parts| user(p))
             .wait_in_flight(wait.unwrap_or_default())
+            .max_hold(max_hold)
             .transactional();
         let (handed, handed_rx) = tokio::sync::mpsc::channel(1);
         let (late, late_rx) = tokio::sync::mpsc::channel(1);
@@ -577,11 +580,8 @@ async fn a_failed_batch_commit_fails_every_member_and_keeps_nothing() {
 /// nothing of it stays; the retry runs afresh.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503() {
-    let mut f = Fixture::start_with(|b| {
-        b.busy_timeout(Duration::from_secs(5))
-            .max_hold(Duration::from_millis(200))
-    })
-    .await;
+    let options = |b: SqliteStoreBuilder| b.busy_timeout(Duration::from_secs(5));
+    let mut f = Fixture::build(options, None, Duration::from_millis(200)).await;
     let addr = f.addr;
     let first = tokio::spawn(async move {
         send(

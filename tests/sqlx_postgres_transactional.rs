@@ -47,9 +47,19 @@ impl Db {
             tower_idempotency_sqlx::SqlxPostgresStoreBuilder,
         ) -> tower_idempotency_sqlx::SqlxPostgresStoreBuilder,
     ) -> Db {
+        Db::on_pool(8, options).await
+    }
+
+    /// As [`Db::with`], on a pool of `connections` (acquire timeout 30 s).
+    async fn on_pool(
+        connections: u32,
+        options: impl FnOnce(
+            tower_idempotency_sqlx::SqlxPostgresStoreBuilder,
+        ) -> tower_idempotency_sqlx::SqlxPostgresStoreBuilder,
+    ) -> Db {
         let pool = PgPoolOptions::new()
-            .max_connections(8)
-            .acquire_timeout(Duration::from_secs(10))
+            .max_connections(connections)
+            .acquire_timeout(Duration::from_secs(30))
             .connect(&url())
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL at {} is required: {e}", url()));
@@ -259,7 +269,7 @@ async fn a_cancelled_commit_never_leaks_its_transaction() {
 /// once, and the request gets 503 with nothing kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_running_past_the_max_hold_is_cancelled() {
-    let db = Db::with(|b| b.max_hold(Duration::from_millis(200))).await;
+    let db = Db::with(|b| b).await;
     let t = db.table.clone();
     let (slept, mut slept_rx) = tokio::sync::mpsc::channel(1);
     let app = Router::new()
@@ -284,7 +294,11 @@ async fn a_statement_running_past_the_max_hold_is_cancelled() {
                 (StatusCode::CREATED, "slept")
             }),
         )
-        .route_layer(IdempotencyLayer::new(db.store.clone(), GlobalScope).transactional());
+        .route_layer(
+            IdempotencyLayer::new(db.store.clone(), GlobalScope)
+                .max_hold(Duration::from_millis(200))
+                .transactional(),
+        );
     let addr = serve(app).await;
     let r = send(addr, "POST", "/sleeps", &[("idempotency-key", b"k")], b"{}").await;
     assert_eq!(r.assert_problem(503), types::HELD_TOO_LONG);
@@ -296,5 +310,82 @@ async fn a_statement_running_past_the_max_hold_is_cancelled() {
         .expect("the transaction ends");
     assert_eq!(db.store.transactions_held_too_long(), 1);
     assert_eq!(db.effects().await, (0, 0, 0));
+    db.drop_tables().await;
+}
+
+/// Issue 38: twelve transactional credits slower than the default lease
+/// (11 s against 10 s) at once, with the default settings, on sqlx's
+/// default pool size of 10. Ten hold a connection each for their whole run
+/// and two wait for one; the leases are renewed on the store's own
+/// connection, never behind them, so no request hears of a lost lease: all
+/// twelve answer 201 and commit once (twelve credits, twelve records).
+/// Renewed through the request pool, the first ten lost their leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn slow_requests_on_a_full_pool_lose_no_lease() {
+    use tower_idempotency::key::ClaimedKey;
+    let db = Db::on_pool(10, |b| b).await;
+    let t = db.table.clone();
+    let h = Harness::default();
+    let runs = h.clone();
+    let app = Router::new()
+        .route(
+            "/slow",
+            post(
+                move |claimed: ClaimedKey, tx: SqlxPostgresTransaction| async move {
+                    let mut conn = tx.connection().await?;
+                    sqlx::query(AssertSqlSafe(format!(
+                        "INSERT INTO {t}_credits (amount) VALUES (5)"
+                    )))
+                    .execute(&mut *conn)
+                    .await?;
+                    drop(conn);
+                    runs.runs.fetch_add(1, Ordering::SeqCst);
+                    let answer = tokio::select! {
+                        () = tokio::time::sleep(Duration::from_secs(11)) => {
+                            (StatusCode::CREATED, "kept its lease")
+                        }
+                        () = claimed.lease_lost() => {
+                            (StatusCode::SERVICE_UNAVAILABLE, "lost its lease")
+                        }
+                    };
+                    Ok::<_, SqlxPostgresError>(answer.into_response())
+                },
+            ),
+        )
+        .route_layer(IdempotencyLayer::new(db.store.clone(), GlobalScope).transactional());
+    let addr = serve(app).await;
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(12));
+    let requests: Vec<_> = (0..12)
+        .map(|i| {
+            let start = start.clone();
+            tokio::spawn(async move {
+                let key = format!("slow-{i}");
+                start.wait().await;
+                send(
+                    addr,
+                    "POST",
+                    "/slow",
+                    &[("idempotency-key", key.as_bytes())],
+                    b"{}",
+                )
+                .await
+            })
+        })
+        .collect();
+    for request in requests {
+        let r = request.await.unwrap();
+        assert_eq!(
+            (r.status, r.body.as_slice()),
+            (201, &b"kept its lease"[..]),
+            "{r:?}"
+        );
+    }
+    assert_eq!(h.runs(), 12);
+    assert_eq!(db.count("SELECT count(*) FROM {t}_credits").await, 12);
+    assert_eq!(
+        db.count("SELECT count(*) FROM {t} WHERE state = 'completed'")
+            .await,
+        12
+    );
     db.drop_tables().await;
 }

@@ -39,10 +39,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use common::{Harness, Raw, send, serve};
 use tokio::sync::Barrier;
-use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::problem::types;
 use tower_idempotency::scope::GlobalScope;
 use tower_idempotency::store::{FencingToken, Inspect, TransactionalStore};
+use tower_idempotency::{DEFAULT_LEASE, IdempotencyLayer};
 use tower_idempotency_sqlx::sqlx;
 use tower_idempotency_sqlx::{Dialect, SqlxError, SqlxTransaction};
 
@@ -60,8 +60,8 @@ trait Backend: Sized + Send + Sync + 'static {
     /// write lock; `ClaimRequest::wait_in_flight`).
     const REPEATS_WAIT: bool;
 
-    /// The store with this max hold time, and its tables.
-    fn open(max_hold: Duration) -> impl Future<Output = Self> + Send;
+    /// The store and its tables.
+    fn open() -> impl Future<Output = Self> + Send;
 
     fn store(&self) -> &Self::Store;
 
@@ -151,11 +151,15 @@ async fn credit<B: Backend>(
 }
 
 async fn start<B: Backend>(db: &B) -> (std::net::SocketAddr, Harness) {
-    start_leased(db, tower_idempotency::DEFAULT_LEASE).await
+    start_leased(db, DEFAULT_LEASE, tower_idempotency::DEFAULT_MAX_HOLD).await
 }
 
-/// As [`start`], with this lease.
-async fn start_leased<B: Backend>(db: &B, lease: Duration) -> (std::net::SocketAddr, Harness) {
+/// As [`start`], with this lease and max hold.
+async fn start_leased<B: Backend>(
+    db: &B,
+    lease: Duration,
+    max_hold: Duration,
+) -> (std::net::SocketAddr, Harness) {
     let h = Harness::default();
     let app = Router::new()
         .route("/credits", post(credit::<B>))
@@ -163,6 +167,7 @@ async fn start_leased<B: Backend>(db: &B, lease: Duration) -> (std::net::SocketA
             IdempotencyLayer::new(db.store().clone(), GlobalScope)
                 .require_key(true)
                 .lease(lease)
+                .max_hold(max_hold)
                 .transactional(),
         )
         .with_state(App {
@@ -178,13 +183,11 @@ async fn post_credit(addr: std::net::SocketAddr, key: &[u8], extra: &[(&str, &[u
     send(addr, "POST", "/credits", &headers, b"{\"amount\":5}").await
 }
 
-const DEFAULT_HOLD: Duration = Duration::from_secs(30);
-
 /// A credit commits with its record and is replayed byte for byte; a 500
 /// is not stored, so its credit rolls back with its claim and the retry
 /// runs once.
 async fn effect_record_and_response_commit_together<B: Backend>() {
-    let db = B::open(DEFAULT_HOLD).await;
+    let db = B::open().await;
     let (addr, h) = start(&db).await;
     let first = post_credit(addr, b"k", &[]).await;
     assert_eq!((first.status, first.body.as_slice()), (201, &b"run 1"[..]));
@@ -210,7 +213,7 @@ async fn effect_record_and_response_commit_together<B: Backend>() {
 /// replay it. Each key's credit is made once.
 async fn parallel_identical_requests_credit_once<B: Backend>() {
     const N: usize = 16;
-    let db = B::open(DEFAULT_HOLD).await;
+    let db = B::open().await;
     let (addr, h) = start(&db).await;
     let together = |key: String| {
         let barrier = Arc::new(Barrier::new(N));
@@ -257,7 +260,7 @@ async fn parallel_identical_requests_credit_once<B: Backend>() {
 /// 16 different keys at once: 16 credits, each with its record.
 async fn parallel_distinct_keys_each_credit_once<B: Backend>() {
     const N: usize = 16;
-    let db = B::open(DEFAULT_HOLD).await;
+    let db = B::open().await;
     let (addr, h) = start(&db).await;
     let barrier = Arc::new(Barrier::new(N));
     let tasks: Vec<_> = (0..N)
@@ -282,7 +285,7 @@ async fn parallel_distinct_keys_each_credit_once<B: Backend>() {
 /// not echo the SQL error; nothing is kept and the key is given back, so
 /// the retry runs (and, fixed, commits once).
 async fn a_failed_statement_answers_500_and_keeps_nothing<B: Backend>() {
-    let db = B::open(DEFAULT_HOLD).await;
+    let db = B::open().await;
     let (addr, h) = start(&db).await;
     for _ in 0..2 {
         let r = post_credit(addr, b"k", &[("x-sql-error", b"1")]).await;
@@ -307,7 +310,7 @@ async fn a_failed_statement_answers_500_and_keeps_nothing<B: Backend>() {
 /// A client that goes away while the handler runs: everything rolls back
 /// and the key is given back, so the retry runs once.
 async fn a_dropped_request_rolls_everything_back<B: Backend>() {
-    let db = B::open(DEFAULT_HOLD).await;
+    let db = B::open().await;
     let (addr, h) = start(&db).await;
     let mut entered = h.watch();
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -335,8 +338,8 @@ async fn a_dropped_request_rolls_everything_back<B: Backend>() {
 /// later `connection()` fails naming the max hold time, and the request
 /// gets 503 with `Retry-After`. The retry runs afresh and commits once.
 async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503<B: Backend>() {
-    let db = B::open(Duration::from_millis(200)).await;
-    let (addr, h) = start(&db).await;
+    let db = B::open().await;
+    let (addr, h) = start_leased(&db, DEFAULT_LEASE, Duration::from_millis(200)).await;
     let first = post_credit(addr, b"k", &[("x-hold", b"1")]).await;
     assert_eq!(first.assert_problem(503), types::HELD_TOO_LONG);
     assert_eq!(first.header_str("retry-after"), Some("1"));
@@ -355,8 +358,8 @@ async fn a_transaction_held_past_its_max_hold_is_rolled_back_and_answered_503<B:
 /// 503 arrives runs at once (the key was given back before the answer),
 /// never 409; each retry commits its credit once.
 async fn a_retry_sent_on_the_max_hold_503_runs_at_once<B: Backend>() {
-    let db = B::open(Duration::from_millis(200)).await;
-    let (addr, h) = start(&db).await;
+    let db = B::open().await;
+    let (addr, h) = start_leased(&db, DEFAULT_LEASE, Duration::from_millis(200)).await;
     for round in 1..=10i64 {
         let key = format!("k{round}");
         let held = post_credit(addr, key.as_bytes(), &[("x-hold-connection", b"1")]).await;
@@ -386,8 +389,8 @@ async fn a_retry_sent_on_the_max_hold_503_runs_at_once<B: Backend>() {
 /// the transaction opens and the credit commits once.
 async fn a_hold_of_25_days_is_accepted<B: Backend>() {
     const DAYS_25: Duration = Duration::from_secs(25 * 24 * 3600);
-    let db = B::open(DAYS_25).await;
-    let (addr, h) = start_leased(&db, DAYS_25).await;
+    let db = B::open().await;
+    let (addr, h) = start_leased(&db, DAYS_25, DAYS_25).await;
     let r = post_credit(addr, b"k", &[]).await;
     assert_eq!((r.status, r.body.as_slice()), (201, &b"run 1"[..]), "{r:?}");
     assert_eq!((effects(&db).await, h.runs()), ((5, 1, 1), 1));
@@ -398,7 +401,7 @@ async fn a_hold_of_25_days_is_accepted<B: Backend>() {
 /// uncommitted row: 409 at once with `Retry-After`, 422 for another body,
 /// and the replay once the first has committed.
 async fn a_duplicate_gets_409_and_another_body_422_without_blocking<B: Backend>() {
-    let db = B::open(DEFAULT_HOLD).await;
+    let db = B::open().await;
     let (addr, h) = start(&db).await;
     let mut entered = h.watch();
     let first = tokio::spawn(async move { post_credit(addr, b"k", &[("x-gate", b"g")]).await });
@@ -432,7 +435,7 @@ async fn a_duplicate_gets_409_and_another_body_422_without_blocking<B: Backend>(
 /// transaction 2.5 s keeps its key (a repeat gets 409, not a take-over),
 /// its transaction is not cut at one lease, and it commits once.
 async fn a_renewed_lease_keeps_a_slow_transaction<B: Backend>() {
-    let db = B::open(DEFAULT_HOLD).await;
+    let db = B::open().await;
     let (addr, h) = start_renewed(&db, None).await;
     let mut entered = h.watch();
     let first = tokio::spawn(async move { post_credit(addr, b"k", &[("x-gate", b"g")]).await });
@@ -459,7 +462,7 @@ async fn start_renewed<B: Backend>(
     let layer = IdempotencyLayer::new(db.store().clone(), GlobalScope)
         .require_key(true)
         .lease(Duration::from_secs(1))
-        .renew_lease(Duration::from_secs(60));
+        .max_hold(Duration::from_secs(60));
     let layer = match wait {
         Some(wait) => layer.wait_in_flight(wait),
         None => layer,
@@ -482,7 +485,7 @@ async fn start_renewed<B: Backend>(
 /// uncommitted record over, and the first's fenced commit rolled back both
 /// (issue 36, item 1).
 async fn a_repeat_past_the_lease_never_costs_a_live_holder_its_work<B: Backend>() {
-    let db = B::open(DEFAULT_HOLD).await;
+    let db = B::open().await;
     let (addr, h) = start_renewed(&db, Some(Duration::from_millis(300))).await;
     let mut entered = h.watch();
     let first = tokio::spawn(async move { post_credit(addr, b"k", &[("x-gate", b"g")]).await });
@@ -510,7 +513,7 @@ async fn a_repeat_past_the_lease_never_costs_a_live_holder_its_work<B: Backend>(
 async fn repeats_wait_at_most_their_bound<B: Backend>() {
     const REPEATS: usize = 300;
     assert!(B::REPEATS_WAIT);
-    let db = B::open(DEFAULT_HOLD).await;
+    let db = B::open().await;
     let (addr, h) = start_renewed(&db, Some(Duration::from_millis(200))).await;
     let mut entered = h.watch();
     let first = tokio::spawn(async move { post_credit(addr, b"k", &[("x-gate", b"g")]).await });
@@ -598,7 +601,7 @@ mod postgres {
         type Store = SqlxPostgresStore;
         const REPEATS_WAIT: bool = false;
 
-        async fn open(max_hold: Duration) -> Pg {
+        async fn open() -> Pg {
             let url = common::services::postgres_url();
             let pool = PgPoolOptions::new()
                 .max_connections(8)
@@ -609,7 +612,6 @@ mod postgres {
             let table = unique("idem_sqlxtx");
             let store = SqlxPostgresStore::builder(pool.clone())
                 .table(table.clone())
-                .max_hold(max_hold)
                 .open()
                 .await
                 .unwrap();
@@ -685,12 +687,11 @@ mod mysql {
         type Store = MySqlStore;
         const REPEATS_WAIT: bool = false;
 
-        async fn open(max_hold: Duration) -> My {
+        async fn open() -> My {
             let url = common::services::mysql_url();
             let table = unique("idem_sqlxtx");
             let store = MySqlStore::builder(&url)
                 .table(table.clone())
-                .max_hold(max_hold)
                 .open()
                 .await
                 .unwrap_or_else(|e| panic!("MySQL/MariaDB at {url} is required: {e}"));
@@ -777,7 +778,7 @@ mod sqlite {
         type Store = SqlxSqliteStore;
         const REPEATS_WAIT: bool = true;
 
-        async fn open(max_hold: Duration) -> Lite {
+        async fn open() -> Lite {
             let dir = tempfile::tempdir().unwrap();
             let options = SqliteConnectOptions::new()
                 .filename(dir.path().join("app.sqlite3"))
@@ -797,11 +798,7 @@ mod sqlite {
             .execute(&pool)
             .await
             .unwrap();
-            let store = SqlxSqliteStore::builder(pool.clone())
-                .max_hold(max_hold)
-                .open()
-                .await
-                .unwrap();
+            let store = SqlxSqliteStore::builder(pool.clone()).open().await.unwrap();
             Lite {
                 pool,
                 store,

@@ -635,9 +635,13 @@ async fn a_client_leaving_before_the_head_still_runs_the_handler_but_not_the_str
 async fn a_stream_outliving_its_lease_is_recorded_as_not_stored() {
     let events = Events::new("text/event-stream");
     // The store's clock stands still, so no repeat can take the key over:
-    // only the layer sees the lease (100 ms) end.
+    // only the layer sees the lease (100 ms) end, renewed no further than
+    // a max hold of one lease.
     let store = MemoryStore::with_clock(ManualClock::new(1_800_000_000_000));
-    let layer = IdempotencyLayer::new(store, GlobalScope).lease(Duration::from_millis(100));
+    let hold = Duration::from_millis(100);
+    let layer = IdempotencyLayer::new(store, GlobalScope)
+        .lease(hold)
+        .max_hold(hold);
     let service = layer.layer(events.clone());
     let request = || {
         Request::post("/events")
@@ -676,13 +680,16 @@ async fn a_stream_outliving_its_lease_is_recorded_as_not_stored() {
 /// 5 s), so a repeat arriving as the store's lease ends gets 410 and never
 /// takes the key over to run the handler beside the live stream. Tokio's
 /// clock is paused and moved by hand, with the store's clock, so the order
-/// of the two is exact.
+/// of the two is exact. The max hold is one lease, so renewal keeps the
+/// lease's end where it is.
 #[tokio::test(start_paused = true)]
 async fn a_stream_is_recorded_not_stored_before_the_store_sees_its_lease_end() {
     let events = Events::new("text/event-stream");
     let clock = ManualClock::new(1_800_000_000_000);
     let store = MemoryStore::with_clock(clock.clone());
-    let layer = IdempotencyLayer::new(store.clone(), GlobalScope).lease(Duration::from_secs(10));
+    let layer = IdempotencyLayer::new(store.clone(), GlobalScope)
+        .lease(Duration::from_secs(10))
+        .max_hold(Duration::from_secs(10));
     let service = layer.layer(events.clone());
     let request = || {
         Request::post("/events")
@@ -697,9 +704,11 @@ async fn a_stream_is_recorded_not_stored_before_the_store_sees_its_lease_end() {
     let frame = body.frame().await.unwrap().unwrap();
     assert_eq!(frame.into_data().unwrap(), &b"data: one\n\n"[..]);
 
-    // 8.999 s in: still in flight for both clocks.
-    tokio::time::advance(Duration::from_millis(8_999)).await;
+    // 8.999 s in: still in flight for both clocks. The store's clock moves
+    // first, so the renewal the layer sends meanwhile is judged at 8.999 s,
+    // as with clocks that move together (it extends to the max hold, 10 s).
     clock.advance(Duration::from_millis(8_999));
+    tokio::time::advance(Duration::from_millis(8_999)).await;
     let early = service.clone().oneshot(request()).await.unwrap();
     assert_eq!(early.status(), StatusCode::CONFLICT);
 
@@ -832,12 +841,13 @@ async fn transactional_mode_commits_a_stream_before_it_answers() {
 async fn a_transactional_stream_past_the_max_hold_is_answered_503_when_it_ends() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::builder(dir.path().join("t.sqlite3"))
-        .max_hold(Duration::from_millis(200))
         .open()
         .await
         .unwrap();
     let events = Events::new("text/event-stream");
-    let layer = IdempotencyLayer::new(store.clone(), GlobalScope).transactional();
+    let layer = IdempotencyLayer::new(store.clone(), GlobalScope)
+        .max_hold(Duration::from_millis(200))
+        .transactional();
     let service = layer.layer(events.clone());
     // A stream that sends one event and then never ends.
     let feed = events.prepare();

@@ -118,7 +118,6 @@ async fn a_late_max_hold_cancel_never_stops_the_next_request_on_the_same_connect
     let store = PostgresStore::builder(&via_proxy)
         .table(table.clone())
         .pool_size(1)
-        .max_hold(Duration::from_secs(2))
         .open()
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {} is required: {e}", url()));
@@ -180,7 +179,14 @@ async fn a_late_max_hold_cancel_never_stops_the_next_request_on_the_same_connect
                 }
             }),
         )
-        .layer(IdempotencyLayer::new(store.clone(), GlobalScope).transactional());
+        .layer(
+            IdempotencyLayer::new(store.clone(), GlobalScope)
+                // No lease renewal before the max hold: the renewals' own
+                // connection would be the next one through the proxy.
+                .lease(Duration::from_secs(60))
+                .max_hold(Duration::from_secs(2))
+                .transactional(),
+        );
     let addr = common::serve(app).await;
 
     // A holds its transaction's connection past the max hold time; the

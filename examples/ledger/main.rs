@@ -66,9 +66,10 @@ struct NewCredit {
 }
 
 /// The idempotency layer: a key is required, keys are scoped per caller,
-/// and the lease of a request is renewed while it runs (up to
-/// [`MAX_HOLD`]), so a short `--lease-secs` frees a crashed process's keys
-/// soon without letting a slow credit be taken over. A repeat of a credit
+/// and otherwise the crate's defaults: a short lease (10 s, or
+/// `--lease-secs`) renewed while a credit runs, up to the default max hold
+/// (60 s), so a crashed process's keys are free soon and a slow credit is
+/// never taken over. A repeat of a credit
 /// in flight waits up to `--wait-in-flight-ms` for its replay. With
 /// `--encryption-key-file`, stored responses are sealed at rest.
 fn idempotency<St: Store>(
@@ -77,7 +78,6 @@ fn idempotency<St: Store>(
 ) -> IdempotencyLayer<St, fn(&Parts) -> String> {
     let layer = IdempotencyLayer::new(store, caller as fn(&Parts) -> String)
         .require_key(true)
-        .renew_lease(MAX_HOLD)
         .wait_in_flight(options.wait_in_flight);
     let layer = match options.keys {
         Some(keys) => layer.encrypt_at_rest(keys),
@@ -88,9 +88,6 @@ fn idempotency<St: Store>(
         None => layer,
     }
 }
-
-/// The longest a request holds its key while its lease is renewed.
-const MAX_HOLD: Duration = Duration::from_secs(300);
 
 /// The ledger's routes over driver `D`, and what puts them behind the layer.
 type Routes<D> = Router<App<D>>;

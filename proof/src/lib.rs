@@ -101,7 +101,7 @@ pub struct Bounds {
     /// The record's TTL, in ticks.
     pub ttl: u8,
     /// The longest a holder renews its lease, from its claim
-    /// (`renew_lease(max_hold)`); with the lease, within the TTL.
+    /// (`max_hold(max_hold)`); with the lease, within the TTL.
     pub max_hold: u8,
     /// How far the store's clock steps back, once (0: never).
     pub step: u8,

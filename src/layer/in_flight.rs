@@ -9,12 +9,14 @@ use super::IdempotencyLayer;
 use crate::wait::Waiting;
 
 impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
-    /// Renews the lease of every claim while its request runs, for at most
-    /// `max_hold` from the claim (off by default). A short
-    /// [`lease`](Self::lease) then frees the keys of a crashed process
-    /// within one lease, while a handler slower than the lease keeps its
-    /// key: the layer extends the lease every third of a lease, fenced by
-    /// the claim's token ([`Store::renew`](crate::store::Store::renew)).
+    /// The longest a request may hold its key, counted from its claim
+    /// (default [`DEFAULT_MAX_HOLD`](crate::DEFAULT_MAX_HOLD), 60 s): the one
+    /// cap on a running request, on every store and mode. While the request
+    /// runs, the layer renews its claim's lease every third of a
+    /// [`lease`](Self::lease), fenced by the claim's token
+    /// ([`Store::renew_all`](crate::store::Store::renew_all)), so a crashed
+    /// process's keys are free within one short lease while a handler slower
+    /// than the lease keeps its key.
     ///
     /// ```
     /// use std::time::Duration;
@@ -24,14 +26,14 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     /// // hold its key for up to 10 minutes.
     /// let layer = IdempotencyLayer::new(MemoryStore::new(), GlobalScope)
     ///     .lease(Duration::from_secs(5))
-    ///     .renew_lease(Duration::from_secs(600));
+    ///     .max_hold(Duration::from_secs(600));
     /// # let _ = layer;
     /// ```
     ///
-    /// - **Max hold.** Renewals stop at `max_hold`; the lease then runs out
-    ///   and a repeat may take the key over. A transactional store rolls a
-    ///   transaction back past its own max hold or this one, whichever is
-    ///   shorter.
+    /// - **Past the max hold.** Renewals stop; the lease then runs out and a
+    ///   repeat may take the key over. A transactional store rolls the
+    ///   request's transaction back at the max hold (503 `held-too-long`).
+    ///   No store setting caps it further.
     /// - **A lost lease** (a renewal finds the record carrying another
     ///   token, or the store could not confirm one before the lease ended)
     ///   is logged at WARN, counted (`tower_idempotency_leases_lost_total` with the
@@ -39,25 +41,19 @@ impl<St, Sc, F, P, M> IdempotencyLayer<St, Sc, F, P, M> {
     ///   [`ClaimedKey::lease_lost`](crate::key::ClaimedKey::lease_lost). In
     ///   transactional mode the commit is fenced by the token: a request
     ///   whose key was taken over never commits (503).
-    /// - **Where it applies.** Separate mode on every store, and
+    /// - **Where renewal applies.** Separate mode on every store, and
     ///   transactional mode where the claim commits before the handler runs
     ///   (PostgreSQL, MySQL). SQLite's transactional claim lives inside the
-    ///   open transaction, vanishes with a crash, and needs no renewal; but
-    ///   there too `max_hold`, not the lease, caps how long a transaction
-    ///   may be held (with the store's own max hold), so a handler slower
-    ///   than a short lease is not rolled back at the lease.
+    ///   open transaction, vanishes with a crash, and needs no renewal.
+    /// - **What it costs.** Nothing for a request that ends before its first
+    ///   renewal (a third of a lease): no task or timer per request. One task
+    ///   per layer renews every claim due in one call to the store, which the
+    ///   PostgreSQL and MySQL stores run as one statement on a connection of
+    ///   their own, so renewals never wait for the request pool.
     /// - **Streams.** Renewal goes on until the record is stored, so a
-    ///   streamed first response is stored if it ends within `max_hold`
-    ///   (or within the lease, if that is longer).
-    /// - **Sizing.** A renewal is one short write on a connection of the
-    ///   store's pool. A transactional request on PostgreSQL or MySQL holds
-    ///   a connection of that pool while its handler runs, so size the pool
-    ///   above the number of such requests at once: a renewal that cannot
-    ///   get a connection before the lease ends is a lost lease. Keep the
-    ///   lease well above the store's round trip (a second or more): a
-    ///   renewal comes every third of a lease.
-    pub fn renew_lease(mut self, max_hold: Duration) -> Self {
-        self.config.settings.max_hold = Some(max_hold);
+    ///   streamed first response is stored if it ends within the max hold.
+    pub fn max_hold(mut self, max_hold: Duration) -> Self {
+        self.config.settings.max_hold = max_hold;
         self
     }
 

@@ -1,15 +1,20 @@
-//! Lease renewal while a request runs
-//! ([`IdempotencyLayer::renew_lease`](crate::IdempotencyLayer::renew_lease)):
-//! a task that extends the claim's lease every third of a lease, fenced by
-//! its token, for at most the max hold, and reports a lost lease.
+//! Lease renewal while a request runs, up to its max hold
+//! ([`IdempotencyLayer::max_hold`](crate::IdempotencyLayer::max_hold)):
+//! the layer's one renewal task ([`renewer`]) extends each claim's lease
+//! every third of a lease, fenced by its token, and reports a lost lease
+//! through the request's [`LeaseSignal`]; [`Confirmer`] answers
+//! `ClaimedKey::confirm`.
+
+mod renewer;
+
+pub(crate) use renewer::{Claimed, Renew, Renewal, Renewer};
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tokio::time::{Instant, timeout, timeout_at};
+use tokio::time::Instant;
 
-use crate::hooks::{EventKind, Hooks};
 use crate::mode::Hold;
 use crate::response::StoredResponse;
 use crate::store::{Completion, FencingToken, RecordId, Store, StoreError};
@@ -56,96 +61,6 @@ impl LeaseSignal {
             .confirmed_until
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-/// The running renewal of one claim. Dropped (the request has answered),
-/// it stops: a renewal under way finishes, and nothing more is reported.
-pub(crate) struct Renewal {
-    stop: watch::Sender<bool>,
-}
-
-impl Drop for Renewal {
-    fn drop(&mut self) {
-        self.stop.send_replace(true);
-    }
-}
-
-/// What one renewal task needs.
-pub(crate) struct Lease<St> {
-    pub(crate) store: St,
-    pub(crate) id: RecordId,
-    pub(crate) token: FencingToken,
-    pub(crate) lease: Duration,
-    pub(crate) max_hold: Duration,
-    pub(crate) signal: Arc<LeaseSignal>,
-    /// The layer's event hook hears of a lost lease.
-    pub(crate) hooks: Hooks,
-}
-
-/// Starts renewing the lease of a claim made just now.
-pub(crate) fn start<St: Store>(lease: Lease<St>) -> Renewal {
-    let (stop, stopped) = watch::channel(false);
-    tokio::spawn(renew(lease, stopped));
-    Renewal { stop }
-}
-
-async fn renew<St: Store>(lease: Lease<St>, mut stopped: watch::Receiver<bool>) {
-    let claimed = Instant::now();
-    let hold_end = claimed + lease.max_hold;
-    // What the store has confirmed: the claim's own lease, then each renewal's.
-    let mut confirmed_until = claimed + lease.lease;
-    let every = (lease.lease / 3).max(Duration::from_millis(1));
-    loop {
-        // A third of a lease, unless the layer stops it first.
-        if timeout(every, stopped.wait_for(|stop| *stop)).await.is_ok() {
-            return;
-        }
-        let asked = Instant::now();
-        if asked >= hold_end {
-            // Past the max hold: no more renewals; the lease runs out.
-            let stop = stopped.wait_for(|stop| *stop);
-            if timeout_at(confirmed_until, stop).await.is_ok() {
-                return;
-            }
-            return lost(
-                &lease,
-                &stopped,
-                "the request was held past its max hold time",
-            );
-        }
-        // Never past the max hold.
-        let extend = lease.lease.min(hold_end - asked);
-        let renewed = timeout_at(
-            confirmed_until,
-            lease.store.renew(lease.id.clone(), lease.token, extend),
-        )
-        .await;
-        match renewed {
-            Ok(Ok(true)) => {
-                confirmed_until = asked + extend;
-                lease.signal.confirmed(confirmed_until);
-                #[cfg(feature = "metrics")]
-                metrics::counter!("tower_idempotency_lease_renewals_total").increment(1);
-            }
-            Ok(Ok(false)) => {
-                return lost(
-                    &lease,
-                    &stopped,
-                    "the record no longer carries this request's token: the key was taken over",
-                );
-            }
-            Ok(Err(e)) if Instant::now() < confirmed_until => {
-                tracing::warn!(error = %e, "renewing an idempotency lease failed; trying again");
-            }
-            Ok(Err(_)) | Err(_) => {
-                return lost(
-                    &lease,
-                    &stopped,
-                    "no renewal was confirmed before the lease ended (is the store's connection pool exhausted?)",
-                );
-            }
-        }
     }
 }
 
@@ -256,22 +171,6 @@ impl Confirmer {
     pub(crate) async fn confirm(&self) -> Result<Duration, NotConfirmed> {
         (self.0)().await
     }
-}
-
-/// Reports a lost lease, unless the request answered meanwhile (a renewal
-/// that met the record completed is no loss).
-fn lost<St>(lease: &Lease<St>, stopped: &watch::Receiver<bool>, why: &'static str) {
-    if *stopped.borrow() {
-        return;
-    }
-    lease.signal.set_lost();
-    lease.hooks.emit(EventKind::LeaseLost, Some(&lease.id));
-    tracing::warn!(
-        why,
-        "an idempotency lease was lost while its request ran: another request may take the key over"
-    );
-    #[cfg(feature = "metrics")]
-    metrics::counter!("tower_idempotency_leases_lost_total").increment(1);
 }
 
 /// A hold whose lease is renewed until the layer finishes it: the renewal

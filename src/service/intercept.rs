@@ -113,7 +113,7 @@ where
             token: FencingToken::random(),
             lease: settings.lease,
             ttl: settings.ttl,
-            max_hold: settings.max_hold,
+            max_hold: Some(settings.max_hold),
             // Set per claim when the repeat has a place to wait
             // (`claim_or_wait`).
             wait_in_flight: std::time::Duration::ZERO,

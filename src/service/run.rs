@@ -107,10 +107,10 @@ where
     let claimed = request.extensions_mut().get_mut::<ClaimedKey>();
     let claim = (&store, (id.clone(), token), claimed_at, taken_over);
     let renewal = renew_and_confirm::<M, St>(settings, claim, claimed);
-    if let (Some(_), Some(max_hold)) = (&renewal, settings.max_hold) {
+    if renewal.is_some() {
         // Renewed until the record is finished, but never past the max hold
         // (and never less than the first lease).
-        lease_end = lease_end.max(claimed_at + stream_deadline(max_hold));
+        lease_end = lease_end.max(claimed_at + stream_deadline(settings.max_hold));
     }
     let mut hold = renew::Renewed {
         hold,
@@ -195,8 +195,8 @@ fn held_or_answer<H, B: Body>(
     }
 }
 
-/// Starts renewing the claim's lease while the request runs (with
-/// `renew_lease`, where the claim is committed before the handler), and
+/// Starts renewing the claim's lease while the request runs (where the
+/// claim is committed before the handler, up to the max hold), and
 /// arms the request's [`ClaimedKey`] with what the store said of the claim
 /// and the means to confirm it ([`ClaimedKey::confirm`]).
 fn renew_and_confirm<M: Mode<St>, St: Store>(
@@ -205,10 +205,9 @@ fn renew_and_confirm<M: Mode<St>, St: Store>(
     claimed: Option<&mut ClaimedKey>,
 ) -> Option<renew::Renewal> {
     let claimed = claimed?;
-    let renews = settings.max_hold.filter(|_| M::RENEWS);
-    // The longest the claim may hold: its max hold while renewed, else its
-    // first lease.
-    let hold_end = claimed_at + renews.unwrap_or(settings.lease);
+    // The longest the claim may hold: its max hold (renewed up to it, or a
+    // transaction the store ends there).
+    let hold_end = claimed_at + settings.max_hold;
     let confirmer = if <M::Hold as Hold>::ATOMIC {
         renew::Confirmer::atomic(hold_end)
     } else {
@@ -225,14 +224,22 @@ fn renew_and_confirm<M: Mode<St>, St: Store>(
         )
     };
     claimed.claimed(taken_over, confirmer);
-    // Renewed until the record is completed or released (`renew_lease`).
-    renews.map(|max_hold| {
-        renew::start(renew::Lease {
-            store: store.clone(),
+    // Renewed until the record is completed or released. A transactional
+    // store confirmed its claim within the last third of a lease however
+    // long its transaction waited for a connection (`kit::two_phase`).
+    let lease = settings.lease;
+    let mut confirmed_until = claimed_at + lease;
+    if <M::Hold as Hold>::ATOMIC {
+        confirmed_until = confirmed_until.max(Instant::now() + (lease - lease / 3));
+    }
+    M::RENEWS.then(|| {
+        settings.renewer.register(renew::Claimed {
             id,
             token,
-            lease: settings.lease,
-            max_hold,
+            lease,
+            at: claimed_at,
+            confirmed_until,
+            max_hold: settings.max_hold,
             signal: claimed.lease_signal(),
             hooks: settings.hooks.clone(),
         })

@@ -120,8 +120,15 @@ pub use sqlite::{
     TransactionError,
 };
 
-/// The default lease: how long an in-flight claim holds, 60 seconds.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+/// The default lease: how long an in-flight claim holds unless renewed, 10
+/// seconds. The layer renews it while the request runs (up to
+/// [`DEFAULT_MAX_HOLD`]), so it bounds how long a crashed holder's keys stay
+/// in flight, not how long a handler may run.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+/// The default max hold: the longest a request may hold its key, counted
+/// from its claim, while its lease is renewed, 60 seconds. It also bounds a
+/// transactional request's transaction.
+pub const DEFAULT_MAX_HOLD: Duration = Duration::from_secs(60);
 /// The default record TTL, 24 hours (Stripe keeps keys at least 24 hours).
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
@@ -150,8 +157,8 @@ pub struct ClaimRequest {
     pub lease: Duration,
     /// How long the record is kept, counted from the claim.
     pub ttl: Duration,
-    /// The longest the request may hold the key when the layer renews its
-    /// lease ([`IdempotencyLayer::renew_lease`](crate::IdempotencyLayer::renew_lease));
+    /// The longest the request may hold the key while the layer renews its
+    /// lease ([`IdempotencyLayer::max_hold`](crate::IdempotencyLayer::max_hold));
     /// `None`: one lease. A store that ends a transaction held too long
     /// counts from the claim up to [`ClaimRequest::hold`].
     pub max_hold: Option<Duration>,
@@ -170,7 +177,7 @@ pub struct ClaimRequest {
 impl ClaimRequest {
     /// A claim of `id` by a request with `fingerprint`, whose record will
     /// carry `token`, with the layer's default lease
-    /// ([`DEFAULT_LEASE`], 60 s) and TTL
+    /// ([`DEFAULT_LEASE`], 10 s) and TTL
     /// ([`DEFAULT_TTL`], 24 h).
     pub fn new(id: RecordId, fingerprint: Fingerprint, token: FencingToken) -> Self {
         let (scope, key) = id.into_parts();
@@ -358,6 +365,26 @@ pub trait Store: Clone + Send + Sync + 'static {
         token: FencingToken,
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// [`Store::renew`] for many claims at once, each by `lease` from now:
+    /// one answer per claim, in their order. The layer's renewal task calls
+    /// it with every claim due (at most 500). The default renews them one at
+    /// a time; the PostgreSQL and MySQL stores renew them in one statement
+    /// on a connection of their own, so renewals never wait behind requests
+    /// for the pool.
+    fn renew_all(
+        &self,
+        claims: Vec<(RecordId, FencingToken)>,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send {
+        async move {
+            let mut renewed = Vec::with_capacity(claims.len());
+            for (id, token) in claims {
+                renewed.push(self.renew(id, token, lease).await?);
+            }
+            Ok(renewed)
+        }
+    }
 
     /// A watch on `id` for a repeat waiting on it
     /// ([`IdempotencyLayer::wait_in_flight`](crate::IdempotencyLayer::wait_in_flight)):

@@ -213,6 +213,7 @@ macro_rules! __store_suite {
                 release_needs_the_token,
                 renewal_extends_the_lease,
                 renewal_is_fenced,
+                renew_all_renews_each_claim_fenced,
                 an_ended_lease_nobody_took_is_renewed,
                 completed_record_is_final,
                 record_past_ttl_is_new,

@@ -183,6 +183,45 @@ pub async fn renewal_is_fenced<S: Store>(store: S, clock: ManualClock) {
     assert!(!store.renew(id("r"), released, LEASE).await.unwrap());
 }
 
+/// [`Store::renew_all`] answers for each claim in order, fenced as
+/// [`Store::renew`] is: of four claims (two held, one taken over, one
+/// completed), exactly the two held are renewed, and their leases then end
+/// `lease` from the renewal.
+pub async fn renew_all_renews_each_claim_fenced<S: Store>(store: S, clock: ManualClock) {
+    let a = acquire(&store, "a").await;
+    let lost = acquire(&store, "lost").await;
+    let done = acquire(&store, "done").await;
+    clock.advance(LEASE + Duration::from_millis(1));
+    let b = acquire(&store, "b").await;
+    let thief = FencingToken::random();
+    let taken = store.claim(claim_of("s", "lost", 1, thief)).await.unwrap();
+    assert_eq!(taken, Claim::Acquired { taken_over: true });
+    assert_eq!(
+        complete(&store, "done", done, b"done").await,
+        Completion::Stored
+    );
+    let claims = vec![
+        (id("a"), a),
+        (id("lost"), lost),
+        (id("b"), b),
+        (id("done"), done),
+    ];
+    let renewed = store.renew_all(claims, LEASE).await.unwrap();
+    assert_eq!(renewed, vec![true, false, true, false]);
+    clock.advance(LEASE - Duration::from_secs(1));
+    for key in ["a", "b"] {
+        let again = store
+            .claim(claim_of("s", key, 1, FencingToken::random()))
+            .await
+            .unwrap();
+        assert!(
+            matches!(again, Claim::Refused(Refusal::InFlight { .. })),
+            "{key}: {again:?}"
+        );
+    }
+    assert!(store.renew_all(Vec::new(), LEASE).await.unwrap().is_empty());
+}
+
 /// A lease that ended but was not taken over is renewed: nobody else ran.
 pub async fn an_ended_lease_nobody_took_is_renewed<S: Store>(store: S, clock: ManualClock) {
     let token = acquire(&store, "k").await;

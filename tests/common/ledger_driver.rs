@@ -85,7 +85,13 @@ impl Ledger {
                 "127.0.0.1:0",
                 "--fault-injection",
             ])
-            .args(["--lease-secs", &self.lease_secs.to_string()])
+            // 0: no `--lease-secs`, the ledger's (the crate's) default.
+            .args(
+                Some(["--lease-secs".to_owned(), self.lease_secs.to_string()])
+                    .filter(|_| self.lease_secs > 0)
+                    .into_iter()
+                    .flatten(),
+            )
             .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

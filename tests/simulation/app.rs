@@ -150,10 +150,6 @@ impl TwoPhase for SimStore {
     type Cancel = ();
     const DROP_WITHOUT_RUNTIME: bool = true;
 
-    fn max_hold(&self) -> Duration {
-        MAX_HOLD
-    }
-
     fn held_too_long(&self) -> &AtomicU64 {
         &self.held_too_long
     }
@@ -411,7 +407,7 @@ pub async fn serve(setup: ServerSetup) -> turmoil::Result {
     let mut layer = IdempotencyLayer::new(SimStore::default(), scope::header("x-user-id"))
         .require_key(true)
         .lease(LEASE)
-        .renew_lease(MAX_HOLD);
+        .max_hold(MAX_HOLD);
     if setup.wait_in_flight {
         layer = layer.wait_in_flight(Duration::from_millis(1500));
     }

@@ -24,7 +24,9 @@ use tower_idempotency::store::kit::claim::{
     ClaimSteps, CompletedRow, Met, answer_cached, answer_completed, claim_in,
 };
 use tower_idempotency::store::kit::feed::{DEFAULT_MAX_WATCHED_KEYS, Feed, change_payload};
-use tower_idempotency::store::kit::pg_sql::{PgSql, advisory_key, schema};
+use tower_idempotency::store::kit::pg_sql::{
+    PgSql, advisory_key, renew_arrays, renewed_in_order, schema,
+};
 use tower_idempotency::store::kit::purge::{PurgeTask, in_batches};
 use tower_idempotency::store::{
     Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, Watch, duration_ms,
@@ -80,9 +82,11 @@ pub mod guide {}
 ///   (a response not stored, an error, a panic, a dropped request) also gives
 ///   the key back at once.
 /// * A transactional request holds its transaction (and a pooled
-///   connection) at most [`PostgresStoreBuilder::max_hold`] (default 30 s)
-///   or its lease, whichever is shorter; past it the store rolls it back and
-///   the request gets 503 (see [`PostgresTransaction`], "Max hold time").
+///   connection) at most the layer's max hold (default 60 s); past it the
+///   store rolls it back and the request gets 503 (see
+///   [`PostgresTransaction`], "Max hold time").
+/// * Lease renewals run in one statement per batch on a connection of
+///   their own, outside the pool, so they never wait behind requests.
 /// * Connections come from a deadpool pool (default 16); a connection that
 ///   cannot be had in time, or a server that cannot be reached, is
 ///   [`StoreError::Unavailable`]: the layer answers 503.
@@ -103,6 +107,9 @@ pub mod guide {}
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
+    /// One connection of its own for lease renewals
+    /// ([`Store::renew_all`]), so they never wait behind requests.
+    renewals: Pool,
     sql: Arc<Sql>,
     /// Max hold, the transactions held past it, the test clock offset.
     limits: Limits,
@@ -153,8 +160,8 @@ tower_idempotency::store::kit::builder::sql_builder_settings!(
 
 impl PostgresStoreBuilder {
     /// Connections kept (default 16). In transactional mode each request
-    /// holds one for its handler's whole run, at most
-    /// [`PostgresStoreBuilder::max_hold`].
+    /// holds one for its handler's whole run, at most the layer's
+    /// [`IdempotencyLayer::max_hold`](tower_idempotency::IdempotencyLayer::max_hold).
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size.max(1);
         self
@@ -220,6 +227,13 @@ impl PostgresStoreBuilder {
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(unavailable)?;
+        let renewals = Pool::builder(connect::manager(&target)?)
+            .max_size(1)
+            .wait_timeout(Some(self.wait_timeout))
+            .create_timeout(Some(self.wait_timeout))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(unavailable)?;
         let sql = Sql::new(&self.settings.table, |statement| statement);
         let mut client = pool
             .get()
@@ -237,6 +251,7 @@ impl PostgresStoreBuilder {
         tx.commit().await.map_err(unavailable)?;
         let mut store = PostgresStore {
             pool,
+            renewals,
             sql: Arc::new(sql),
             limits: self.settings.limits(),
             notify: self
@@ -258,7 +273,7 @@ impl PostgresStore {
         Self::builder(url).open().await
     }
 
-    /// Options: table, pool size, wait timeout, max hold time, test time offset.
+    /// Options: table, pool size, wait timeout, purge, test time offset.
     pub fn builder(url: &str) -> PostgresStoreBuilder {
         PostgresStoreBuilder {
             url: url.to_owned(),
@@ -520,6 +535,31 @@ impl Store for PostgresStore {
             .await
             .map_err(unavailable)?;
         Ok(renewed == 1)
+    }
+
+    /// One statement for all `claims`, on the renewals' own connection.
+    async fn renew_all(
+        &self,
+        claims: Vec<(RecordId, FencingToken)>,
+        lease: Duration,
+    ) -> Result<Vec<bool>, StoreError> {
+        let client = self.renewals.get().await.map_err(unavailable)?;
+        let (scopes, keys, tokens) = renew_arrays(&claims);
+        let rows = client
+            .query(
+                &cached(&client, &self.sql.renew_all).await?,
+                &[
+                    &scopes,
+                    &keys,
+                    &tokens,
+                    &self.offset_ms(),
+                    &duration_ms(lease),
+                ],
+            )
+            .await
+            .map_err(unavailable)?;
+        let rows = rows.iter().map(|row| (row.get(0), row.get(1)));
+        Ok(renewed_in_order(&claims, rows))
     }
 
     /// With `notify_waiters`: woken by the `NOTIFY` of any server's

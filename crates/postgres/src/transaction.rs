@@ -26,10 +26,9 @@ use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 ///
 /// The transaction holds a pooled connection, and the row locks of the
 /// handler's writes, until the layer commits or rolls back. So it is held
-/// at most [`PostgresStoreBuilder::max_hold`](super::PostgresStoreBuilder::max_hold)
-/// (default 30 s) or the layer's lease, whichever is shorter (past its
-/// lease another request may take the key over anyway, and this commit
-/// would be fenced). Past that, the store cancels a statement still running
+/// at most the layer's max hold,
+/// [`IdempotencyLayer::max_hold`](tower_idempotency::IdempotencyLayer::max_hold)
+/// (default 60 s). Past that, the store cancels a statement still running
 /// on it, rolls it back, gives the key back and the connection to the pool;
 /// [`PostgresTransaction::closed`] resolves, the handler's later
 /// [`PostgresTransaction::client`] calls fail with
@@ -175,10 +174,6 @@ impl TwoPhase for PostgresStore {
     type Tx = PgTx;
     type Cancel = CancelToken;
     const DROP_WITHOUT_RUNTIME: bool = true;
-
-    fn max_hold(&self) -> Duration {
-        self.limits.max_hold
-    }
 
     fn held_too_long(&self) -> &AtomicU64 {
         &self.limits.held_too_long

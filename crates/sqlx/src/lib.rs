@@ -23,6 +23,8 @@ mod mysql;
 mod postgres;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod read_first;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod renewals;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod transaction;

@@ -153,7 +153,7 @@ pub(crate) use sealed::Sealed;
 /// `Option<SqlxTransaction<_>>` is `None` instead.
 ///
 /// Each store's page says what differs: how long a transaction may be held
-/// (its builder's `max_hold`, default 30 s, capped by the layer's lease)
+/// (the layer's `max_hold`, default 60 s)
 /// and what happens past it, and the database's own rules (SQLite's one
 /// writer, InnoDB's deadlocks).
 ///

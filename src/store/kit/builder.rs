@@ -1,5 +1,5 @@
 //! The settings every SQL store with a configurable table and a two-phase
-//! transaction shares, written once: `table`, `max_hold`, `purge`,
+//! transaction shares, written once: `table`, `purge`,
 //! `replay_cache`, `replay_cache_bytes` and (feature `test-util`)
 //! `clock_offset`, with one
 //! documentation; [`Settings`] holds them on a builder, [`Limits`] on the
@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::purge::{Purge, PurgeTask};
 use super::replay_cache::{CacheBounds, ReplayCache, offset_instant};
@@ -18,8 +18,6 @@ pub struct Settings {
     /// The table's name, checked when the store opens
     /// ([`check_table_name`](crate::store::kit::table::check_table_name)).
     pub table: String,
-    /// The longest a transactional request holds its transaction.
-    pub max_hold: Duration,
     /// A test clock whose reading (ms) is added to the server's clock.
     pub offset: Option<Arc<dyn Clock>>,
     /// The replay cache's bounds (off by default).
@@ -29,12 +27,11 @@ pub struct Settings {
 }
 
 impl Default for Settings {
-    /// Table `idempotency_records`, a max hold of 30 s, the server's clock,
+    /// Table `idempotency_records`, the server's clock,
     /// no replay cache, a purge every 60 s.
     fn default() -> Self {
         Settings {
             table: "idempotency_records".into(),
-            max_hold: Duration::from_secs(30),
             offset: None,
             replays: CacheBounds::default(),
             purge: Purge::default(),
@@ -47,7 +44,6 @@ impl Settings {
     pub fn limits(&self) -> Limits {
         Limits {
             offset: self.offset.clone(),
-            max_hold: self.max_hold,
             held_too_long: Arc::default(),
             replays: self.replays.open(),
             purge_batch: self.purge.batch_rows(),
@@ -60,8 +56,6 @@ impl Settings {
 #[derive(Clone)]
 pub struct Limits {
     offset: Option<Arc<dyn Clock>>,
-    /// The longest a transactional request holds its transaction.
-    pub max_hold: Duration,
     /// Transactions rolled back past their max hold time.
     pub held_too_long: Arc<AtomicU64>,
     /// Completed records cached for replays, each until an [`Instant`]
@@ -110,17 +104,6 @@ macro_rules! __sql_builder_settings {
             /// identifiers. Checked when the store opens.
             pub fn table(mut self, table: impl Into<String>) -> Self {
                 self.settings.table = table.into();
-                self
-            }
-
-            /// The longest a transactional request may hold its transaction
-            /// (and its pooled connection) open (default 30 s); the layer's
-            /// lease caps it further. Past it the store stops a statement
-            /// still running, rolls the transaction back, gives the key back,
-            /// and the request is answered 503 with `Retry-After`: see
-            #[doc = concat!("[`", stringify!($transaction), "`], \"Max hold time\".")]
-            pub fn max_hold(mut self, hold: std::time::Duration) -> Self {
-                self.settings.max_hold = hold;
                 self
             }
 

@@ -15,7 +15,7 @@ const EXPIRED: u8 = 2;
 /// first of [`Fate::end`] and [`Fate::expire`] wins; the loser sees it.
 pub struct Fate {
     state: AtomicU8,
-    /// The max hold time, or the lease if shorter.
+    /// The max hold time.
     pub hold: Duration,
 }
 

@@ -15,7 +15,7 @@
 //! * [`release`]: giving a claimed key back, and the guard that does so when
 //!   a request is cancelled between the claim and the hand-over.
 //! * [`table`]: the rule for a configurable table name; [`builder`]: the
-//!   builder settings that go with it (`table`, `max_hold`, `clock_offset`).
+//!   builder settings that go with it (`table`, `purge`, `clock_offset`).
 //! * [`pg_sql`]: PostgreSQL's statements, schema and advisory lock keys,
 //!   shared by every PostgreSQL store so that they exclude each other on one
 //!   key; [`sqlite_sql`]: the schema every SQLite store shares, and its

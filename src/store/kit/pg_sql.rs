@@ -76,6 +76,7 @@
 //! claim included) runs at once instead of waiting for the lease.
 
 use crate::fingerprint::Hasher;
+use crate::store::{FencingToken, RecordId};
 
 /// The channel on which PostgreSQL stores announce completions and
 /// releases (`complete_notify`, `release_notify`) to waiting repeats on
@@ -121,6 +122,11 @@ pub struct PgSql<S> {
     /// The lease renewal, fenced by the token: `($1 scope, $2 key,
     /// $3 token, $4 clock offset ms, $5 lease ms)`.
     pub renew: S,
+    /// [`PgSql::renew`] for many claims, fenced by each one's token:
+    /// `($1 scopes, $2 keys, $3 tokens, $4 clock offset ms, $5 lease ms)`,
+    /// three arrays of one length; returns `scope, key` of each record
+    /// renewed.
+    pub renew_all: S,
     /// The purge of records past their TTL: `(offset, at most this many
     /// rows)`.
     pub purge: S,
@@ -183,6 +189,7 @@ impl<S> PgSql<S> {
                    AND expires_at > {now}",
                 now = now_ms(4)
             )),
+            renew_all: statement(renew_all(table)),
             purge: statement(purge(table)),
             // The clock is read once per statement (a MATERIALIZED CTE is
             // evaluated once), so every row is judged at the same instant.
@@ -266,6 +273,39 @@ pub fn advisory_key(table: &str, scope: &str, key: &str) -> i64 {
 /// of the deadline is checked again on a row a claim replaced meanwhile
 /// (READ COMMITTED re-reads it), so a record taken over since the subquery
 /// read it stays.
+/// The arrays [`PgSql::renew_all`] takes: scopes, keys and tokens.
+pub fn renew_arrays(claims: &[(RecordId, FencingToken)]) -> (Vec<String>, Vec<String>, Vec<i64>) {
+    let scopes = claims.iter().map(|(id, _)| id.scope().to_owned()).collect();
+    let keys = claims.iter().map(|(id, _)| id.key().to_owned()).collect();
+    let tokens = claims.iter().map(|(_, token)| token.0).collect();
+    (scopes, keys, tokens)
+}
+
+/// Whether each of `claims` is among the `(scope, key)` rows
+/// [`PgSql::renew_all`] returned.
+pub fn renewed_in_order(
+    claims: &[(RecordId, FencingToken)],
+    rows: impl IntoIterator<Item = (String, String)>,
+) -> Vec<bool> {
+    let rows: std::collections::HashSet<(String, String)> = rows.into_iter().collect();
+    claims
+        .iter()
+        .map(|(id, _)| rows.contains(&(id.scope().to_owned(), id.key().to_owned())))
+        .collect()
+}
+
+/// [`PgSql::renew_all`]: one `UPDATE` joined to the claims' arrays.
+fn renew_all(table: &str) -> String {
+    format!(
+        "UPDATE {table} AS t SET lease_until = {now} + $5::bigint
+         FROM unnest($1::text[], $2::text[], $3::bigint[]) AS c(scope, key, token)
+         WHERE t.scope = c.scope AND t.key = c.key AND t.token = c.token
+           AND t.state = 'in_flight' AND t.expires_at > {now}
+         RETURNING t.scope, t.key",
+        now = now_ms(4)
+    )
+}
+
 fn purge(table: &str) -> String {
     format!(
         "DELETE FROM {table}

@@ -47,9 +47,6 @@ pub trait TwoPhase: Store {
     /// What a commit answers when the record no longer carries the token.
     const FENCED: &'static str = "the lease ended before the commit and another request took the key over; this request's writes were rolled back";
 
-    /// The longest a transaction is held (the layer's lease caps it too).
-    fn max_hold(&self) -> Duration;
-
     /// Transactions rolled back past their max hold time.
     fn held_too_long(&self) -> &AtomicU64;
 
@@ -191,7 +188,7 @@ pub async fn claim<D: TwoPhase>(
     store: &D,
     req: ClaimRequest,
 ) -> Result<TransactionClaim<Held<D>>, StoreError> {
-    let (id, token, hold) = (req.record_id(), req.token, req.hold());
+    let (id, token, hold, lease) = (req.record_id(), req.token, req.hold(), req.lease);
     // Phase one runs in a task of its own: if this request is cancelled
     // while the claim is under way, the task gives a committed claim back
     // instead of leaving the key in flight for the whole lease.
@@ -220,8 +217,7 @@ pub async fn claim<D: TwoPhase>(
     // Until the transaction is handed over, a cancelled or failed open
     // gives the key back.
     let guard = ReleaseOnDrop::new(store.clone(), id.clone(), token);
-    let hold = store.max_hold().min(hold);
-    let (tx, cancel) = store.begin(hold).await?;
+    let (tx, cancel) = kept_alive(store, (&id, token), lease, store.begin(hold)).await?;
     let (ended, watch) = watch::channel(());
     let held = Held {
         open: Arc::new(Mutex::new(Some(Open {
@@ -245,6 +241,33 @@ pub async fn claim<D: TwoPhase>(
         transaction: held,
         taken_over,
     })
+}
+
+/// Waits for `open` (phase two's transaction, which may wait for a pooled
+/// connection while every connection is held by a running request) while
+/// the committed claim keeps its lease: renewed every third of a lease
+/// ([`Store::renew_all`], which the SQL stores run on a connection of their
+/// own). So the claim is handed to the layer confirmed within the last third
+/// of a lease, however long the pool kept it waiting.
+async fn kept_alive<D: TwoPhase, T>(
+    store: &D,
+    (id, token): (&RecordId, FencingToken),
+    lease: Duration,
+    open: impl Future<Output = T>,
+) -> T {
+    let mut open = std::pin::pin!(open);
+    let every = (lease / 3).max(Duration::from_millis(1));
+    loop {
+        match tokio::time::timeout(every, &mut open).await {
+            Ok(opened) => return opened,
+            Err(_) => {
+                let renewed = store.renew_all(vec![(id.clone(), token)], lease);
+                if let Ok(Err(e)) = tokio::time::timeout(every, renewed).await {
+                    tracing::warn!(error = %e, "renewing a claim waiting for its transaction failed");
+                }
+            }
+        }
+    }
 }
 
 /// The receiving end of phase one's answer. Dropped before the answer was

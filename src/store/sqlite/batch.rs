@@ -70,7 +70,6 @@ pub(super) struct Batch<'t, 'c> {
     tx: &'t rusqlite::Transaction<'c>,
     clock: &'t dyn Clock,
     counters: &'t WriterCounters,
-    max_hold: Duration,
     members: Vec<Member>,
     frames: Vec<Frame>,
     /// Answers whose work has been released into the transaction itself.
@@ -91,13 +90,11 @@ impl<'t, 'c> Batch<'t, 'c> {
         tx: &'t rusqlite::Transaction<'c>,
         clock: &'t dyn Clock,
         counters: &'t WriterCounters,
-        max_hold: Duration,
     ) -> Self {
         Batch {
             tx,
             clock,
             counters,
-            max_hold,
             members: Vec::new(),
             frames: Vec::new(),
             base: Vec::new(),
@@ -192,7 +189,7 @@ impl<'t, 'c> Batch<'t, 'c> {
             undo(self.tx);
             return;
         }
-        let hold = self.max_hold.min(req.hold());
+        let hold = req.hold();
         self.frames.push(Frame {
             owner: id,
             name,

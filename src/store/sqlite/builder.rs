@@ -48,7 +48,6 @@ pub struct SqliteStoreBuilder {
     concurrent_transactions: usize,
     replay_cache: usize,
     replay_cache_bytes: usize,
-    max_hold: Duration,
     writer_queue: usize,
     purge: Purge,
     on_connect: Option<ConnectHook>,
@@ -149,17 +148,6 @@ impl SqliteStoreBuilder {
     /// with [`SqliteStoreBuilder::replay_cache`].
     pub fn replay_cache_bytes(mut self, bytes: usize) -> Self {
         self.replay_cache_bytes = bytes;
-        self
-    }
-
-    /// The longest a transactional request may hold the store's writer
-    /// (default 30 s); the layer's lease caps it further. Past it the
-    /// request's writes and claim are rolled back and it is answered 503
-    /// with `Retry-After`: see [`SqliteTransaction`](super::SqliteTransaction),
-    /// "Max hold time". While one request holds the writer, every other
-    /// write of the store waits (at most the busy timeout), so keep it short.
-    pub fn max_hold(mut self, hold: Duration) -> Self {
-        self.max_hold = hold;
         self
     }
 
@@ -289,7 +277,6 @@ impl SqliteStoreBuilder {
             limits: Limits {
                 batch: self.group_commit,
                 concurrent: self.concurrent_transactions,
-                max_hold: self.max_hold,
                 queue: self.writer_queue,
                 lock_wait: busy_timeout,
                 lazy_batches: self.synchronous == Synchronous::Full,
@@ -354,7 +341,6 @@ impl SqliteStore {
             concurrent_transactions: 1,
             replay_cache: 0,
             replay_cache_bytes: crate::store::kit::replay_cache::DEFAULT_BYTES,
-            max_hold: Duration::from_secs(30),
             writer_queue: 1024,
             purge: Purge::default(),
             on_connect: None,

@@ -62,8 +62,8 @@ use writer::{Limits, Writer};
 ///   finds it full fails at once with [`StoreError::Unavailable`] (503 with
 ///   `Retry-After`); a completion or release waits for room, at most the
 ///   busy timeout. A transactional request holds the writer at most
-///   [`SqliteStoreBuilder::max_hold`] (default 30 s) or its lease, whichever
-///   is shorter (see [`SqliteTransaction`], "Max hold time").
+///   the layer's [`IdempotencyLayer::max_hold`](crate::IdempotencyLayer::max_hold) (default 60 s; see
+///   [`SqliteTransaction`], "Max hold time").
 /// * The schema is created or migrated when the store opens.
 /// * Connections enforce foreign keys (`PRAGMA foreign_keys = ON`), which
 ///   matters for the handler's own tables in transactional mode.

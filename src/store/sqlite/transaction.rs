@@ -48,9 +48,8 @@ use crate::store::{Completion, StoreError};
 ///
 /// While a handler runs, its request holds the writer, and every other
 /// write of the store waits. So a request holds it at most
-/// [`SqliteStoreBuilder::max_hold`](super::SqliteStoreBuilder::max_hold)
-/// (default 30 s) or the layer's lease, whichever is shorter (a holder past
-/// its lease has lost its key by the contract of [`crate::store`]). Past
+/// the layer's max hold, [`IdempotencyLayer::max_hold`](crate::IdempotencyLayer::max_hold)
+/// (default 60 s). Past
 /// that, the writer rolls the request's savepoint back (its SQL and its
 /// claim), [`SqliteTransaction::closed`] resolves, the handler's later
 /// [`SqliteTransaction::run`] calls fail with [`StoreError::Unavailable`],

@@ -45,7 +45,6 @@ pub(super) struct Writer {
 pub(super) struct Limits {
     pub(super) batch: usize,
     pub(super) concurrent: usize,
-    pub(super) max_hold: Duration,
     pub(super) queue: usize,
     /// How long a batch waits for SQLite's write lock (the busy timeout).
     pub(super) lock_wait: Duration,
@@ -240,7 +239,7 @@ fn write_batches(
                 continue;
             }
         };
-        let mut batch = Batch::new(&tx, clock, counters, limits.max_hold);
+        let mut batch = Batch::new(&tx, clock, counters);
         batch.start(first, &mut next_id);
         loop {
             // SQLite itself rolls the whole transaction back on some errors

@@ -67,8 +67,10 @@ pub use transaction::MySqlTransaction;
 ///   ([`MySqlTransaction`]) that commits only while the record still carries
 ///   this request's fencing token.
 /// * A transactional request holds its transaction (and a pooled
-///   connection) at most [`MySqlStoreBuilder::max_hold`] (default 30 s) or
-///   its lease, whichever is shorter (see [`MySqlTransaction`]).
+///   connection) at most the layer's max hold (default 60 s; see
+///   [`MySqlTransaction`]).
+/// * Lease renewals run in one statement per batch on a connection of
+///   their own, outside the pool, so they never wait behind requests.
 /// * Connections come from a sqlx pool (default 16); a connection that
 ///   cannot be had in time, a server that cannot be reached, a deadlock that
 ///   outlives three tries or any other database error is
@@ -91,6 +93,9 @@ pub use transaction::MySqlTransaction;
 #[derive(Clone)]
 pub struct MySqlStore {
     pool: MySqlPool,
+    /// One connection of its own for lease renewals
+    /// ([`Store::renew_all`]), so they never wait behind requests.
+    renewals: MySqlPool,
     sql: Arc<Sql>,
     /// Max hold, the transactions held past it, the test clock offset.
     limits: Limits,
@@ -142,8 +147,8 @@ tower_idempotency::store::kit::builder::sql_builder_settings!(MySqlStoreBuilder,
 
 impl MySqlStoreBuilder {
     /// Connections kept (default 16). In transactional mode each request
-    /// holds one for its handler's whole run, at most
-    /// [`MySqlStoreBuilder::max_hold`].
+    /// holds one for its handler's whole run, at most the layer's
+    /// [`IdempotencyLayer::max_hold`](tower_idempotency::IdempotencyLayer::max_hold).
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size.max(1);
         self
@@ -212,6 +217,7 @@ impl MySqlStoreBuilder {
             )));
         }
         let mut store = MySqlStore {
+            renewals: crate::renewals::pool_beside(&pool),
             pool,
             sql: Arc::new(sql),
             limits: self.settings.limits(),
@@ -232,7 +238,7 @@ impl MySqlStore {
         Self::builder(url).open().await
     }
 
-    /// Options: table, pool size, wait timeout, max hold time, test time offset.
+    /// Options: table, pool size, wait timeout, purge, test time offset.
     pub fn builder(url: &str) -> MySqlStoreBuilder {
         MySqlStoreBuilder {
             url: url.to_owned(),
@@ -256,6 +262,28 @@ impl MySqlStore {
 
     fn offset_ms(&self) -> i64 {
         self.limits.offset_ms()
+    }
+
+    /// The lease renewal of one claim, fenced by its token, on `pool`.
+    async fn renew_on(
+        &self,
+        pool: &MySqlPool,
+        id: RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let renewed = q(&self.sql.renew)
+            .bind(
+                self.offset_ms()
+                    .saturating_add(tower_idempotency::store::duration_ms(lease)),
+            )
+            .bind(record_key(id.scope(), id.key()))
+            .bind(token.0)
+            .bind(self.offset_ms())
+            .execute(pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(renewed.rows_affected() == 1)
     }
 
     /// The insert of a new key on its own (autocommit): `true` when it
@@ -473,18 +501,37 @@ impl Store for MySqlStore {
         token: FencingToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let renewed = q(&self.sql.renew)
-            .bind(
-                self.offset_ms()
-                    .saturating_add(tower_idempotency::store::duration_ms(lease)),
-            )
-            .bind(record_key(id.scope(), id.key()))
-            .bind(token.0)
-            .bind(self.offset_ms())
-            .execute(&self.pool)
-            .await
-            .map_err(unavailable)?;
-        Ok(renewed.rows_affected() == 1)
+        self.renew_on(&self.pool, id, token, lease).await
+    }
+
+    /// One statement for all `claims`, on the renewals' own connection.
+    /// When it renewed fewer than all, each is asked again on its own to
+    /// learn which (renewing a claim twice is harmless).
+    async fn renew_all(
+        &self,
+        claims: Vec<(RecordId, FencingToken)>,
+        lease: Duration,
+    ) -> Result<Vec<bool>, StoreError> {
+        if claims.is_empty() {
+            return Ok(Vec::new());
+        }
+        let offset = self.offset_ms();
+        let mut update = sqlx::query(AssertSqlSafe(self.sql.renew_all(claims.len())))
+            .persistent(false)
+            .bind(offset.saturating_add(tower_idempotency::store::duration_ms(lease)))
+            .bind(offset);
+        for (id, token) in &claims {
+            update = update.bind(record_key(id.scope(), id.key())).bind(token.0);
+        }
+        let renewed = update.execute(&self.renewals).await.map_err(unavailable)?;
+        if renewed.rows_affected() == claims.len() as u64 {
+            return Ok(vec![true; claims.len()]);
+        }
+        let mut each = Vec::with_capacity(claims.len());
+        for (id, token) in claims {
+            each.push(self.renew_on(&self.renewals, id, token, lease).await?);
+        }
+        Ok(each)
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

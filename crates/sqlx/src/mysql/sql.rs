@@ -144,6 +144,20 @@ impl Sql {
     }
 }
 
+impl Sql {
+    /// [`Sql::renew`] for `n` claims at once: `(lease ms + offset, offset,
+    /// then the id and token of each claim)`. Its row count is the records
+    /// renewed (each deadline moves later, as for `renew`).
+    pub(super) fn renew_all(&self, n: usize) -> String {
+        let claims = vec!["(?, ?)"; n].join(", ");
+        format!(
+            "UPDATE {} SET lease_until = {NOW_MS}
+             WHERE state = 'in_flight' AND expires_at > {NOW_MS} AND (id, token) IN ({claims})",
+            self.table
+        )
+    }
+}
+
 /// The query of one of the statements.
 pub(super) fn q(sql: &Arc<str>) -> sqlx::query::Query<'static, MySql, MySqlArguments> {
     sqlx::query(AssertSqlSafe(sql.clone()))

@@ -33,8 +33,8 @@ use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 ///
 /// The transaction holds a pooled connection, and the row locks of the
 /// handler's writes, until the layer commits or rolls back: at most
-/// [`MySqlStoreBuilder::max_hold`](super::MySqlStoreBuilder::max_hold)
-/// (default 30 s) or the layer's lease, whichever is shorter. Past it the
+/// [`IdempotencyLayer::max_hold`](tower_idempotency::IdempotencyLayer::max_hold)
+/// (default 60 s). Past it the
 /// store stops a statement still running on it (`KILL QUERY`), rolls it
 /// back, gives the key back; [`SqlxTransaction::closed`] resolves, later
 /// [`SqlxTransaction::connection`] calls fail with
@@ -82,10 +82,6 @@ impl TwoPhase for MySqlStore {
     type Cancel = u64;
     const DROP_WITHOUT_RUNTIME: bool = false;
     const FENCED: &'static str = "the record no longer carries this request's token (its lease ended and another request took the key over), or the database already ended the transaction; this request's writes were rolled back";
-
-    fn max_hold(&self) -> Duration {
-        self.limits.max_hold
-    }
 
     fn held_too_long(&self) -> &AtomicU64 {
         &self.limits.held_too_long

@@ -48,6 +48,7 @@ use sql::{Sql, advisory_key, checked, query, schema};
 use tower_idempotency::store::kit::claim::{
     ClaimSteps, Met, answer_cached, answer_completed, claim_in,
 };
+use tower_idempotency::store::kit::pg_sql::{renew_arrays, renewed_in_order};
 pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 
 /// Records in a PostgreSQL table, reached through the application's own
@@ -80,9 +81,12 @@ pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 ///   not stored, an error, a panic, a dropped request) gives the key back at
 ///   once.
 /// * A transactional request holds its transaction (and a connection of the
-///   pool) at most [`SqlxPostgresStoreBuilder::max_hold`] (default 30 s) or
-///   its lease, whichever is shorter; past it the store rolls it back and
-///   the request gets 503 (see [`SqlxPostgresTransaction`], "Max hold time").
+///   pool) at most the layer's max hold (default 60 s); past it the store
+///   rolls it back and the request gets 503 (see [`SqlxPostgresTransaction`],
+///   "Max hold time").
+/// * Lease renewals run in one statement per batch on a connection of
+///   their own (made with the pool's connect options), so they never wait
+///   behind requests for the pool.
 /// * Connections come from the application's pool: its size and its
 ///   `acquire_timeout` (sqlx's default 30 s) apply. A connection that cannot
 ///   be had in time, or a server that cannot be reached, is
@@ -118,7 +122,6 @@ pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 ///     .await?;
 /// let store = SqlxPostgresStore::builder(pool)
 ///     .table("idempotency_records") // created if missing
-///     .max_hold(Duration::from_secs(10))
 ///     .open()
 ///     .await?;
 /// # Ok(()) }
@@ -126,6 +129,9 @@ pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 #[derive(Clone)]
 pub struct SqlxPostgresStore {
     pool: PgPool,
+    /// One connection of its own for lease renewals
+    /// ([`Store::renew_all`]), so they never wait behind requests.
+    renewals: PgPool,
     sql: Arc<Sql>,
     /// Max hold, the transactions held past it, the test clock offset.
     limits: Limits,
@@ -155,7 +161,6 @@ impl std::fmt::Debug for SqlxPostgresStoreBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SqlxPostgresStoreBuilder")
             .field("table", &self.settings.table)
-            .field("max_hold", &self.settings.max_hold)
             .field("notify_waiters", &self.notify)
             .finish_non_exhaustive()
     }
@@ -248,6 +253,7 @@ impl SqlxPostgresStoreBuilder {
             .map_err(unavailable)?;
         tx.commit().await.map_err(unavailable)?;
         let mut store = SqlxPostgresStore {
+            renewals: crate::renewals::pool_beside(&self.pool),
             pool: self.pool,
             sql: Arc::new(sql),
             limits: self.settings.limits(),
@@ -260,7 +266,7 @@ impl SqlxPostgresStoreBuilder {
 
 impl SqlxPostgresStore {
     /// The store on `pool` with the default options (table
-    /// `idempotency_records`, max hold 30 s); creates the table if it is
+    /// `idempotency_records`); creates the table if it is
     /// missing.
     ///
     /// # Errors
@@ -270,7 +276,7 @@ impl SqlxPostgresStore {
         Self::builder(pool).open().await
     }
 
-    /// Options: table, max hold time, `notify_waiters`, test time offset.
+    /// Options: table, purge, `notify_waiters`, test time offset.
     /// The pool's own options (size, timeouts, TLS) are the application's.
     pub fn builder(pool: PgPool) -> SqlxPostgresStoreBuilder {
         SqlxPostgresStoreBuilder {
@@ -528,6 +534,26 @@ impl Store for SqlxPostgresStore {
             .await
             .map_err(unavailable)?;
         Ok(renewed.rows_affected() == 1)
+    }
+
+    /// One statement for all `claims`, on the renewals' own connection.
+    async fn renew_all(
+        &self,
+        claims: Vec<(RecordId, FencingToken)>,
+        lease: std::time::Duration,
+    ) -> Result<Vec<bool>, StoreError> {
+        let (scopes, keys, tokens) = renew_arrays(&claims);
+        let rows = query(&self.sql.renew_all)
+            .bind(scopes)
+            .bind(keys)
+            .bind(tokens)
+            .bind(self.offset_ms())
+            .bind(tower_idempotency::store::duration_ms(lease))
+            .fetch_all(&self.renewals)
+            .await
+            .map_err(unavailable)?;
+        let rows = rows.iter().map(|row| (row.get(0), row.get(1)));
+        Ok(renewed_in_order(&claims, rows))
     }
 
     /// With `notify_waiters`: woken by the `NOTIFY` of any server's

@@ -25,10 +25,9 @@ use crate::transaction::SqlxTransaction;
 ///
 /// The transaction holds a connection of the pool, and the row locks of the
 /// handler's writes, until the layer commits or rolls back. So it is held at
-/// most [`SqlxPostgresStoreBuilder::max_hold`](super::SqlxPostgresStoreBuilder::max_hold)
-/// (default 30 s) or the layer's lease, whichever is shorter (past its lease
-/// another request may take the key over anyway, and this commit would be
-/// fenced). Past that, the store cancels a statement still running on it
+/// most the layer's max hold,
+/// [`IdempotencyLayer::max_hold`](tower_idempotency::IdempotencyLayer::max_hold)
+/// (default 60 s). Past that, the store cancels a statement still running on it
 /// (`pg_cancel_backend`, from a connection of its own), rolls it back, gives
 /// the key back and the connection to the pool;
 /// [`SqlxTransaction::closed`] resolves, the handler's later
@@ -70,10 +69,6 @@ impl TwoPhase for SqlxPostgresStore {
     /// The backend's `pid`.
     type Cancel = i32;
     const DROP_WITHOUT_RUNTIME: bool = false;
-
-    fn max_hold(&self) -> Duration {
-        self.limits.max_hold
-    }
 
     fn held_too_long(&self) -> &AtomicU64 {
         &self.limits.held_too_long

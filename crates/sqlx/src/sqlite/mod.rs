@@ -78,8 +78,8 @@ pub use transaction::{SqlxSqliteError, SqlxSqliteTransaction};
 /// and then fails with `SQLITE_BUSY` ("database is locked"), and the request
 /// is rolled back. Every other writer of the database (other requests,
 /// background jobs, other processes) waits, too, for as long as a handler
-/// runs: at most [`SqlxSqliteStoreBuilder::max_hold`] (default 30 s) or the
-/// lease, whichever is shorter, after which the store rolls the request back
+/// runs: at most the layer's max hold, [`IdempotencyLayer::max_hold`](tower_idempotency::IdempotencyLayer::max_hold)
+/// (default 60 s), after which the store rolls the request back
 /// (see [`SqlxSqliteTransaction`]). Keep transactional handlers short.
 ///
 /// When this store's own call fails with `SQLITE_BUSY`, its
@@ -114,7 +114,6 @@ pub use transaction::{SqlxSqliteError, SqlxSqliteTransaction};
 pub struct SqlxSqliteStore {
     pool: SqlitePool,
     clock: Arc<dyn Clock>,
-    max_hold: Duration,
     /// The pool's `busy_timeout`, read when the store opened: the longest a
     /// claim waits for an open request holding its key, unless the layer
     /// bounds it further (`ClaimRequest::wait_in_flight`).
@@ -136,9 +135,7 @@ struct Counters {
 
 impl std::fmt::Debug for SqlxSqliteStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqlxSqliteStore")
-            .field("max_hold", &self.max_hold)
-            .finish_non_exhaustive()
+        f.debug_struct("SqlxSqliteStore").finish_non_exhaustive()
     }
 }
 
@@ -147,7 +144,6 @@ impl std::fmt::Debug for SqlxSqliteStore {
 pub struct SqlxSqliteStoreBuilder {
     pool: SqlitePool,
     clock: Arc<dyn Clock>,
-    max_hold: Duration,
     purge: Purge,
 }
 
@@ -157,15 +153,6 @@ impl SqlxSqliteStoreBuilder {
     #[cfg(feature = "test-util")]
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
-        self
-    }
-
-    /// The longest a transactional request may hold SQLite's write lock
-    /// (default 30 s); the layer's lease caps it further. Past it the
-    /// request's writes and claim are rolled back and it is answered 503
-    /// with `Retry-After` (see [`SqlxSqliteTransaction`], "Max hold time").
-    pub fn max_hold(mut self, hold: Duration) -> Self {
-        self.max_hold = hold;
         self
     }
 
@@ -190,7 +177,6 @@ impl SqlxSqliteStoreBuilder {
         let mut store = SqlxSqliteStore {
             pool: self.pool,
             clock: self.clock,
-            max_hold: self.max_hold,
             busy_timeout: Duration::ZERO,
             counters: Arc::default(),
             held: Arc::default(),
@@ -213,12 +199,11 @@ impl SqlxSqliteStore {
         Self::builder(pool).open().await
     }
 
-    /// Options: the clock and the max hold time.
+    /// Options: the clock and the purge.
     pub fn builder(pool: SqlitePool) -> SqlxSqliteStoreBuilder {
         SqlxSqliteStoreBuilder {
             pool,
             clock: Arc::new(SystemClock),
-            max_hold: Duration::from_secs(30),
             purge: Purge::default(),
         }
     }

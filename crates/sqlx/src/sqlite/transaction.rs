@@ -67,8 +67,9 @@ use tower_idempotency::store::kit::held::HeldKey;
 ///
 /// Every other writer of the database waits while a handler runs, so a
 /// request holds the transaction at most
-/// [`SqlxSqliteStoreBuilder::max_hold`](super::SqlxSqliteStoreBuilder::max_hold)
-/// (default 30 s) or the layer's lease, whichever is shorter. Past that, the
+/// the layer's max hold,
+/// [`IdempotencyLayer::max_hold`](tower_idempotency::IdempotencyLayer::max_hold)
+/// (default 60 s). Past that, the
 /// store rolls it back (the handler's writes and the claim),
 /// [`SqlxTransaction::closed`] resolves, later
 /// [`SqlxTransaction::connection`] calls fail with
@@ -255,7 +256,7 @@ impl TransactionalStore for SqlxSqliteStore {
                 return Ok(TransactionClaim::Refused(refusal));
             }
         };
-        let hold = self.max_hold.min(req.hold());
+        let hold = req.hold();
         let (ended, watch) = tokio::sync::watch::channel(());
         let held = self.held.hold(&req.record_id(), req.fingerprint, hold);
         let open = Open {
