@@ -71,35 +71,19 @@ where
                 Some(next) => next,
                 // The body would wait: stream it from here.
                 None => {
-                    let (tee, recorder) = tee::tee(frames, size, body, settings.max_response_body);
-                    let finish = finish_stream(
+                    let read = (frames, size, body);
+                    return stream_from_here(
                         hold,
-                        config.clone(),
-                        parts.status,
-                        parts.headers.clone(),
-                        recorder,
-                        lease_end,
-                        sealer,
+                        config,
+                        runtime,
+                        (parts, read),
+                        (lease_end, sealer),
                     );
-                    drop(runtime.spawn(finish.in_current_span()));
-                    return Response::from_parts(parts, ResponseBody::teeing(tee));
                 }
             },
             None if H::ATOMIC => match atomic_frame(&mut hold, body.as_mut(), lease_end).await {
                 Some(next) => next,
-                None => {
-                    // The transaction ended (rolled back past the store's
-                    // max hold time) or the lease is near its end while the
-                    // body is still running: nothing of it will commit.
-                    tracing::warn!(
-                        "the response did not end before its transaction did; rolled back, answering 503"
-                    );
-                    telemetry::outcome(Outcome::StoreError);
-                    drop(hold);
-                    let retry_after_secs = STORE_RETRY_AFTER_SECS;
-                    return settings
-                        .rejection_response(&Rejection::HeldTooLong { retry_after_secs }, None);
-                }
+                None => return rolled_back_mid_body(settings, hold),
             },
             None => body.frame().await,
         };
@@ -124,6 +108,69 @@ where
             }
         }
     };
+    complete_then_answer(hold, config, (parts, frames, body), stored_body, sealer).await
+}
+
+/// The frames read so far, their size in bytes, and the rest of the body.
+type ReadSoFar<B> = (VecDeque<Frame<Bytes>>, usize, Pin<Box<B>>);
+
+/// The rest of a body that would wait, streamed to the caller through a
+/// [`tee`](crate::tee) whose recorder completes the record at its end, in a
+/// task of its own on `runtime` (`finish_stream`).
+fn stream_from_here<H: Hold, Sc: Scope, F: Fingerprinter, P: StorePolicy, B>(
+    hold: H,
+    config: &Arc<Config<Sc, F, P>>,
+    runtime: &tokio::runtime::Handle,
+    (parts, (frames, size, body)): (http::response::Parts, ReadSoFar<B>),
+    (lease_end, sealer): (tokio::time::Instant, Option<Sealer>),
+) -> Response<ResponseBody<B>>
+where
+    B: Body + Send + 'static,
+{
+    let (tee, recorder) = tee::tee(frames, size, body, config.settings.max_response_body);
+    let finish = finish_stream(
+        hold,
+        config.clone(),
+        parts.status,
+        parts.headers.clone(),
+        recorder,
+        lease_end,
+        sealer,
+    );
+    drop(runtime.spawn(finish.in_current_span()));
+    Response::from_parts(parts, ResponseBody::teeing(tee))
+}
+
+/// The transaction ended (rolled back past its max hold time) or the lease
+/// is near its end while the body is still running: nothing of it will
+/// commit, 503.
+fn rolled_back_mid_body<H: Hold, B: Body>(
+    settings: &Settings,
+    hold: H,
+) -> Response<ResponseBody<B>> {
+    tracing::warn!(
+        "the response did not end before its transaction did; rolled back, answering 503"
+    );
+    telemetry::outcome(Outcome::StoreError);
+    drop(hold);
+    let retry_after_secs = STORE_RETRY_AFTER_SECS;
+    settings.rejection_response(&Rejection::HeldTooLong { retry_after_secs }, None)
+}
+
+/// Completes the record with the body read whole (or omitted past the
+/// limit), then answers: the frames read (and the rest of an omitted body),
+/// or 503 when a transactional commit failed.
+async fn complete_then_answer<H: Hold, Sc: Scope, F: Fingerprinter, P: StorePolicy, B>(
+    hold: H,
+    config: &Arc<Config<Sc, F, P>>,
+    (parts, frames, body): (http::response::Parts, VecDeque<Frame<Bytes>>, Pin<Box<B>>),
+    stored_body: StoredBody,
+    sealer: Option<Sealer>,
+) -> Response<ResponseBody<B>>
+where
+    B: Body + Send + 'static,
+{
+    let settings = &config.settings;
     let trailers = frames.iter().find_map(|f| f.trailers_ref()).cloned();
     let omitted = stored_body == StoredBody::Omitted;
     let head = (parts.status, &parts.headers);

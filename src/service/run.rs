@@ -43,8 +43,9 @@ pub(super) fn reject<B: Body>(
     settings.rejection_response(&rejection, id)
 }
 
-/// The atomic claim, then the inner service, then the record's completion
-/// or release.
+/// One claimed request, in five steps: the claim (or a repeat's wait), the
+/// first-sent guard, the hold armed, the inner service, and the record's
+/// completion or release.
 pub(super) async fn claim_and_run<M, S, St, Sc, F, P, ReqBody, ResBody>(
     mut inner: S,
     store: St,
@@ -62,61 +63,34 @@ where
     ResBody: Body + Send + 'static,
 {
     let settings = &config.settings;
-    // A streamed first response must end within the lease, or the max hold
-    // when the lease is renewed (counted from here, before the store counts
-    // it, less a margin), or it is recorded as not stored: see
-    // `finish_stream`.
     let (id, token, fingerprint) = (claim.record_id(), claim.token, claim.fingerprint);
-    // The instant the answering claim was sent: a repeat that waited and
-    // then claimed has a lease from its own claim, not from its arrival.
+    // 1. The claim, or a repeat's wait: the hold, or the answer (422, 409,
+    //    the replay, 503). `claimed_at` is when the answering claim was
+    //    sent: a repeat that waited and then claimed has a lease from its
+    //    own claim, not from its arrival.
     let (claimed_at, claimed) =
         claim_or_wait::<M, _>(&store, settings, claim, waiting_bytes, &abandoned).await;
-    let mut lease_end = claimed_at + stream_deadline(settings.lease);
     let (hold, taken_over) = match held_or_answer(settings, &id, &fingerprint, claimed) {
         Ok(held) => held,
         Err(answer) => return Ok(answer),
     };
-
-    // No live record, and first sent longer ago than the TTL: it may have
-    // run under a record that expired (`refuse_expired_retries`).
+    // 2. No live record, and first sent longer ago than the TTL: it may
+    //    have run under a record that expired (`refuse_expired_retries`).
     if let Some(rejection) =
         first_sent::expired(settings, request.extensions()).filter(|_| !taken_over)
     {
-        // The key is given back: its waiters claim again at once.
-        let _wake = settings.wait.clone().map(|waiting| WakeOnEnd {
-            waiting,
-            id: id.clone(),
-        });
-        if let Err(e) = timed(Operation::Release, hold.release()).await {
-            tracing::error!(error = %e, "releasing the key failed; it stays in flight until its lease ends");
-        }
-        return Ok(reject(settings, Some(&id), Outcome::Rejected, rejection));
+        return Ok(give_back(settings, &id, hold, rejection).await);
     }
+    // 3. The hold armed: on the request, renewed, and waking this key's
+    //    waiters when it ends.
+    let claim = (&store, (id.clone(), token), claimed_at, taken_over);
+    let (hold, lease_end) = arm::<M, St, _>(settings, claim, hold, &mut request);
     let sealer = settings.keyring.clone().map(|keyring| Sealer {
         keyring,
         id: id.clone(),
         fingerprint,
     });
-    request.headers_mut().remove(&settings.marker);
-    hold.attach(request.extensions_mut());
-    // The end of the hold, however it ends, wakes this key's waiters.
-    let wake = settings.wait.clone().map(|waiting| WakeOnEnd {
-        waiting,
-        id: id.clone(),
-    });
-    let claimed = request.extensions_mut().get_mut::<ClaimedKey>();
-    let claim = (&store, (id.clone(), token), claimed_at, taken_over);
-    let renewal = renew_and_confirm::<M, St>(settings, claim, claimed);
-    if renewal.is_some() {
-        // Renewed until the record is finished, but never past the max hold
-        // (and never less than the first lease).
-        lease_end = lease_end.max(claimed_at + stream_deadline(settings.max_hold));
-    }
-    let mut hold = renew::Renewed {
-        hold,
-        renewal,
-        wake,
-    };
+    // 4. The inner service.
     let response = match inner.call(request).await {
         Ok(response) => response,
         Err(e) => {
@@ -124,9 +98,81 @@ where
             return Err(e);
         }
     };
+    // 5. The record: completed with the response, or given back.
+    Ok(finish::<M, St, _, _, _, _>(&config, &id, hold, lease_end, (response, sealer)).await)
+}
+
+/// Gives a claimed key back and answers `rejection`; the key's waiters
+/// claim again at once.
+async fn give_back<H: Hold, B: Body>(
+    settings: &Settings,
+    id: &RecordId,
+    hold: H,
+    rejection: Rejection,
+) -> Response<ResponseBody<B>> {
+    let _wake = settings.wait.clone().map(|waiting| WakeOnEnd {
+        waiting,
+        id: id.clone(),
+    });
+    if let Err(e) = timed(Operation::Release, hold.release()).await {
+        tracing::error!(error = %e, "releasing the key failed; it stays in flight until its lease ends");
+    }
+    reject(settings, Some(id), Outcome::Rejected, rejection)
+}
+
+/// Puts the hold on the request (for the handler's extractors) with the
+/// marker field removed, starts its renewal and its wake-up of waiters,
+/// and says when a streamed first response must end: within the lease, or
+/// the max hold when the lease is renewed (counted from the claim, less a
+/// margin), or it is recorded as not stored (see `finish_stream`).
+fn arm<M: Mode<St>, St: Store, B>(
+    settings: &Settings,
+    claim: (&St, (RecordId, FencingToken), Instant, bool),
+    hold: M::Hold,
+    request: &mut Request<B>,
+) -> (renew::Renewed<M::Hold>, Instant) {
+    let (id, claimed_at) = (claim.1.0.clone(), claim.2);
+    request.headers_mut().remove(&settings.marker);
+    hold.attach(request.extensions_mut());
+    // The end of the hold, however it ends, wakes this key's waiters.
+    let wake = settings
+        .wait
+        .clone()
+        .map(|waiting| WakeOnEnd { waiting, id });
+    let claimed = request.extensions_mut().get_mut::<ClaimedKey>();
+    let renewal = renew_and_confirm::<M, St>(settings, claim, claimed);
+    let mut lease_end = claimed_at + stream_deadline(settings.lease);
+    if renewal.is_some() {
+        // Renewed until the record is finished, but never past the max hold
+        // (and never less than the first lease).
+        lease_end = lease_end.max(claimed_at + stream_deadline(settings.max_hold));
+    }
+    let hold = renew::Renewed {
+        hold,
+        renewal,
+        wake,
+    };
+    (hold, lease_end)
+}
+
+/// What becomes of the record once the handler has answered: kept in
+/// flight (the handler cannot tell whether its effect happened), given
+/// back (`DoNotStore`, or a response the policy does not store), or
+/// completed with the response, sealed if the layer seals.
+async fn finish<M: Mode<St>, St: Store, Sc: Scope, F: Fingerprinter, P: StorePolicy, B>(
+    config: &Arc<Config<Sc, F, P>>,
+    id: &RecordId,
+    mut hold: renew::Renewed<M::Hold>,
+    lease_end: Instant,
+    (response, sealer): (Response<B>, Option<Sealer>),
+) -> Response<ResponseBody<B>>
+where
+    B: Body + Send + 'static,
+{
+    let settings = &config.settings;
     // "It may have happened": neither stored nor given back.
     if response.extensions().get::<OutcomeUnknown>().is_some() {
-        return Ok(outcome_unknown::<M, St, _>(settings, &id, hold).await);
+        return outcome_unknown::<M, St, _>(settings, id, hold).await;
     }
     // The handler's `DoNotStore` ("nothing happened") overrides the policy.
     if response.extensions().get::<DoNotStore>().is_some()
@@ -137,12 +183,12 @@ where
         release(hold).await;
         let (mut parts, body) = response.into_parts();
         parts.headers.remove(&settings.marker);
-        return Ok(Response::from_parts(parts, ResponseBody::inner(body)));
+        return Response::from_parts(parts, ResponseBody::inner(body));
     }
     hold.answered();
-    let mut response = store_response(hold, &config, lease_end, response, sealer).await;
+    let mut response = store_response(hold, config, lease_end, response, sealer).await;
     first_sent::advertise(settings, response.headers_mut());
-    Ok(response)
+    response
 }
 
 /// What the claim answered: the hold (and whether it took a lapsed lease

@@ -193,27 +193,17 @@ impl SqliteStoreBuilder {
         self
     }
 
-    /// Opens (creating if missing) the file and creates or migrates the schema.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError::Config`] when the path holds a NUL byte (no file can
-    /// have that name); [`StoreError::Unavailable`] when the file cannot be
-    /// opened or written, or holds a schema newer than this crate knows.
-    pub async fn open(self) -> Result<SqliteStore, StoreError> {
-        if self.path.as_os_str().as_encoded_bytes().contains(&0) {
-            return Err(StoreError::config(format!(
-                "the SQLite path {:?} holds a NUL byte",
-                self.path
-            )));
-        }
+    /// Every pooled connection's settings: refused while read-only, the
+    /// busy timeout, the statement cache, `synchronous`, foreign keys, an
+    /// in-memory temp store, then the application's `on_connect` hook.
+    fn connection_manager(&self) -> SqliteConnectionManager {
         let busy_ms = duration_ms(self.busy_timeout);
         let synchronous = match self.synchronous {
             Synchronous::Normal => "NORMAL",
             Synchronous::Full => "FULL",
         };
         let on_connect = self.on_connect.clone();
-        let manager = SqliteConnectionManager::file(&self.path).with_init(move |c| {
+        SqliteConnectionManager::file(&self.path).with_init(move |c| {
             // SQLite opens a file it may not write read-only, and such a
             // connection stays read-only after the file is writable again:
             // kept in the pool, it would fail every write it is handed.
@@ -240,7 +230,24 @@ impl SqliteStoreBuilder {
                 hook(c)?;
             }
             Ok(())
-        });
+        })
+    }
+
+    /// Opens (creating if missing) the file and creates or migrates the schema.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Config`] when the path holds a NUL byte (no file can
+    /// have that name); [`StoreError::Unavailable`] when the file cannot be
+    /// opened or written, or holds a schema newer than this crate knows.
+    pub async fn open(self) -> Result<SqliteStore, StoreError> {
+        if self.path.as_os_str().as_encoded_bytes().contains(&0) {
+            return Err(StoreError::config(format!(
+                "the SQLite path {:?} holds a NUL byte",
+                self.path
+            )));
+        }
+        let manager = self.connection_manager();
         let path = self.path.clone();
         let pool_size = self.pool_size;
         let busy_timeout = self.busy_timeout;
