@@ -79,6 +79,19 @@
 //!
 //! Store crates add their own: `tower-idempotency-redis` names its eviction
 //! gauges in its crate docs.
+//!
+//! ## The store's latency in OpenTelemetry's terms
+//!
+//! The store histogram is OpenTelemetry's stable database-client duration
+//! (semantic conventions, "Database client metrics") under this crate's
+//! prefix; a recorder that exports OTLP can rename it one for one:
+//!
+//! | this crate | OpenTelemetry | note |
+//! |---|---|---|
+//! | `tower_idempotency_store_duration_seconds` (histogram, seconds) | `db.client.operation.duration` (histogram, seconds) | one call to the store, timed from the layer |
+//! | label `operation` (`claim`, `complete`, `release`) | attribute `db.operation.name` | the store's operation, not a SQL verb: a claim may run several statements |
+//! | none | attribute `db.system.name` (`postgresql`, `mysql`, `mariadb`, `sqlite`, `redis`) | a layer has one store: set it as a constant attribute where the recorder is installed |
+//! | none | attribute `error.type` | failed calls are counted by `tower_idempotency_requests_total{outcome="store_error"}` |
 
 use std::future::Future;
 use std::time::Instant;
