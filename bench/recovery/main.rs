@@ -4,15 +4,16 @@
 //!
 //! ```text
 //! cargo build --release --example ledger --all-features
-//! cargo run --release --example recovery -- --lease-secs 5 [--db URL] [--mode separate] [--ledger-arg=--key-store=URL] [--runs 3]
+//! cargo run --release --example recovery -- [--lease-secs 5] [--db URL] [--mode separate] [--ledger-arg=--key-store=URL] [--runs 3]
 //! ```
 //!
 //! Each run: a credit whose handler takes 20 s is claimed; the ledger is
 //! killed while it runs and restarted; the same credit is retried every
-//! 50 ms until it answers 201. The balance shows it was applied once. With
-//! the ledger's lease renewal a short `--lease-secs` is safe for slow
-//! handlers, and the wait is about one lease; before renewal, a lease had
-//! to outlast the slowest handler (the crate's 60 s default).
+//! 50 ms until it answers 201. The balance shows it was applied once. The
+//! lease is renewed while a request runs, so a short lease is safe for slow
+//! handlers, and the wait is about one lease: the crate's default (10 s)
+//! unless `--lease-secs` is given; before renewal, a lease had to outlast
+//! the slowest handler (the crate's old 60 s default).
 
 #[path = "../../tests/common/ledger_driver.rs"]
 mod driver;
@@ -38,8 +39,9 @@ struct Args {
     /// `--ledger-arg=--db-driver=sqlx`).
     #[arg(long = "ledger-arg", allow_hyphen_values = true)]
     ledger_args: Vec<String>,
-    /// `--lease-secs` of the ledger.
-    #[arg(long, default_value_t = 5)]
+    /// `--lease-secs` of the ledger (0, the default: none, the crate's
+    /// default lease).
+    #[arg(long, default_value_t = 0)]
     lease_secs: u64,
     /// Kills to measure.
     #[arg(long, default_value_t = 3)]
@@ -69,10 +71,13 @@ fn main() {
         seconds.push(seen.elapsed.as_secs_f64());
     }
     seconds.sort_by(f64::total_cmp);
+    let lease = match args.lease_secs {
+        0 => "the default lease".to_owned(),
+        secs => format!("lease {secs} s"),
+    };
     println!(
-        "mode {} lease {} s: median kill to recovery {:.2} s over {} runs",
+        "mode {} {lease}: median kill to recovery {:.2} s over {} runs",
         args.mode,
-        args.lease_secs,
         seconds[seconds.len() / 2],
         seconds.len()
     );
