@@ -134,8 +134,9 @@ async fn a_rolled_back_request_enqueues_nothing_and_its_retry_delivers_once() {
         .relay(tagged_sink("a"))
         .poll_interval(Duration::from_millis(10))
         .spawn();
-    until(Duration::from_secs(20), "delivered", || {
-        ds.effects().get(&committed) == Some(&1)
+    // The downstream logs an attempt once it has answered, after its effect.
+    until(Duration::from_secs(20), "delivered and answered", || {
+        ds.effects().get(&committed) == Some(&1) && ds.attempts_of(&committed) > 0
     })
     .await;
     assert_eq!(
