@@ -361,3 +361,110 @@ mod confirm_and_unknown {
         assert_eq!(e.runs.load(Ordering::SeqCst), 2);
     }
 }
+
+/// The layer's one renewal task renews the claims due together in one call
+/// to `Store::renew_all`: three requests claimed 20 ms apart (a 3 s lease:
+/// a renewal every second, and claims due within 250 ms of the first go
+/// with it) are renewed in calls of all three, never one by one, while
+/// they run 2.5 s; each keeps its key (a repeat gets 409).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_due_together_are_renewed_in_one_call() {
+    let store = batches::Counting::default();
+    let layer = IdempotencyLayer::new(store.clone(), GlobalScope).lease(Duration::from_secs(3));
+    let app = Router::new()
+        .route(
+            "/",
+            post(|| async {
+                tokio::time::sleep(Duration::from_millis(2500)).await;
+                StatusCode::CREATED
+            }),
+        )
+        .route_layer(layer.require_key(true));
+    let call = |key: &'static str| {
+        let app = app.clone();
+        async move {
+            let request = Request::post("/")
+                .header("idempotency-key", format!("\"{key}\""))
+                .body(Body::empty())
+                .unwrap();
+            app.oneshot(request).await.unwrap().status().as_u16()
+        }
+    };
+    let mut running = Vec::new();
+    for key in ["a", "b", "c"] {
+        running.push(tokio::spawn(call(key)));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    assert_eq!(call("a").await, 409);
+    for request in running {
+        assert_eq!(request.await.unwrap(), 201);
+    }
+    let calls = store.calls();
+    assert!(!calls.is_empty(), "no renewal in 2.5 s of a 3 s lease");
+    assert!(calls.iter().all(|&n| n == 3), "claims per call: {calls:?}");
+}
+
+mod batches {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use tower_idempotency::response::StoredResponse;
+    use tower_idempotency::store::{
+        Claim, ClaimRequest, Completion, FencingToken, MemoryStore, RecordId, Store, StoreError,
+    };
+
+    /// A `MemoryStore` that logs how many claims each `renew_all` carries.
+    #[derive(Clone, Default)]
+    pub struct Counting {
+        inner: MemoryStore,
+        calls: Arc<Mutex<Vec<usize>>>,
+    }
+
+    impl Counting {
+        pub fn calls(&self) -> Vec<usize> {
+            self.calls.lock().unwrap().clone()
+        }
+    }
+
+    impl Store for Counting {
+        async fn claim(&self, request: ClaimRequest) -> Result<Claim, StoreError> {
+            self.inner.claim(request).await
+        }
+
+        async fn complete(
+            &self,
+            id: RecordId,
+            token: FencingToken,
+            response: StoredResponse,
+        ) -> Result<Completion, StoreError> {
+            self.inner.complete(id, token, response).await
+        }
+
+        async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
+            self.inner.release(id, token).await
+        }
+
+        async fn purge_expired(&self) -> Result<u64, StoreError> {
+            self.inner.purge_expired().await
+        }
+
+        async fn renew(
+            &self,
+            id: RecordId,
+            token: FencingToken,
+            lease: Duration,
+        ) -> Result<bool, StoreError> {
+            self.inner.renew(id, token, lease).await
+        }
+
+        async fn renew_all(
+            &self,
+            claims: Vec<(RecordId, FencingToken)>,
+            lease: Duration,
+        ) -> Result<Vec<bool>, StoreError> {
+            self.calls.lock().unwrap().push(claims.len());
+            self.inner.renew_all(claims, lease).await
+        }
+    }
+}

@@ -106,12 +106,14 @@ fn with_the_defaults_a_killed_holder_frees_its_key_within_15_s_on_sqlite() {
     defaults_free_a_killed_holders_key_within_15_s(&dir.path().join("ledger.sqlite3"), &[]);
 }
 
+#[cfg(feature = "postgres")]
 #[test]
 fn with_the_defaults_a_killed_holder_frees_its_key_within_15_s_on_postgres() {
     let url = services::postgres_url();
     defaults_free_a_killed_holders_key_within_15_s(std::path::Path::new(&url), &[]);
 }
 
+#[cfg(feature = "redis")]
 #[test]
 fn with_the_defaults_a_killed_holder_frees_its_key_within_15_s_on_redis() {
     let dir = tempfile::tempdir().unwrap();

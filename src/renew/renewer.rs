@@ -100,8 +100,8 @@ impl Entry {
         (self.claim.lease / 3).max(Duration::from_millis(1))
     }
 
-    /// How much earlier than its due time a claim is renewed with others
-    /// that are due: a quarter of its period.
+    /// How much earlier than its due time a claim is renewed, with the
+    /// claim whose renewal woke the task: a quarter of its period.
     fn slack(&self) -> Duration {
         self.every() / 4
     }
@@ -137,7 +137,7 @@ impl<St: Store> Renew for Renewer<St> {
         };
         // A third of a lease after the confirmation.
         entry.due = confirmed_until - 2 * entry.every();
-        let wake = entry.due - entry.slack();
+        let wake = entry.due;
         let mut state = self.shared.lock();
         let slot = state.next_slot;
         state.next_slot += 1;
@@ -259,8 +259,7 @@ impl State {
                 let extend = entry.claim.lease.min(entry.hold_end() - now);
                 due.push((extend, slot, entry.confirmed_until));
             } else {
-                // Woken a slack early, it is due then.
-                next = next.min(entry.due - entry.slack());
+                next = next.min(entry.due);
             }
         }
         let lost = past_hold

@@ -74,6 +74,14 @@ where
         self.inner.renew(id, token, lease).await
     }
 
+    async fn renew_all(
+        &self,
+        claims: Vec<(RecordId, FencingToken)>,
+        lease: Duration,
+    ) -> Result<Vec<bool>, StoreError> {
+        self.inner.renew_all(claims, lease).await
+    }
+
     fn watch(&self, id: &RecordId) -> Option<crate::store::Watch> {
         self.inner.watch(id)
     }
