@@ -140,12 +140,6 @@ pub trait Mode<St>: sealed::Sealed + Clone + Send + Sync + 'static {
     #[doc(hidden)]
     const DETACHED: bool;
 
-    /// Whether the claim's lease is renewed while the request runs (when
-    /// the layer renews leases): wherever the claim is committed before
-    /// the handler runs.
-    #[doc(hidden)]
-    const RENEWS: bool;
-
     /// Claims the key: the hold and whether an expired lease was taken over,
     /// or why the request is refused.
     #[doc(hidden)]
@@ -161,6 +155,10 @@ pub trait Mode<St>: sealed::Sealed + Clone + Send + Sync + 'static {
 pub trait Hold: Send + 'static {
     /// Whether a failed completion means the handler's effect did not happen.
     const ATOMIC: bool;
+
+    /// Whether the claim's lease is renewed while the request runs:
+    /// wherever the claim is committed before the handler runs.
+    fn renews(&self) -> bool;
 
     /// Makes the claim available to the handler.
     fn attach(&self, extensions: &mut Extensions);
@@ -191,7 +189,6 @@ impl<St: Store> Mode<St> for Separate {
     // The handler's effect commits on its own and may outlive a cancelled
     // future: only finishing the request keeps the record true to it.
     const DETACHED: bool = true;
-    const RENEWS: bool = true;
 
     async fn claim(
         store: &St,
@@ -279,6 +276,10 @@ impl<St: Store> Drop for SeparateHold<St> {
 impl<St: Store> Hold for SeparateHold<St> {
     const ATOMIC: bool = false;
 
+    fn renews(&self) -> bool {
+        true
+    }
+
     fn attach(&self, _extensions: &mut Extensions) {}
 
     fn answered(&mut self) {
@@ -304,7 +305,6 @@ impl<St: TransactionalStore> Mode<St> for Transactional {
     // Nothing commits until the layer commits: a cancelled request rolls
     // back cleanly and frees the writer at once.
     const DETACHED: bool = false;
-    const RENEWS: bool = St::CLAIM_COMMITS_FIRST;
 
     async fn claim(
         store: &St,
@@ -336,6 +336,10 @@ pub struct TransactionHold<St: TransactionalStore> {
 
 impl<St: TransactionalStore> Hold for TransactionHold<St> {
     const ATOMIC: bool = true;
+
+    fn renews(&self) -> bool {
+        self.store.claim_commits_first()
+    }
 
     fn attach(&self, extensions: &mut Extensions) {
         if let Some(transaction) = &self.transaction {

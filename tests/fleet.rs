@@ -14,9 +14,9 @@ mod common;
 #[cfg(feature = "postgres")]
 use std::path::PathBuf;
 
-#[cfg(feature = "postgres")]
-use fleet_support::a_dead_servers_claim_is_taken_over;
 use fleet_support::racing_servers_apply_once;
+#[cfg(feature = "postgres")]
+use fleet_support::{a_dead_servers_claim_dies_with_it, a_dead_servers_claim_is_taken_over};
 
 #[cfg(feature = "postgres")]
 fn url() -> String {
@@ -67,14 +67,17 @@ fn two_processes_on_one_sqlite_file_racing_one_key_apply_it_once() {
     }
 }
 
-/// Server one dies holding the claim; server two answers 409 until the lease
-/// (2 s) ends, then takes over and applies the credit once.
+/// Server one dies holding the claim inside its transaction (one phase, the
+/// default); server two applies the credit once as soon as the database
+/// rolled it back, before the lease (2 s) could end.
 #[cfg(feature = "postgres")]
 #[test]
-fn a_dead_servers_claim_is_taken_over_after_the_lease_transactional() {
-    a_dead_servers_claim_is_taken_over(PathBuf::from(url()), "transactional", record_state);
+fn a_dead_servers_claim_dies_with_its_transaction() {
+    a_dead_servers_claim_dies_with_it(PathBuf::from(url()), record_state);
 }
 
+/// Server one dies holding the claim; server two answers 409 until the lease
+/// (2 s) ends, then takes over and applies the credit once.
 #[cfg(feature = "postgres")]
 #[test]
 fn a_dead_servers_claim_is_taken_over_after_the_lease_separate() {

@@ -239,3 +239,148 @@ mod capped {
         without_the_flag_repeats_get_409(&dir.path().join("l.sqlite3"), "sqlx");
     }
 }
+
+/// Issue 37: two ledger processes on one PostgreSQL database, both in
+/// transactional mode with the defaults (the claim inside the handler's
+/// transaction). Each of 12 keys is sent to both at once (a barrier): one
+/// credit per key; the other answer is 409 with `Retry-After` (it met the
+/// uncommitted claim) or the replay (it came after the commit). A different
+/// body is refused: 422 at once on the ledger holding the key, 409 on the
+/// other while the first is in flight (it cannot see an uncommitted
+/// fingerprint), 422 there once the first committed. A repeat allowed to
+/// wait (`--wait-in-flight-ms`) waits on the uncommitted claim in the
+/// database and gets the replay.
+#[test]
+fn postgres_transactional_two_ledgers_share_the_keys() {
+    use std::sync::{Arc, Barrier};
+    let binary = driver::ledger_beside_tests();
+    let url = postgres_url();
+    let db = Path::new(&url);
+    let a = Ledger::start_with(&binary, db, "transactional", 0, &[]);
+    let b = Ledger::start_with(
+        &binary,
+        db,
+        "transactional",
+        0,
+        &["--wait-in-flight-ms", "10000"],
+    );
+    let b_no_wait = Ledger::start_with(&binary, db, "transactional", 0, &[]);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let post = |addr, key: &str, path: &str, body: &str, extra: &[(&str, &str)]| {
+        let mut headers = vec![("idempotency-key", key)];
+        headers.extend_from_slice(extra);
+        driver::request(addr, "POST", path, &headers, body).expect("an answer")
+    };
+    let account = post(
+        a.addr,
+        &format!("acct-{nanos}"),
+        "/accounts",
+        r#"{"name":"two"}"#,
+        &[],
+    );
+    assert_eq!(account.status, 201, "{}", account.body);
+    let id: i64 = account
+        .body
+        .split("\"id\":")
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let path = format!("/accounts/{id}/credits");
+
+    // 12 keys, each sent to A and to B-without-wait at once.
+    const KEYS: usize = 12;
+    let barrier = Arc::new(Barrier::new(2 * KEYS));
+    let threads: Vec<_> = (0..KEYS)
+        .flat_map(|k| [(k, a.addr), (k, b_no_wait.addr)])
+        .map(|(k, addr)| {
+            let (barrier, path) = (barrier.clone(), path.clone());
+            std::thread::spawn(move || {
+                let key = format!("dup-{nanos}-{k}");
+                let headers = [
+                    ("idempotency-key", key.as_str()),
+                    ("x-ledger-delay-ms", "300"),
+                ];
+                barrier.wait();
+                (
+                    k,
+                    driver::request(addr, "POST", &path, &headers, r#"{"amount":3}"#)
+                        .expect("an answer"),
+                )
+            })
+        })
+        .collect();
+    let mut per_key: Vec<Vec<driver::Answer>> = (0..KEYS).map(|_| Vec::new()).collect();
+    for thread in threads {
+        let (k, answer) = thread.join().unwrap();
+        per_key[k].push(answer);
+    }
+    for (k, answers) in per_key.iter().enumerate() {
+        let applied = answers
+            .iter()
+            .filter(|r| r.status == 201 && !r.replayed)
+            .count();
+        assert_eq!(applied, 1, "key {k}: {answers:?}");
+        for r in answers.iter().filter(|r| r.status != 201 || r.replayed) {
+            match (r.status, r.replayed) {
+                (201, true) => {}
+                (409, false) => assert!(r.retry_after.is_some_and(|s| s >= 1), "{r:?}"),
+                _ => panic!("key {k}: {r:?}"),
+            }
+        }
+    }
+
+    // A different body, while a 2 s credit holds the key on A.
+    let key = format!("other-{nanos}");
+    let first = {
+        let (addr, path, key) = (a.addr, path.clone(), key.clone());
+        std::thread::spawn(move || {
+            let headers = [
+                ("idempotency-key", key.as_str()),
+                ("x-ledger-delay-ms", "2000"),
+            ];
+            // Past a 409 from a probe of `until_in_flight` that came first.
+            driver::request_past_409(addr, "POST", &path, &headers, r#"{"amount":4}"#)
+                .expect("an answer")
+        })
+    };
+    driver::until_in_flight(
+        a.addr,
+        &path,
+        &[("idempotency-key", &key)],
+        r#"{"amount":4}"#,
+    );
+    let same_ledger = post(a.addr, &key, &path, r#"{"amount":9}"#, &[]);
+    assert_eq!(same_ledger.status, 422, "{}", same_ledger.body);
+    let other_ledger = post(b_no_wait.addr, &key, &path, r#"{"amount":9}"#, &[]);
+    assert_eq!(other_ledger.status, 409, "{}", other_ledger.body);
+    // B waits on the uncommitted claim, then replays the committed credit.
+    let waited = post(b.addr, &key, &path, r#"{"amount":4}"#, &[]);
+    let first = first.join().unwrap();
+    assert_eq!(
+        (first.status, first.replayed),
+        (201, false),
+        "{}",
+        first.body
+    );
+    assert_eq!(
+        (waited.status, waited.replayed, &waited.body),
+        (201, true, &first.body)
+    );
+    let after = post(b_no_wait.addr, &key, &path, r#"{"amount":9}"#, &[]);
+    assert_eq!(after.status, 422, "{}", after.body);
+
+    let account = driver::request(a.addr, "GET", &format!("/accounts/{id}"), &[], "").unwrap();
+    let balance = 3 * KEYS as i64 + 4;
+    assert!(
+        account.body.contains(&format!("\"balance\":{balance}")),
+        "{}",
+        account.body
+    );
+}

@@ -28,7 +28,7 @@ mod pgcluster;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use driver::{Ledger, request};
+use driver::{Ledger, request, request_within};
 use pgcluster::{PgCluster, wait_until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -117,9 +117,11 @@ fn a_cut_off_server_never_causes_a_second_credit_in_separate_mode() {
     cut_off_mid_request("separate", 15530);
 }
 
-/// Transactional mode: A's credit and its record's completion share one
-/// transaction, whose commit is fenced; the server ends A's idle session
-/// (`idle_in_transaction_session_timeout`, the hold time + 1 s), and A's
+/// Transactional mode: A's claim, credit and completion share one
+/// transaction (one phase, `PostgresStore`'s default), so the claim holds
+/// the key until the server ends A's idle session
+/// (`idle_in_transaction_session_timeout`, the max hold, 60 s, + 1 s): B's
+/// retries get 409 until then, not a lease, then credit once. A's
 /// statements arriving after the heal cannot commit a second credit.
 #[test]
 fn a_cut_off_server_never_causes_a_second_credit_in_transactional_mode() {
@@ -156,7 +158,10 @@ fn cut_off_mid_request(mode: &str, port: u16) {
         .map(|i| {
             let (addr, path) = (a.addr, path.clone());
             std::thread::spawn(move || {
-                request(
+                // Answered after the heal: past a minute in transactional
+                // mode (the max hold).
+                request_within(
+                    Duration::from_secs(180),
                     addr,
                     "POST",
                     &path,
@@ -169,20 +174,32 @@ fn cut_off_mid_request(mode: &str, port: u16) {
             })
         })
         .collect();
+    // Separate mode: A's claims committed. Transactional: A's sessions
+    // idle in their transactions, right after the claim.
+    let claimed = match mode {
+        "separate" => {
+            "SELECT count(*) FROM idempotency_records WHERE key LIKE 'partition-%' AND state = 'in_flight'"
+        }
+        _ => {
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' AND query LIKE '%lock_timeout TO DEFAULT%'"
+        }
+    };
     wait_until(
         Duration::from_secs(10),
         "A's claims in the database",
-        || {
-            cluster.psql(
-            "SELECT count(*) FROM idempotency_records WHERE key LIKE 'partition-%' AND state = 'in_flight'",
-        ) == KEYS.to_string()
-        },
+        || cluster.psql(claimed) == KEYS.to_string(),
     );
     proxy.cut();
     let cut_at = Instant::now();
 
     // Retries on B: 409 while A's lease runs, then B takes each key over.
-    let limit = Duration::from_secs(LEASE_SECS + 5);
+    // The key is free once A's lease ends, or (transactional) once the
+    // server ends A's idle session: the default max hold (60 s) + 1 s.
+    let free_after = match mode {
+        "separate" => LEASE_SECS,
+        _ => 61,
+    };
+    let limit = Duration::from_secs(free_after + 5);
     let mut answers_on_b = Vec::new();
     let mut slowest = Duration::ZERO;
     for i in 0..KEYS {
@@ -201,7 +218,7 @@ fn cut_off_mid_request(mode: &str, port: u16) {
             assert_eq!(answer.status, 409, "{}", answer.body);
             assert!(
                 cut_at.elapsed() < limit,
-                "key {i}: B's retry did not complete within the lease + 5 s of the cut"
+                "key {i}: B's retry did not complete within {free_after} + 5 s of the cut"
             );
             std::thread::sleep(Duration::from_millis(100));
         };

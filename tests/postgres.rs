@@ -36,10 +36,20 @@ struct Db {
 
 impl Db {
     async fn new() -> Db {
+        Db::open(false).await
+    }
+
+    /// Transactional claims that commit first (two phases).
+    async fn two_phase() -> Db {
+        Db::open(true).await
+    }
+
+    async fn open(commit_claims_first: bool) -> Db {
         let id = format!("{:016x}", FencingToken::random().0);
         let table = format!("idem_pg_{id}");
         let store = PostgresStore::builder(&url())
             .table(table.clone())
+            .commit_claims_first(commit_claims_first)
             .open()
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL at {} is required: {e}", url()));
@@ -273,7 +283,9 @@ async fn transactional_dropped_request_rolls_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_commit_never_leaks_its_transaction() {
     use tower::ServiceExt;
-    let db = Db::new().await;
+    // Two phases: the completion's UPDATE must meet a committed record that
+    // another session can lock.
+    let db = Db::two_phase().await;
     let h = Harness::default();
     let app = Router::new()
         .route("/items", post(item))

@@ -54,6 +54,7 @@ async fn store() -> (PostgresStore, String) {
     let table = format!("idem_brk_{:016x}", FencingToken::random().0);
     let store = PostgresStore::builder(&url())
         .table(table.clone())
+        .commit_claims_first(true)
         .open()
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {} is required: {e}", url()));

@@ -126,11 +126,13 @@ async fn postgres_a_fenced_commit_never_replays_nor_releases() {
     let table = format!("idem_brk_{:016x}", FencingToken::random().0);
     let first = PostgresStore::builder(&pg_url())
         .table(table.clone())
+        .commit_claims_first(true)
         .open()
         .await
         .unwrap();
     let later = PostgresStore::builder(&pg_url())
         .table(table.clone())
+        .commit_claims_first(true)
         .clock_offset(Ahead(AHEAD))
         .open()
         .await
@@ -219,6 +221,7 @@ async fn postgres_a_fenced_or_failed_commit_keeps_no_write_of_its_handler() {
         let open = |ahead| {
             PostgresStore::builder(&pg_url())
                 .table(table.clone())
+                .commit_claims_first(true)
                 .notify_waiters(notify)
                 .clock_offset(Ahead(ahead))
                 .open()

@@ -125,9 +125,14 @@ async fn woken_by_the_store<A: Store, B: Store>(a: A, b: B, fail: bool) {
 }
 
 async fn postgres_store(table: &str) -> PostgresStore {
+    postgres_store_with(table, false).await
+}
+
+async fn postgres_store_with(table: &str, commit_claims_first: bool) -> PostgresStore {
     PostgresStore::builder(&common::services::postgres_url())
         .table(table)
         .notify_waiters(true)
+        .commit_claims_first(commit_claims_first)
         .open()
         .await
         .unwrap()
@@ -163,11 +168,17 @@ async fn postgres_notify_of_a_release_wakes_waiters_on_another_server() {
 
 /// The first request on A in transactional mode, held; one repeat on B,
 /// waiting; the gate opens: the announcement leaves with A's commit.
+/// Server A's transactional request holds the key; server B's repeat waits
+/// for it (`wait_in_flight`) and replays it once A commits. Where A's claim
+/// commits first, B's claims meet it in flight and B waits for the
+/// announcement (`NOTIFY`); where it lives in A's open transaction (one
+/// phase), B's waiting claim waits on the uncommitted row in the database.
 async fn woken_at_a_transactional_commit<A: TransactionalStore, B: Store>(a: A, b: B) {
     let h = Harness::default();
     let claims = Claims::default();
     let b = claims.counted(b);
     listening(&b).await;
+    let one_phase = !a.claim_commits_first();
     let app = Router::new()
         .route("/credit", post(credit))
         .route_layer(
@@ -189,10 +200,20 @@ async fn woken_at_a_transactional_commit<A: TransactionalStore, B: Store>(a: A, 
     let first = tokio::spawn(async move { post_key(addr_a, &[("x-gate", b"g")]).await });
     assert_eq!(entered.recv().await.as_deref(), Some("g"));
     let repeat = tokio::spawn(async move { post_key(addr_b, &[]).await });
-    eventually(Duration::from_secs(20), || {
-        claims.in_flight.load(Ordering::SeqCst) >= 2
-    })
-    .await;
+    if one_phase {
+        // B's first claim is refused at once (1 ms); its waiting claim then
+        // waits on A's uncommitted row.
+        eventually(Duration::from_secs(20), || {
+            claims.in_flight.load(Ordering::SeqCst) >= 1
+        })
+        .await;
+        waiting_on_a_lock().await;
+    } else {
+        eventually(Duration::from_secs(20), || {
+            claims.in_flight.load(Ordering::SeqCst) >= 2
+        })
+        .await;
+    }
     let opened = tokio::time::Instant::now();
     h.open("g");
     assert_eq!(first.await.unwrap().status, 201);
@@ -202,9 +223,40 @@ async fn woken_at_a_transactional_commit<A: TransactionalStore, B: Store>(a: A, 
         (201, true, b"run 1".as_slice())
     );
     assert!(opened.elapsed() < Duration::from_secs(10));
-    assert_eq!(claims.all.load(Ordering::SeqCst), 3);
-    assert_eq!(claims.in_flight.load(Ordering::SeqCst), 2);
+    let (all, in_flight) = if one_phase { (2, 1) } else { (3, 2) };
+    assert_eq!(claims.all.load(Ordering::SeqCst), all);
+    assert_eq!(claims.in_flight.load(Ordering::SeqCst), in_flight);
     assert_eq!(h.runs(), 1);
+}
+
+/// Until a session of this test's database waits on a lock in an
+/// `INSERT` (the barrier of a claim waiting on an uncommitted one).
+async fn waiting_on_a_lock() {
+    let (client, connection) =
+        tokio_postgres::connect(&common::services::postgres_url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO wake_%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no claim waits on a lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 fn postgres_table() -> String {
@@ -213,6 +265,15 @@ fn postgres_table() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_notify_at_a_transactional_commit_wakes_waiters_on_another_server() {
+    let table = postgres_table();
+    let a = postgres_store_with(&table, true).await;
+    woken_at_a_transactional_commit(a, postgres_store(&table).await).await;
+}
+
+/// One phase (the default): the waiting claim on the other server waits
+/// on the uncommitted claim in the database, and replays at the commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_claim_inside_the_transaction_is_waited_for_on_another_server() {
     let (a, b) = postgres_pair().await;
     woken_at_a_transactional_commit(a, b).await;
 }

@@ -188,6 +188,10 @@ pub(crate) struct Renewed<H> {
 impl<H: Hold> Hold for Renewed<H> {
     const ATOMIC: bool = H::ATOMIC;
 
+    fn renews(&self) -> bool {
+        self.hold.renews()
+    }
+
     fn attach(&self, extensions: &mut http::Extensions) {
         self.hold.attach(extensions);
     }

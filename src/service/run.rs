@@ -140,7 +140,7 @@ fn arm<M: Mode<St>, St: Store, B>(
         .clone()
         .map(|waiting| WakeOnEnd { waiting, id });
     let claimed = request.extensions_mut().get_mut::<ClaimedKey>();
-    let renewal = renew_and_confirm::<M, St>(settings, claim, claimed);
+    let renewal = renew_and_confirm::<M, St>(settings, claim, claimed, hold.renews());
     let mut lease_end = claimed_at + stream_deadline(settings.lease);
     if renewal.is_some() {
         // Renewed until the record is finished, but never past the max hold
@@ -249,6 +249,7 @@ fn renew_and_confirm<M: Mode<St>, St: Store>(
     settings: &Settings,
     (store, (id, token), claimed_at, taken_over): (&St, (RecordId, FencingToken), Instant, bool),
     claimed: Option<&mut ClaimedKey>,
+    renews: bool,
 ) -> Option<renew::Renewal> {
     let claimed = claimed?;
     // The longest the claim may hold: its max hold (renewed up to it, or a
@@ -278,7 +279,7 @@ fn renew_and_confirm<M: Mode<St>, St: Store>(
     if <M::Hold as Hold>::ATOMIC {
         confirmed_until = confirmed_until.max(Instant::now() + (lease - lease / 3));
     }
-    M::RENEWS.then(|| {
+    renews.then(|| {
         settings.renewer.register(renew::Claimed {
             id,
             token,

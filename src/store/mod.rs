@@ -448,6 +448,13 @@ pub trait TransactionalStore: Store {
     /// vanishes with it (SQLite): nothing to renew.
     const CLAIM_COMMITS_FIRST: bool = false;
 
+    /// [`TransactionalStore::CLAIM_COMMITS_FIRST`] for this store as it
+    /// was built: a store that can do either (PostgreSQL) says which it
+    /// does. The layer renews a claim's lease only where it is `true`.
+    fn claim_commits_first(&self) -> bool {
+        Self::CLAIM_COMMITS_FIRST
+    }
+
     /// Resolves once the store has ended `transaction` on its own, e.g.
     /// rolled it back past its max hold time. The layer races it against
     /// reading the handler's response, so that a response that never ends

@@ -158,6 +158,7 @@ impl Drop for Ledger {
 }
 
 /// An answer: status and the `Retry-After` seconds, if any.
+#[derive(Debug)]
 pub struct Answer {
     pub status: u16,
     pub retry_after: Option<u64>,
@@ -166,7 +167,7 @@ pub struct Answer {
 }
 
 /// One HTTP/1.1 request; `None` when the connection fails or dies (the
-/// server was killed).
+/// server was killed), or no answer came within 30 s.
 pub fn request(
     addr: SocketAddr,
     method: &str,
@@ -174,10 +175,20 @@ pub fn request(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Option<Answer> {
+    request_within(Duration::from_secs(30), addr, method, path, headers, body)
+}
+
+/// [`request`], waiting at most `limit` for the answer.
+pub fn request_within(
+    limit: Duration,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Option<Answer> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .ok()?;
+    stream.set_read_timeout(Some(limit)).ok()?;
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nhost: ledger\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
         body.len()

@@ -94,6 +94,27 @@ pub fn a_dead_servers_claim_is_taken_over(
     mode: &str,
     record_state: impl Fn(&str) -> Option<String>,
 ) {
+    dead_server(db, mode, record_state, true);
+}
+
+/// Server one (of two on `db`) is killed holding a claim that lives in its
+/// open transaction (one phase, `PostgresStore`'s transactional mode):
+/// server two answers 409 while it runs (its insert meets the uncommitted
+/// claim), and applies the credit once as soon as the database has rolled
+/// the dead server's transaction back: before the lease (2 s) could end.
+pub fn a_dead_servers_claim_dies_with_it(
+    db: PathBuf,
+    record_state: impl Fn(&str) -> Option<String>,
+) {
+    dead_server(db, "transactional", record_state, false);
+}
+
+fn dead_server(
+    db: PathBuf,
+    mode: &str,
+    record_state: impl Fn(&str) -> Option<String>,
+    committed_claim: bool,
+) {
     let mut one = Ledger::start(&driver::ledger_beside_tests(), &db, mode, 2);
     let two = Ledger::start(&driver::ledger_beside_tests(), &db, mode, 2);
     let account = new_account(&two);
@@ -102,7 +123,8 @@ pub fn a_dead_servers_claim_is_taken_over(
     let slow = {
         let (k, path) = (k.clone(), path.clone());
         std::thread::spawn(move || {
-            request(
+            // Past a 409 from a probe of `until_in_flight` that came first.
+            driver::request_past_409(
                 addr,
                 "POST",
                 &path,
@@ -111,14 +133,20 @@ pub fn a_dead_servers_claim_is_taken_over(
             )
         })
     };
-    // Wait until server one's claim is in the database.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while record_state(&k).as_deref() != Some("in_flight") {
-        assert!(
-            Instant::now() < deadline,
-            "server one never claimed the key"
-        );
-        std::thread::sleep(Duration::from_millis(20));
+    if committed_claim {
+        // Wait until server one's claim is in the database.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while record_state(&k).as_deref() != Some("in_flight") {
+            assert!(
+                Instant::now() < deadline,
+                "server one never claimed the key"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    } else {
+        // Uncommitted, the claim is seen by server one alone.
+        driver::until_in_flight(addr, &path, &[("idempotency-key", &k)], r#"{"amount":700}"#);
+        assert_eq!(record_state(&k), None);
     }
     let credit = |ledger: &Ledger| {
         request(
@@ -150,6 +178,13 @@ pub fn a_dead_servers_claim_is_taken_over(
         std::thread::sleep(Duration::from_millis(100));
     };
     assert_eq!((done.status, done.replayed), (201, false), "{}", done.body);
+    if !committed_claim {
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+    }
     assert_eq!(balance(&two, account), 700);
     assert_eq!(record_state(&k).as_deref(), Some("completed"));
 }

@@ -6,6 +6,13 @@ use tower_idempotency::store::{Inspect, RecordCounts, RecordSummary, StoreError}
 
 /// One statement each: one snapshot of the table, judged at one reading of
 /// the server's clock. No index serves the lease: both scan the table.
+///
+/// Committed records only: a transactional request's claim, which lives in
+/// its open transaction (one phase, the default), is counted by neither
+/// until it commits completed, and can never be stuck (a crash rolls it
+/// back). Separate-mode claims, and transactional ones with
+/// [`commit_claims_first`](crate::PostgresStoreBuilder::commit_claims_first),
+/// are counted in flight from their claim on.
 impl Inspect for PostgresStore {
     async fn stuck(&self, limit: usize) -> Result<Vec<RecordSummary>, StoreError> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);

@@ -3,7 +3,8 @@
 // `lib.rs` holds `PostgresStore`, its builder and its `Store` methods
 // (on the core's store kit: `kit::claim`, `kit::pg_sql`);
 // `transaction.rs` `PostgresTransaction` and transactional mode (the
-// kit's two phases); `inspect.rs` `Inspect`
+// kit's `TwoPhase`); `inside.rs` the claim inside the handler's
+// transaction (one phase, the default); `tx.rs` the connection inside one; `inspect.rs` `Inspect`
 // in SQL; `connect.rs` the URL's libpq TLS parameters and start-up errors;
 // `listen.rs` the LISTEN connection that wakes waiting repeats;
 // `sslmode.rs` `sslmode` and `sslrootcert`; `tls.rs` the rustls connector
@@ -24,21 +25,26 @@ use tower_idempotency::store::kit::claim::{
     ClaimSteps, CompletedRow, Met, answer_cached, answer_completed, claim_in,
 };
 use tower_idempotency::store::kit::feed::{DEFAULT_MAX_WATCHED_KEYS, Feed, change_payload};
+use tower_idempotency::store::kit::held::HeldKeys;
 use tower_idempotency::store::kit::pg_sql::{
-    PgSql, advisory_key, renew_arrays, renewed_in_order, schema,
+    LOCK_NOT_AVAILABLE, PgSql, advisory_key, busy_is_in_flight, lock_wait_ms, renew_arrays,
+    renewed_in_order, schema,
 };
 use tower_idempotency::store::kit::purge::{PurgeTask, in_batches};
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, Watch, duration_ms,
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Refusal, Store, StoreError, Watch,
+    duration_ms,
 };
 
 mod connect;
+mod inside;
 mod inspect;
 mod listen;
 mod sslmode;
 #[cfg(feature = "tls")]
 mod tls;
 mod transaction;
+mod tx;
 
 /// The deadpool-postgres this crate is built with: [`PostgresStore::pool`]
 /// is its `Pool`, and [`TransactionClient::statement_cache`] its
@@ -71,16 +77,22 @@ pub mod guide {}
 ///   Both commit with `synchronous_commit = off` (visible at once, made
 ///   durable by the next durable commit); why that loses no effect is in
 ///   `docs/contract.md` §8.
-/// * Transactional mode ([`Transactional`](tower_idempotency::mode::Transactional)) runs in two phases,
-///   as brandur's "atomic phases": the claim commits at once (so every server
-///   sees the key in flight, with its fingerprint: a duplicate gets 409 or
-///   422 without waiting on anything), then the handler's writes and the
-///   record's completion share one transaction ([`PostgresTransaction`]) that
-///   commits only while the record still carries this request's fencing
-///   token. A crash before that commit rolls the writes back and leaves the
-///   key in flight until its lease ends; the retry then runs once. A rollback
-///   (a response not stored, an error, a panic, a dropped request) also gives
-///   the key back at once.
+/// * Transactional mode ([`Transactional`](tower_idempotency::mode::Transactional))
+///   writes the claim inside the handler's transaction ([`PostgresTransaction`]),
+///   after the same read: `BEGIN`, the insert and its bounded lock wait are
+///   one round trip, and the claim commits with the handler's writes and the
+///   completion, or vanishes with them. A crash, a dropped connection or a
+///   rollback frees the key at once; no lease is renewed. Another server's
+///   repeat waits on the uncommitted claim at most its
+///   [`wait_in_flight`](tower_idempotency::IdempotencyLayer::wait_in_flight)
+///   (1 ms without it), then replays, runs, or gets 409; this server's own
+///   repeats are answered before they take a connection (422 at once for
+///   another body). With [`PostgresStoreBuilder::commit_claims_first`] it
+///   runs in two phases instead, as brandur's "atomic phases": the claim
+///   commits at once (every server sees the key in flight, with its
+///   fingerprint), then the handler's writes and the completion commit
+///   together, only while the record still carries this request's fencing
+///   token; a crash leaves the key in flight until its lease ends.
 /// * A transactional request holds its transaction (and a pooled
 ///   connection) at most the layer's max hold (default 60 s); past it the
 ///   store rolls it back and the request gets 503 (see
@@ -117,6 +129,10 @@ pub struct PostgresStore {
     /// (`notify_waiters`): the feed their watches share, and where its
     /// listener connects.
     notify: Option<(Feed, Arc<connect::Target>)>,
+    /// Transactional claims inside the handler's transaction (the
+    /// default): the keys this process's open ones hold. `None` with
+    /// [`PostgresStoreBuilder::commit_claims_first`].
+    one_phase: Option<Arc<HeldKeys>>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -134,6 +150,7 @@ pub struct PostgresStoreBuilder {
     pool_size: u32,
     wait_timeout: Duration,
     notify: bool,
+    commit_claims_first: bool,
     settings: Settings,
 }
 
@@ -199,6 +216,31 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// Whether a transactional request's claim commits on its own before
+    /// the handler runs, in two phases (default `false`: the claim is
+    /// written inside the handler's transaction).
+    ///
+    /// * `false`, one phase: a crash, a dropped connection or a rollback
+    ///   frees the key at once, since the database rolls the claim back
+    ///   with the handler's writes; no lease is renewed. Another server's
+    ///   repeat waits on the uncommitted claim, at most its
+    ///   [`wait_in_flight`](tower_idempotency::IdempotencyLayer::wait_in_flight)
+    ///   (1 ms without it), then gets the replay, runs (the first rolled
+    ///   back) or gets 409. It sees the fingerprint only once the first
+    ///   commits: 422 for another body comes after that wait, or is a 409
+    ///   until then (this server's own repeats get 422 at once). While it
+    ///   runs, the claim is invisible to `Inspect` and the admin router.
+    /// * `true`, two phases: every server sees the key in flight, with its
+    ///   fingerprint, from the claim on (409 or 422 without waiting on
+    ///   anything), and a crash leaves it in flight until its lease ends
+    ///   (renewed while the handler runs; default lease 10 s).
+    ///
+    /// `docs/contract.md` §9 says what each promises.
+    pub fn commit_claims_first(mut self, on: bool) -> Self {
+        self.commit_claims_first = on;
+        self
+    }
+
     /// Connects and creates the table if it is missing.
     ///
     /// # Errors
@@ -257,6 +299,7 @@ impl PostgresStoreBuilder {
             notify: self
                 .notify
                 .then(|| (Feed::new(DEFAULT_MAX_WATCHED_KEYS), target)),
+            one_phase: (!self.commit_claims_first).then(Arc::default),
         };
         store.limits.purge_task = PurgeTask::start(store.clone(), self.settings.purge);
         Ok(store)
@@ -280,6 +323,7 @@ impl PostgresStore {
             pool_size: 16,
             wait_timeout: Duration::from_secs(5),
             notify: false,
+            commit_claims_first: false,
             settings: Settings::default(),
         }
     }
@@ -312,9 +356,121 @@ impl PostgresStore {
         }
     }
 
+    /// A completed record's answer, from the replay cache (off unless the
+    /// builder sets `replay_cache`) or from one plain `SELECT`, without the
+    /// lock (see `store::kit::pg_sql`): the replay, or 422.
+    async fn read_first(
+        &self,
+        client: &Object,
+        req: &ClaimRequest,
+    ) -> Result<Option<Refusal>, StoreError> {
+        let sent = self.limits.instant();
+        let answer = match answer_cached(&self.limits.replays, req, sent) {
+            Some(cached) => cached,
+            None => {
+                let row = client
+                    .query_opt(
+                        &cached(client, &self.sql.completed).await?,
+                        &[&req.scope, &req.key, &self.offset_ms()],
+                    )
+                    .await
+                    .map_err(unavailable)?;
+                let Some(row) = row else { return Ok(None) };
+                let row = CompletedRow {
+                    fingerprint: row.try_get(0).map_err(unavailable)?,
+                    response: row.try_get(1).map_err(unavailable)?,
+                    ttl_left_ms: row.try_get(2).map_err(unavailable)?,
+                };
+                answer_completed(row, req, &self.limits.replays, sent)?
+            }
+        };
+        Ok(match answer {
+            Claim::Refused(refused) => Some(refused),
+            Claim::Acquired { .. } => None,
+        })
+    }
+
+    /// [`Store::claim`], its lock waits bounded by the claim's own wait.
+    async fn claim_committed(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        let mut client = self.client().await?;
+        if let Some(refused) = self.read_first(&client, req).await? {
+            return Ok(Claim::Refused(refused));
+        }
+        // Then a new key is claimed by its insert alone, without the lock.
+        let fingerprint = &req.fingerprint.0[..];
+        let wait = lock_wait_ms(req.wait_in_flight);
+        let inserted = client
+            .execute(
+                &cached(&client, &self.sql.insert_first).await?,
+                &[
+                    &req.scope,
+                    &req.key,
+                    &fingerprint,
+                    &req.token.0,
+                    &self.offset_ms(),
+                    &duration_ms(req.lease),
+                    &duration_ms(req.ttl),
+                    &wait,
+                ],
+            )
+            .await
+            .map_err(unavailable)?;
+        if inserted == 1 {
+            return Ok(Claim::Acquired { taken_over: false });
+        }
+        // Dropped unfinished (an error below), the transaction rolls back.
+        let tx = client.transaction().await.map_err(unavailable)?;
+        let lock = advisory_key(&self.sql.table, &req.scope, &req.key);
+        let row = tx
+            .query_one(
+                &cached(&tx, &self.sql.lock_now).await?,
+                &[&lock, &self.offset_ms(), &wait],
+            )
+            .await
+            .map_err(unavailable)?;
+        let now: i64 = row.try_get(0).map_err(unavailable)?;
+        let mut steps = Steps {
+            client: &tx,
+            sql: &self.sql,
+        };
+        let found = claim_in(&mut steps, req, now).await?;
+        tx.commit().await.map_err(unavailable)?;
+        found.into_claim()
+    }
+
     async fn client(&self) -> Result<Object, StoreError> {
         self.pool.get().await.map_err(unavailable)
     }
+}
+
+/// The parameters `$1` to `$6` of a claim's row (`PgSql::insert`,
+/// `PgSql::take_over`): scope, key, fingerprint, token, and the lease and
+/// TTL deadlines (unix ms).
+fn row_params<'a>(
+    req: &'a ClaimRequest,
+    fingerprint: &'a &'a [u8],
+    (lease_until, expires_at): &'a (i64, i64),
+) -> [&'a (dyn tokio_postgres::types::ToSql + Sync); 6] {
+    [
+        &req.scope,
+        &req.key,
+        fingerprint,
+        &req.token.0,
+        lease_until,
+        expires_at,
+    ]
+}
+
+/// The record [`Sql::select`](PgSql::select) read.
+fn met(row: &tokio_postgres::Row) -> Result<Met, tokio_postgres::Error> {
+    Ok(Met {
+        fingerprint: row.try_get(0)?,
+        completed: row.try_get::<_, String>(1)? == "completed",
+        lease_until: row.try_get(2)?,
+        expires_at: row.try_get(3)?,
+        response: row.try_get(4)?,
+        now: None,
+    })
 }
 
 /// The claim's statements, in a transaction holding the key's advisory
@@ -335,19 +491,10 @@ impl<C: GenericClient + Sync> ClaimSteps for Steps<'_, C> {
     ) -> Result<bool, StoreError> {
         let statement = cached(self.client, &self.sql.insert).await?;
         let fingerprint = &req.fingerprint.0[..];
+        let deadlines = (lease_until, expires_at);
         let inserted = self
             .client
-            .execute(
-                &statement,
-                &[
-                    &req.scope,
-                    &req.key,
-                    &fingerprint,
-                    &req.token.0,
-                    &lease_until,
-                    &expires_at,
-                ],
-            )
+            .execute(&statement, &row_params(req, &fingerprint, &deadlines))
             .await
             .map_err(unavailable)?;
         Ok(inserted == 1)
@@ -360,18 +507,7 @@ impl<C: GenericClient + Sync> ClaimSteps for Steps<'_, C> {
             .query_opt(&statement, &[&req.scope, &req.key])
             .await
             .map_err(unavailable)?;
-        row.map(|row| {
-            Ok(Met {
-                fingerprint: row.try_get(0)?,
-                completed: row.try_get::<_, String>(1)? == "completed",
-                lease_until: row.try_get(2)?,
-                expires_at: row.try_get(3)?,
-                response: row.try_get(4)?,
-                now: None,
-            })
-        })
-        .transpose()
-        .map_err(|e: tokio_postgres::Error| unavailable(e))
+        row.as_ref().map(met).transpose().map_err(unavailable)
     }
 
     async fn take_over(
@@ -382,18 +518,9 @@ impl<C: GenericClient + Sync> ClaimSteps for Steps<'_, C> {
     ) -> Result<(), StoreError> {
         let statement = cached(self.client, &self.sql.take_over).await?;
         let fingerprint = &req.fingerprint.0[..];
+        let deadlines = (lease_until, expires_at);
         self.client
-            .execute(
-                &statement,
-                &[
-                    &req.scope,
-                    &req.key,
-                    &fingerprint,
-                    &req.token.0,
-                    &lease_until,
-                    &expires_at,
-                ],
-            )
+            .execute(&statement, &row_params(req, &fingerprint, &deadlines))
             .await
             .map_err(unavailable)?;
         Ok(())
@@ -406,68 +533,12 @@ impl<C: GenericClient + Sync> ClaimSteps for Steps<'_, C> {
 
 impl Store for PostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
-        // A replay cached by an earlier one needs no read (off unless the
-        // builder sets `replay_cache`).
-        let sent = self.limits.instant();
-        if let Some(claim) = answer_cached(&self.limits.replays, &req, sent) {
-            return Ok(claim);
-        }
-        let mut client = self.client().await?;
-        // Read first: a completed record is answered by one plain SELECT,
-        // without the lock (see `store::kit::pg_sql`).
-        let row = client
-            .query_opt(
-                &cached(&client, &self.sql.completed).await?,
-                &[&req.scope, &req.key, &self.offset_ms()],
-            )
-            .await
-            .map_err(unavailable)?;
-        if let Some(row) = row {
-            let row = CompletedRow {
-                fingerprint: row.try_get(0).map_err(unavailable)?,
-                response: row.try_get(1).map_err(unavailable)?,
-                ttl_left_ms: row.try_get(2).map_err(unavailable)?,
-            };
-            return answer_completed(row, &req, &self.limits.replays, sent);
-        }
-        // Then a new key is claimed by its insert alone, without the lock.
-        let fingerprint = &req.fingerprint.0[..];
-        let inserted = client
-            .execute(
-                &cached(&client, &self.sql.insert_first).await?,
-                &[
-                    &req.scope,
-                    &req.key,
-                    &fingerprint,
-                    &req.token.0,
-                    &self.offset_ms(),
-                    &duration_ms(req.lease),
-                    &duration_ms(req.ttl),
-                ],
-            )
-            .await
-            .map_err(unavailable)?;
-        if inserted == 1 {
-            return Ok(Claim::Acquired { taken_over: false });
-        }
-        // Dropped unfinished (an error below), the transaction rolls back.
-        let tx = client.transaction().await.map_err(unavailable)?;
-        let lock = advisory_key(&self.sql.table, &req.scope, &req.key);
-        let row = tx
-            .query_one(
-                &cached(&tx, &self.sql.lock_now).await?,
-                &[&lock, &self.offset_ms()],
-            )
-            .await
-            .map_err(unavailable)?;
-        let now: i64 = row.try_get(0).map_err(unavailable)?;
-        let mut steps = Steps {
-            client: &tx,
-            sql: &self.sql,
-        };
-        let found = claim_in(&mut steps, &req, now).await?;
-        tx.commit().await.map_err(unavailable)?;
-        found.into_claim()
+        let claimed = self.claim_committed(&req).await;
+        busy_is_in_flight(claimed, req.hold(), |e| {
+            e.downcast_ref::<tokio_postgres::Error>()
+                .and_then(tokio_postgres::Error::code)
+                .is_some_and(|code| code.code() == LOCK_NOT_AVAILABLE)
+        })
     }
 
     async fn complete(

@@ -2,16 +2,19 @@
 //! connection inside the request's transaction, and the
 //! [`TwoPhase`] steps on which the store kit runs transactional mode.
 
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use deadpool_postgres::Object;
 use tokio_postgres::{CancelToken, NoTls, Statement};
 
+use super::tx::PgTx;
 use super::{PostgresStore, cached, unavailable};
 use tower_idempotency::response::StoredResponse;
-use tower_idempotency::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
-use tower_idempotency::store::{FencingToken, RecordId, StoreError};
+use tower_idempotency::store::kit::held::HeldKeys;
+use tower_idempotency::store::kit::two_phase::{Held, Inside, TwoPhase, two_phase_store};
+use tower_idempotency::store::{ClaimRequest, FencingToken, RecordId, StoreError};
 
 /// An open PostgreSQL transaction in which the layer has claimed the
 /// request's key. The handler runs its own statements on it through
@@ -65,37 +68,6 @@ use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 #[derive(Clone)]
 pub struct PostgresTransaction {
     held: Held<PostgresStore>,
-}
-
-/// A pooled connection inside an open transaction. Dropped before its
-/// transaction ended cleanly (a cancelled commit, a failed `BEGIN`), it is
-/// taken out of the pool and closed, so the server rolls the transaction back
-/// and no later request can ever commit it.
-// `pub` because it is the associated `Tx` of a public trait's impl (the
-// kit's `TwoPhase`); it is not nameable outside this crate.
-#[allow(unreachable_pub)]
-pub struct PgTx(Option<Object>);
-
-impl PgTx {
-    fn client(&self) -> &Object {
-        self.0
-            .as_ref()
-            .expect("a PgTx holds its connection until it ends")
-    }
-
-    /// The transaction ended (`COMMIT` or `ROLLBACK` answered): the
-    /// connection may go back to the pool.
-    fn ended(mut self) {
-        drop(self.0.take());
-    }
-}
-
-impl Drop for PgTx {
-    fn drop(&mut self) {
-        if let Some(client) = self.0.take() {
-            drop(Object::take(client));
-        }
-    }
 }
 
 /// The connection of an open [`PostgresTransaction`]; derefs to
@@ -157,7 +129,7 @@ impl PostgresTransaction {
     /// [`StoreError::Unavailable`] when the transaction has already ended
     /// (committed, rolled back, or rolled back past its max hold time).
     pub async fn client(&self) -> Result<TransactionClient<'_>, StoreError> {
-        let guard = self.held.lock(|tx| tx.0.as_mut().expect("open")).await?;
+        let guard = self.held.lock(PgTx::client_mut).await?;
         Ok(TransactionClient { guard })
     }
 
@@ -179,8 +151,21 @@ impl TwoPhase for PostgresStore {
         &self.limits.held_too_long
     }
 
+    fn one_phase(&self) -> Option<&Arc<HeldKeys>> {
+        self.one_phase.as_ref()
+    }
+
+    async fn claim_inside(
+        &self,
+        hold: Duration,
+        req: &ClaimRequest,
+        wait: Duration,
+    ) -> Result<Inside<Self>, StoreError> {
+        super::inside::claim(self, hold, req, wait).await
+    }
+
     async fn begin(&self, hold: Duration) -> Result<(PgTx, CancelToken), StoreError> {
-        let tx = PgTx(Some(self.client().await?));
+        let tx = PgTx::new(self.client().await?);
         tx.client()
             .batch_execute(&tower_idempotency::store::kit::pg_sql::begin_with_backstop(
                 hold,

@@ -11,6 +11,10 @@
 //!   the store supplies [`two_phase::TwoPhase`], and
 //!   [`two_phase_store!`](crate::store::kit::two_phase::two_phase_store)
 //!   writes its `TransactionalStore` impl.
+//! * [`one_phase`]: transactional mode with the claim inside the handler's
+//!   transaction (PostgreSQL): a crash frees the key at once; the store
+//!   supplies [`two_phase::TwoPhase::claim_inside`], the rest is
+//!   `two_phase`'s.
 //! * [`fate`]: who ends a transaction, the layer or the max-hold timer.
 //! * [`release`]: giving a claimed key back, and the guard that does so when
 //!   a request is cancelled between the claim and the hand-over.
@@ -40,6 +44,7 @@ mod extractor;
 pub mod fate;
 pub mod feed;
 pub mod held;
+pub mod one_phase;
 pub mod pg_sql;
 pub mod purge;
 pub mod release;

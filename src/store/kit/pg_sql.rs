@@ -90,7 +90,9 @@ pub const NOTIFY_CHANNEL: &str = "tower_idempotency";
 pub struct PgSql<S> {
     /// The table's name, as given.
     pub table: String,
-    /// The key's advisory lock, then the server's clock (unix ms) plus `$2`.
+    /// The key's advisory lock, then the server's clock (unix ms) plus `$2`;
+    /// every later lock wait of the transaction bounded by `$3` (ms as text,
+    /// [`lock_wait_ms`]).
     pub lock_now: S,
     /// The read-first replay: `($1 scope, $2 key, $3 clock offset ms)`
     /// gives `fingerprint, response, TTL left (ms)` of a completed record
@@ -99,9 +101,19 @@ pub struct PgSql<S> {
     pub completed: S,
     /// The insert of a new key outside a transaction, without the lock (see
     /// the module docs): `($1 scope, $2 key, $3 fingerprint, $4 token,
-    /// $5 clock offset ms, $6 lease ms, $7 TTL ms)`; one row affected when it
-    /// inserted. Commits with `synchronous_commit = off`.
+    /// $5 clock offset ms, $6 lease ms, $7 TTL ms, $8 lock wait ms as text,
+    /// [`lock_wait_ms`])`; one row affected when it inserted. Commits with
+    /// `synchronous_commit = off`. A claim held in another open transaction
+    /// (one phase) is waited for at most `$8`: past it, SQLSTATE
+    /// [`LOCK_NOT_AVAILABLE`].
     pub insert_first: S,
+    /// [`PgSql::insert_first`] inside the handler's transaction (one
+    /// phase, [`one_phase`](super::one_phase)): its first seven parameters
+    /// (the lock wait is bounded by [`lock_wait`]), and the transaction's
+    /// commit stays synchronous (the handler's writes commit with it).
+    pub insert_inside: S,
+    /// The server's clock (unix ms) plus `$1`.
+    pub now: S,
     /// The claim's `INSERT ... ON CONFLICT DO NOTHING`.
     pub insert: S,
     /// The record an insert met, under the lock.
@@ -145,7 +157,9 @@ impl<S> PgSql<S> {
             table: table.to_owned(),
             lock_now: statement(lock_now()),
             completed: statement(completed(table)),
-            insert_first: statement(insert_first(table)),
+            insert_first: statement(insert_new(table, true)),
+            insert_inside: statement(insert_new(table, false)),
+            now: statement(format!("SELECT {}", now_ms(1))),
             insert: statement(format!(
                 "INSERT INTO {table} (scope, key, fingerprint, token, state, lease_until, expires_at)
                  VALUES ($1, $2, $3, $4, 'in_flight', $5, $6)
@@ -325,7 +339,8 @@ fn now_ms(n: u8) -> String {
 /// the server's clock (unix ms) plus `$2` as column 0.
 fn lock_now() -> String {
     format!(
-        "SELECT {}, set_config('synchronous_commit', 'off', true)
+        "SELECT {}, set_config('synchronous_commit', 'off', true),
+                set_config('lock_timeout', $3::text, true)
          FROM pg_advisory_xact_lock($1)",
         now_ms(2)
     )
@@ -343,15 +358,85 @@ fn completed(table: &str) -> String {
     )
 }
 
-/// [`PgSql::insert_first`]. The clock is read once (the subquery holds a
-/// volatile function, so it is not folded into the insert), and the
-/// `set_config` call is what makes the statement's own commit asynchronous.
-fn insert_first(table: &str) -> String {
+/// [`PgSql::insert_first`] (`async_commit`) or [`PgSql::insert_inside`].
+/// The clock is read once (the subquery holds a volatile function, so it is
+/// not folded into the insert); the `set_config` call is what makes the
+/// first's own commit asynchronous.
+fn insert_new(table: &str, async_commit: bool) -> String {
+    let async_commit = match async_commit {
+        true => {
+            ", set_config('synchronous_commit', 'off', true) AS async_commit,
+             set_config('lock_timeout', $8::text, true) AS lock_wait"
+        }
+        false => "",
+    };
     format!(
         "INSERT INTO {table} (scope, key, fingerprint, token, state, lease_until, expires_at)
          SELECT $1, $2, $3, $4, 'in_flight', now.ms + $6::bigint, now.ms + $7::bigint
-         FROM (SELECT {} AS ms, set_config('synchronous_commit', 'off', true) AS async_commit) AS now
+         FROM (SELECT {} AS ms{async_commit}) AS now
          ON CONFLICT (scope, key) DO NOTHING",
         now_ms(5)
     )
+}
+
+/// The statements that bound a lock wait inside a transaction: before, the
+/// wait (`lock_timeout`, at least 1 ms, since 0 would mean no bound); after,
+/// the session's own setting again, so the bound never reaches the
+/// handler's statements. PostgreSQL answers a wait past it with SQLSTATE
+/// `55P03` ([`LOCK_NOT_AVAILABLE`]), which aborts the transaction.
+pub fn lock_wait(wait: std::time::Duration) -> (String, &'static str) {
+    (
+        format!("SET LOCAL lock_timeout = {}", bound_ms(wait)),
+        "SET LOCAL lock_timeout TO DEFAULT",
+    )
+}
+
+/// A lock wait's bound in milliseconds, as `lock_timeout` takes it: at
+/// least 1 (0 would mean no bound), at most `i32::MAX`.
+fn bound_ms(wait: std::time::Duration) -> String {
+    wait.as_millis().clamp(1, i32::MAX as u128).to_string()
+}
+
+/// The least a claim that commits first waits on a lock:
+/// [`PgSql::insert_first`] and the locking claim meet other such claims'
+/// short transactions (an insert's own, a judgement under the row lock),
+/// which end within milliseconds; waiting for them keeps the answer the
+/// committed record gives (422 before 409). Only a claim held in another
+/// open transaction (one phase) outlasts it.
+pub const COMMITTED_CLAIM_MIN_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The lock wait's bound of a claim that commits first
+/// ([`PgSql::insert_first`]'s `$8`, [`PgSql::lock_now`]'s `$3`), in
+/// milliseconds as text: its own wait, at least
+/// [`COMMITTED_CLAIM_MIN_WAIT`].
+pub fn lock_wait_ms(wait: std::time::Duration) -> String {
+    bound_ms(wait.max(COMMITTED_CLAIM_MIN_WAIT))
+}
+
+/// SQLSTATE `lock_not_available`: a lock wait past `lock_timeout`.
+pub const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// A claim that commits first ([`crate::store::Store::claim`]) whose lock
+/// wait reached its bound (`lock_timeout`, by the driver's error:
+/// `is_lock_timeout`) met a claim held in another open transaction (one
+/// phase): refused as in flight. That holder ends within its max hold,
+/// which this claim takes to be its own (`hold`).
+///
+/// # Errors
+///
+/// `result`'s other errors.
+pub fn busy_is_in_flight(
+    result: Result<crate::store::Claim, crate::store::StoreError>,
+    hold: std::time::Duration,
+    is_lock_timeout: impl Fn(&(dyn std::error::Error + Send + Sync + 'static)) -> bool,
+) -> Result<crate::store::Claim, crate::store::StoreError> {
+    match result {
+        Err(crate::store::StoreError::Unavailable(e)) if is_lock_timeout(e.as_ref()) => {
+            Ok(crate::store::Refusal::InFlight {
+                lease_remaining: hold,
+            }
+            .into())
+        }
+        other => other,
+    }
 }

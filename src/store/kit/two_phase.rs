@@ -22,10 +22,12 @@ use std::time::Duration;
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard, watch};
 
 use super::fate::Fate;
+use super::held::{HeldKey, HeldKeys};
 use super::release::{ReleaseOnDrop, release_logged};
 use crate::response::StoredResponse;
 use crate::store::{
-    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, TransactionClaim,
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Refusal, Store, StoreError,
+    TransactionClaim,
 };
 
 /// What a store supplies to run transactional mode in two phases.
@@ -43,6 +45,29 @@ pub trait TwoPhase: Store {
     /// runtime (sqlx's pool spawns a task when a connection is dropped, and
     /// panics without a runtime).
     const DROP_WITHOUT_RUNTIME: bool;
+
+    /// The keys this process's open transactional requests hold, where the
+    /// store claims inside the handler's transaction ([`one_phase`](super::one_phase));
+    /// `None` (the default) where the claim commits first.
+    fn one_phase(&self) -> Option<&Arc<HeldKeys>> {
+        None
+    }
+
+    /// One phase: opens the transaction and claims `req`'s key inside it,
+    /// a lock wait on another open transaction's claim of the key bounded
+    /// by `wait` (at least 1 ms: never unbounded). Called only where
+    /// [`TwoPhase::one_phase`] is `Some`; the default refuses.
+    fn claim_inside(
+        &self,
+        hold: Duration,
+        req: &ClaimRequest,
+        wait: Duration,
+    ) -> impl Future<Output = Result<Inside<Self>, StoreError>> + Send {
+        let _ = (hold, req, wait);
+        std::future::ready(Err(unavailable(
+            "this store commits its claims first (TwoPhase::one_phase is None)",
+        )))
+    }
 
     /// What a commit answers when the record no longer carries the token.
     const FENCED: &'static str = "the lease ended before the commit and another request took the key over; this request's writes were rolled back";
@@ -87,6 +112,26 @@ pub trait TwoPhase: Store {
     }
 }
 
+/// What [`TwoPhase::claim_inside`] answers (one phase, [`one_phase`](super::one_phase)).
+pub enum Inside<D: TwoPhase> {
+    /// The key is claimed inside the open transaction.
+    Claimed {
+        /// The open transaction, holding the claim.
+        tx: D::Tx,
+        /// What stops a statement running on it.
+        cancel: D::Cancel,
+        /// A committed in-flight record whose lease had ended was taken over
+        /// (one left by a separate-mode claim, or by a server that commits
+        /// its claims first).
+        taken_over: bool,
+    },
+    /// Refused; the store has ended the transaction it opened, if any.
+    Refused(Refusal),
+    /// The wait on another open transaction's claim of the key reached its
+    /// bound; the store has ended its transaction.
+    Busy,
+}
+
 /// An open phase-two transaction: the inside of each store's public
 /// transaction handle. Clones share it.
 pub struct Held<D: TwoPhase> {
@@ -124,6 +169,12 @@ struct Open<D: TwoPhase> {
     timer: Option<tokio::task::AbortHandle>,
     /// Dropped when the transaction has ended: `closed` resolves.
     ended: Option<watch::Sender<()>>,
+    /// Whether a rollback gives the key back: where the claim committed
+    /// first. A claim inside the transaction vanishes with it.
+    release: bool,
+    /// One phase: the key as this process's other claims see it held,
+    /// until the transaction has ended.
+    _holding: Option<HeldKey>,
 }
 
 impl<D: TwoPhase> Drop for Open<D> {
@@ -134,7 +185,7 @@ impl<D: TwoPhase> Drop for Open<D> {
     }
 }
 
-fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
+pub(super) fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
     StoreError::unavailable(e)
 }
 
@@ -182,8 +233,9 @@ impl<D: TwoPhase> Held<D> {
     }
 }
 
-/// [`TransactionalStore::claim_in_transaction`](crate::store::TransactionalStore::claim_in_transaction):
-/// phase one, then phase two's transaction and its max-hold timer.
+/// [`TransactionalStore::claim_in_transaction`](crate::store::TransactionalStore::claim_in_transaction)
+/// in two phases: phase one, then phase two's transaction and its max-hold
+/// timer.
 pub async fn claim<D: TwoPhase>(
     store: &D,
     req: ClaimRequest,
@@ -218,6 +270,25 @@ pub async fn claim<D: TwoPhase>(
     // gives the key back.
     let guard = ReleaseOnDrop::new(store.clone(), id.clone(), token);
     let (tx, cancel) = kept_alive(store, (&id, token), lease, store.begin(hold)).await?;
+    let held = hand_over(store, (tx, cancel), (id, token), hold, None).await;
+    guard.disarm();
+    Ok(TransactionClaim::Acquired {
+        transaction: held,
+        taken_over,
+    })
+}
+
+/// The open transaction, holding the claim of `id` with `token`, handed to
+/// the layer: its max-hold timer started. `holding` is a one-phase claim's
+/// mark in this process's held keys (dropped once the transaction ended);
+/// a two-phase claim (`None`) is given back after a rollback.
+pub(super) async fn hand_over<D: TwoPhase>(
+    store: &D,
+    (tx, cancel): (D::Tx, D::Cancel),
+    (id, token): (RecordId, FencingToken),
+    hold: Duration,
+    holding: Option<HeldKey>,
+) -> Held<D> {
     let (ended, watch) = watch::channel(());
     let held = Held {
         open: Arc::new(Mutex::new(Some(Open {
@@ -226,6 +297,8 @@ pub async fn claim<D: TwoPhase>(
             token,
             timer: None,
             ended: Some(ended),
+            release: holding.is_none(),
+            _holding: holding,
         }))),
         fate: Arc::new(Fate::new(hold)),
         ended: watch,
@@ -236,11 +309,7 @@ pub async fn claim<D: TwoPhase>(
     if let Some(open) = held.open.lock().await.as_mut() {
         open.timer = Some(timer.abort_handle());
     }
-    guard.disarm();
-    Ok(TransactionClaim::Acquired {
-        transaction: held,
-        taken_over,
-    })
+    held
 }
 
 /// Waits for `open` (phase two's transaction, which may wait for a pooled
@@ -400,7 +469,9 @@ async fn roll_back_and_release<D: TwoPhase>(store: &D, mut open: Open<D>, expire
             D::roll_back_tx(tx).await;
         }
     }
-    release_logged(store, open.id.clone(), open.token, "a rolled-back key").await;
+    if open.release {
+        release_logged(store, open.id.clone(), open.token, "a rolled-back key").await;
+    }
 }
 
 /// The max-hold timer: once the hold has passed (unless the layer is ending
@@ -460,13 +531,17 @@ macro_rules! __two_phase_store {
             type Transaction = $handle;
             const CLAIM_COMMITS_FIRST: bool = true;
 
+            fn claim_commits_first(&self) -> bool {
+                $crate::store::kit::two_phase::TwoPhase::one_phase(self).is_none()
+            }
+
             async fn claim_in_transaction(
                 &self,
                 req: $crate::store::ClaimRequest,
             ) -> Result<$crate::store::TransactionClaim<$handle>, $crate::store::StoreError> {
                 use $crate::store::TransactionClaim::{Acquired, Refused};
                 Ok(
-                    match $crate::store::kit::two_phase::claim(self, req).await? {
+                    match $crate::store::kit::one_phase::claim(self, req).await? {
                         Acquired {
                             transaction,
                             taken_over,

@@ -48,7 +48,9 @@ use sql::{Sql, advisory_key, checked, query, schema};
 use tower_idempotency::store::kit::claim::{
     ClaimSteps, Met, answer_cached, answer_completed, claim_in,
 };
-use tower_idempotency::store::kit::pg_sql::{renew_arrays, renewed_in_order};
+use tower_idempotency::store::kit::pg_sql::{
+    LOCK_NOT_AVAILABLE, busy_is_in_flight, lock_wait_ms, renew_arrays, renewed_in_order,
+};
 pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 
 /// Records in a PostgreSQL table, reached through the application's own
@@ -422,8 +424,9 @@ impl ClaimSteps for Steps<'_> {
     }
 }
 
-impl Store for SqlxPostgresStore {
-    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+impl SqlxPostgresStore {
+    /// [`Store::claim`], its lock waits bounded by the claim's own wait.
+    async fn claim_committed(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         // A replay cached by an earlier one needs no read (off unless the
         // builder sets `replay_cache`).
         let sent = self.limits.instant();
@@ -456,6 +459,7 @@ impl Store for SqlxPostgresStore {
             .bind(self.offset_ms())
             .bind(tower_idempotency::store::duration_ms(req.lease))
             .bind(tower_idempotency::store::duration_ms(req.ttl))
+            .bind(lock_wait_ms(req.wait_in_flight))
             .execute(&mut *conn)
             .await
             .map_err(unavailable)?;
@@ -471,6 +475,7 @@ impl Store for SqlxPostgresStore {
         let now: i64 = sqlx::query_scalar(self.sql.lock_now.clone())
             .bind(advisory_key(&self.sql.table, &req.scope, &req.key))
             .bind(self.offset_ms())
+            .bind(lock_wait_ms(req.wait_in_flight))
             .fetch_one(&mut *tx)
             .await
             .map_err(unavailable)?;
@@ -481,6 +486,18 @@ impl Store for SqlxPostgresStore {
         let found = claim_in(&mut steps, &req, now).await?;
         tx.commit().await.map_err(unavailable)?;
         found.into_claim()
+    }
+}
+
+impl Store for SqlxPostgresStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        let hold = req.hold();
+        busy_is_in_flight(self.claim_committed(req).await, hold, |e| {
+            e.downcast_ref::<sqlx::Error>()
+                .and_then(sqlx::Error::as_database_error)
+                .and_then(|e| e.code())
+                .is_some_and(|code| code == LOCK_NOT_AVAILABLE)
+        })
     }
 
     async fn complete(
