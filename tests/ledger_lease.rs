@@ -117,16 +117,27 @@ fn with_the_defaults_a_killed_holder_frees_its_key_within_15_s_on_postgres() {
 /// the handler's transaction (one phase, the default), so `kill -9` during
 /// a 20 s credit frees the key with the rolled-back transaction: the retry
 /// after a restart succeeds within 3 s of the kill (the restart included),
-/// and the credit is applied once.
+/// and the credit is applied once. On both drivers (`--db-driver`).
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+fn a_killed_transactional_holder_frees_its_key_within_3_s(extra: &[&str]) {
+    let url = services::postgres_url();
+    let binary = driver::ledger_beside_tests();
+    let db = std::path::Path::new(&url);
+    let mut ledger = Ledger::start_with(&binary, db, "transactional", 0, extra);
+    let seen = kill_to_recovery(&mut ledger, 20_000, Duration::from_secs(3));
+    assert_eq!(seen.balance, seen.amount, "{seen:?}");
+}
+
 #[cfg(feature = "postgres")]
 #[test]
 fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_postgres() {
-    let url = services::postgres_url();
-    let binary = driver::ledger_beside_tests();
-    let mut ledger =
-        Ledger::start_with(&binary, std::path::Path::new(&url), "transactional", 0, &[]);
-    let seen = kill_to_recovery(&mut ledger, 20_000, Duration::from_secs(3));
-    assert_eq!(seen.balance, seen.amount, "{seen:?}");
+    a_killed_transactional_holder_frees_its_key_within_3_s(&[]);
+}
+
+#[cfg(feature = "sqlx-postgres")]
+#[test]
+fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_sqlx_postgres() {
+    a_killed_transactional_holder_frees_its_key_within_3_s(&["--db-driver", "sqlx"]);
 }
 
 #[cfg(feature = "redis")]

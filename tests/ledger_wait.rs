@@ -252,19 +252,26 @@ mod capped {
 /// database and gets the replay.
 #[test]
 fn postgres_transactional_two_ledgers_share_the_keys() {
+    two_ledgers_share_the_keys(&[]);
+}
+
+/// The same through sqlx's PostgreSQL store.
+#[cfg(feature = "sqlx-postgres")]
+#[test]
+fn sqlx_postgres_transactional_two_ledgers_share_the_keys() {
+    two_ledgers_share_the_keys(&["--db-driver", "sqlx"]);
+}
+
+/// Ledgers on the test database, with `driver` (`--db-driver`) flags.
+fn two_ledgers_share_the_keys(driver: &[&str]) {
     use std::sync::{Arc, Barrier};
     let binary = driver::ledger_beside_tests();
     let url = postgres_url();
     let db = Path::new(&url);
-    let a = Ledger::start_with(&binary, db, "transactional", 0, &[]);
-    let b = Ledger::start_with(
-        &binary,
-        db,
-        "transactional",
-        0,
-        &["--wait-in-flight-ms", "10000"],
-    );
-    let b_no_wait = Ledger::start_with(&binary, db, "transactional", 0, &[]);
+    let a = Ledger::start_with(&binary, db, "transactional", 0, driver);
+    let waits = [driver, &["--wait-in-flight-ms", "10000"]].concat();
+    let b = Ledger::start_with(&binary, db, "transactional", 0, &waits);
+    let b_no_wait = Ledger::start_with(&binary, db, "transactional", 0, driver);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()

@@ -198,7 +198,9 @@ async fn a_failed_commit_answers_503_and_gives_the_key_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_commit_never_leaks_its_transaction() {
     use tower::ServiceExt;
-    let db = Db::new().await;
+    // Two phases: the completion's UPDATE must meet a committed record that
+    // another session can lock.
+    let db = Db::with(|b| b.commit_claims_first(true)).await;
     let h = Harness::default();
     let app = Router::new()
         .route("/credits", post(credit))

@@ -57,7 +57,7 @@ trait Backend: Sized + Send + Sync + 'static {
 
     /// Whether the store itself keeps a repeat of a key in flight waiting
     /// for the first to end, when the layer lets it wait (SQLite's one
-    /// write lock; `ClaimRequest::wait_in_flight`).
+    /// write lock, PostgreSQL's held keys; `ClaimRequest::wait_in_flight`).
     const REPEATS_WAIT: bool;
 
     /// The store and its tables.
@@ -419,9 +419,9 @@ async fn a_duplicate_gets_409_and_another_body_422_without_blocking<B: Backend>(
     )
     .await;
     assert_eq!(other.assert_problem(422), types::MISMATCH);
-    // The claim is committed already on the two-phase stores; on SQLite it
-    // lives in the open transaction.
-    let claimed = i64::from(!B::REPEATS_WAIT);
+    // The claim is committed already where it commits first (MySQL); on
+    // SQLite and PostgreSQL it lives in the open transaction.
+    let claimed = i64::from(db.store().claim_commits_first());
     assert_eq!(effects(&db).await, (0, 0, claimed), "not committed yet");
     h.open("g");
     assert_eq!(first.await.unwrap().status, 201);
@@ -505,7 +505,8 @@ async fn a_repeat_past_the_lease_never_costs_a_live_holder_its_work<B: Backend>(
     db.drop_tables().await;
 }
 
-/// Stores whose repeats wait for the first (SQLite): 300 repeats released
+/// Stores whose repeats wait for the first (SQLite; PostgreSQL in one
+/// phase, in memory): 300 repeats released
 /// together while the first is open, each allowed to wait 200 ms, are each
 /// answered 409 while the first still holds its key (no replay: none waited
 /// for it, where they used to wait out the busy timeout and get 503), and
@@ -599,7 +600,7 @@ mod postgres {
     impl Backend for Pg {
         type DB = Postgres;
         type Store = SqlxPostgresStore;
-        const REPEATS_WAIT: bool = false;
+        const REPEATS_WAIT: bool = true;
 
         async fn open() -> Pg {
             let url = common::services::postgres_url();
@@ -668,7 +669,8 @@ mod postgres {
         }
     }
 
-    suite!(Pg, two_phase);
+    // One phase (the default): this process's repeats wait in memory.
+    suite!(Pg, waits);
 }
 
 #[cfg(feature = "mysql")]

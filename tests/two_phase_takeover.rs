@@ -157,11 +157,13 @@ async fn sqlx_postgres_a_fenced_commit_never_replays_nor_releases() {
     let table = format!("idem_brk_{:016x}", FencingToken::random().0);
     let first = SqlxPostgresStore::builder(pool.clone())
         .table(table.clone())
+        .commit_claims_first(true)
         .open()
         .await
         .unwrap();
     let later = SqlxPostgresStore::builder(pool.clone())
         .table(table.clone())
+        .commit_claims_first(true)
         .clock_offset(Ahead(AHEAD))
         .open()
         .await

@@ -317,9 +317,18 @@ mod sqlx_postgres {
     }
 
     async fn sqlx_store(table: &str, application_name: &str) -> SqlxPostgresStore {
+        sqlx_store_with(table, application_name, false).await
+    }
+
+    async fn sqlx_store_with(
+        table: &str,
+        application_name: &str,
+        commit_claims_first: bool,
+    ) -> SqlxPostgresStore {
         SqlxPostgresStore::builder(pool(application_name).await)
             .table(table)
             .notify_waiters(true)
+            .commit_claims_first(commit_claims_first)
             .open()
             .await
             .unwrap()
@@ -347,6 +356,15 @@ mod sqlx_postgres {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn notify_at_a_transactional_commit_wakes_waiters_on_another_server() {
+        let table = postgres_table();
+        let a = sqlx_store_with(&table, "wake-a", true).await;
+        woken_at_a_transactional_commit(a, sqlx_store(&table, "wake-b").await).await;
+    }
+
+    /// One phase (the default): the waiting claim waits on the uncommitted
+    /// claim in the database, and replays at the commit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_claim_inside_the_transaction_is_waited_for_on_another_server() {
         let (a, b) = sqlx_pair().await;
         woken_at_a_transactional_commit(a, b).await;
     }

@@ -34,11 +34,13 @@ use tower_idempotency::store::kit::builder::{Limits, Settings};
 use tower_idempotency::store::kit::feed::{
     DEFAULT_MAX_WATCHED_KEYS, Feed, change_key, change_payload,
 };
+use tower_idempotency::store::kit::held::HeldKeys;
 use tower_idempotency::store::kit::purge::{PurgeTask, in_batches};
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError, Watch,
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Refusal, Store, StoreError, Watch,
 };
 
+mod inside;
 mod inspect;
 mod listen;
 mod sql;
@@ -72,16 +74,19 @@ pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 ///   `synchronous_commit = off` (see `docs/contract.md` §8). The lock key, the table and its columns are `PostgresStore`'s:
 ///   the two stores may share a table, e.g. while a fleet moves from one to
 ///   the other.
-/// * Transactional mode ([`tower_idempotency::mode::Transactional`]) runs in two phases:
-///   the claim commits at once (so every server sees the key in flight, with
-///   its fingerprint: a duplicate gets 409 or 422 without waiting on
-///   anything), then the handler's writes and the record's completion share
-///   one `sqlx::Transaction` ([`SqlxPostgresTransaction`]) that commits only
-///   while the record still carries this request's fencing token. A crash
-///   before that commit rolls the writes back and leaves the key in flight
-///   until its lease ends; the retry then runs once. A rollback (a response
-///   not stored, an error, a panic, a dropped request) gives the key back at
-///   once.
+/// * Transactional mode ([`tower_idempotency::mode::Transactional`]) writes
+///   the claim inside the handler's transaction ([`SqlxPostgresTransaction`]),
+///   after the same read, as `PostgresStore` does: it commits with the
+///   handler's writes and the completion, or vanishes with them, so a crash,
+///   a dropped connection or a rollback frees the key at once and no lease
+///   is renewed. Another server's repeat waits on the uncommitted claim at
+///   most its `wait_in_flight` (1 ms without it); this server's are answered
+///   before they take a connection. With
+///   [`SqlxPostgresStoreBuilder::commit_claims_first`] it runs in two phases
+///   instead: the claim commits at once (every server sees the key in
+///   flight), then the handler's writes and the completion commit together,
+///   only while the record still carries this request's fencing token; a
+///   crash leaves the key in flight until its lease ends.
 /// * A transactional request holds its transaction (and a connection of the
 ///   pool) at most the layer's max hold (default 60 s); past it the store
 ///   rolls it back and the request gets 503 (see [`SqlxPostgresTransaction`],
@@ -141,6 +146,10 @@ pub struct SqlxPostgresStore {
     /// (`notify_waiters`): the feed their watches share. Its listener
     /// connects as `pool` does.
     feed: Option<Feed>,
+    /// Transactional claims inside the handler's transaction (the
+    /// default): the keys this process's open ones hold. `None` with
+    /// [`SqlxPostgresStoreBuilder::commit_claims_first`].
+    one_phase: Option<Arc<HeldKeys>>,
 }
 
 impl std::fmt::Debug for SqlxPostgresStore {
@@ -156,6 +165,7 @@ impl std::fmt::Debug for SqlxPostgresStore {
 pub struct SqlxPostgresStoreBuilder {
     pool: PgPool,
     notify: bool,
+    commit_claims_first: bool,
     settings: Settings,
 }
 
@@ -180,6 +190,18 @@ tower_idempotency::store::kit::builder::sql_builder_settings!(
 );
 
 impl SqlxPostgresStoreBuilder {
+    /// Whether a transactional request's claim commits on its own before
+    /// the handler runs, in two phases (default `false`: it is written
+    /// inside the handler's transaction, so a crash frees the key at once
+    /// and no lease is renewed; another server's repeat waits on it at most
+    /// its `wait_in_flight`, 1 ms without it). `PostgresStoreBuilder::commit_claims_first`
+    /// (tokio-postgres) is the same switch, and `docs/contract.md` §9 says
+    /// what each promises.
+    pub fn commit_claims_first(mut self, on: bool) -> Self {
+        self.commit_claims_first = on;
+        self
+    }
+
     /// Whether completions and releases wake repeats waiting on other
     /// servers ([`IdempotencyLayer::wait_in_flight`](tower_idempotency::IdempotencyLayer::wait_in_flight))
     /// through PostgreSQL's `NOTIFY` (default off). On, the completion's and
@@ -260,6 +282,7 @@ impl SqlxPostgresStoreBuilder {
             sql: Arc::new(sql),
             limits: self.settings.limits(),
             feed: self.notify.then(|| Feed::new(DEFAULT_MAX_WATCHED_KEYS)),
+            one_phase: (!self.commit_claims_first).then(Arc::default),
         };
         store.limits.purge_task = PurgeTask::start(store.clone(), self.settings.purge);
         Ok(store)
@@ -284,6 +307,7 @@ impl SqlxPostgresStore {
         SqlxPostgresStoreBuilder {
             pool,
             notify: false,
+            commit_claims_first: false,
             settings: Settings::default(),
         }
     }
@@ -348,6 +372,19 @@ impl SqlxPostgresStore {
             Completion::Fenced
         })
     }
+}
+
+/// Whether `e` is PostgreSQL's answer to a lock wait past `lock_timeout`.
+fn is_lock_timeout(e: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
+    e.downcast_ref::<sqlx::Error>()
+        .and_then(sqlx::Error::as_database_error)
+        .and_then(|e| e.code())
+        .is_some_and(|code| code == LOCK_NOT_AVAILABLE)
+}
+
+/// [`is_lock_timeout`] of a store's error.
+fn lock_timed_out(e: &StoreError) -> bool {
+    matches!(e, StoreError::Unavailable(e) if is_lock_timeout(e.as_ref()))
 }
 
 /// The claim's statements, in a transaction holding the key's advisory
@@ -425,6 +462,45 @@ impl ClaimSteps for Steps<'_> {
 }
 
 impl SqlxPostgresStore {
+    /// A completed record's answer from the replay cache or the read-first
+    /// `SELECT` (see [`SqlxPostgresStore::read_completed`]).
+    async fn read_first(
+        &self,
+        conn: &mut PgConnection,
+        req: &ClaimRequest,
+    ) -> Result<Option<Refusal>, StoreError> {
+        let sent = self.limits.instant();
+        match answer_cached(&self.limits.replays, req, sent) {
+            Some(Claim::Refused(refused)) => Ok(Some(refused)),
+            _ => self.read_completed(conn, req, sent).await,
+        }
+    }
+
+    /// Read first: a completed record is answered by one plain `SELECT`,
+    /// without the lock (see `store::kit::pg_sql`): the replay, or 422.
+    async fn read_completed(
+        &self,
+        conn: &mut PgConnection,
+        req: &ClaimRequest,
+        sent: std::time::Instant,
+    ) -> Result<Option<Refusal>, StoreError> {
+        let row = query(&self.sql.completed)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .bind(self.offset_ms())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(unavailable)?;
+        let Some(row) = row else { return Ok(None) };
+        let row = crate::read_first::completed_row(&row).map_err(unavailable)?;
+        Ok(
+            match answer_completed(row, req, &self.limits.replays, sent)? {
+                Claim::Refused(refused) => Some(refused),
+                Claim::Acquired { .. } => None,
+            },
+        )
+    }
+
     /// [`Store::claim`], its lock waits bounded by the claim's own wait.
     async fn claim_committed(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         // A replay cached by an earlier one needs no read (off unless the
@@ -437,18 +513,8 @@ impl SqlxPostgresStore {
         // tests a connection before it hands it out (sqlx's default) pays a
         // round trip for each.
         let mut conn = self.pool.acquire().await.map_err(unavailable)?;
-        // Read first: a completed record is answered by one plain SELECT,
-        // without the lock (see `store::kit::pg_sql`).
-        let row = query(&self.sql.completed)
-            .bind(&req.scope)
-            .bind(&req.key)
-            .bind(self.offset_ms())
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(unavailable)?;
-        if let Some(row) = row {
-            let row = crate::read_first::completed_row(&row).map_err(unavailable)?;
-            return answer_completed(row, &req, &self.limits.replays, sent);
+        if let Some(refused) = self.read_completed(&mut conn, &req, sent).await? {
+            return Ok(Claim::Refused(refused));
         }
         // Then a new key is claimed by its insert alone, without the lock.
         let inserted = query(&self.sql.insert_first)
@@ -492,12 +558,7 @@ impl SqlxPostgresStore {
 impl Store for SqlxPostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         let hold = req.hold();
-        busy_is_in_flight(self.claim_committed(req).await, hold, |e| {
-            e.downcast_ref::<sqlx::Error>()
-                .and_then(sqlx::Error::as_database_error)
-                .and_then(|e| e.code())
-                .is_some_and(|code| code == LOCK_NOT_AVAILABLE)
-        })
+        busy_is_in_flight(self.claim_committed(req).await, hold, is_lock_timeout)
     }
 
     async fn complete(
