@@ -113,16 +113,16 @@ fn with_the_defaults_a_killed_holder_frees_its_key_within_15_s_on_postgres() {
     defaults_free_a_killed_holders_key_within_15_s(std::path::Path::new(&url), &[]);
 }
 
-/// Issue 37's bar: in transactional mode on PostgreSQL the claim lives in
-/// the handler's transaction (one phase, the default), so `kill -9` during
-/// a 20 s credit frees the key with the rolled-back transaction: the retry
-/// after a restart succeeds within 3 s of the kill (the restart included),
-/// and the credit is applied once. On both drivers (`--db-driver`).
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-fn a_killed_transactional_holder_frees_its_key_within_3_s(extra: &[&str]) {
-    let url = services::postgres_url();
+/// Issue 37's bar: in transactional mode on PostgreSQL and MySQL/MariaDB
+/// the claim lives in the handler's transaction (one phase, the default),
+/// so `kill -9` during a 20 s credit frees the key with the rolled-back
+/// transaction: the retry after a restart succeeds within 3 s of the kill
+/// (the restart included), and the credit is applied once. On PostgreSQL
+/// through both drivers (`--db-driver`).
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "mysql"))]
+fn a_killed_transactional_holder_frees_its_key_within_3_s(url: &str, extra: &[&str]) {
     let binary = driver::ledger_beside_tests();
-    let db = std::path::Path::new(&url);
+    let db = std::path::Path::new(url);
     let mut ledger = Ledger::start_with(&binary, db, "transactional", 0, extra);
     let seen = kill_to_recovery(&mut ledger, 20_000, Duration::from_secs(3));
     assert_eq!(seen.balance, seen.amount, "{seen:?}");
@@ -131,13 +131,22 @@ fn a_killed_transactional_holder_frees_its_key_within_3_s(extra: &[&str]) {
 #[cfg(feature = "postgres")]
 #[test]
 fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_postgres() {
-    a_killed_transactional_holder_frees_its_key_within_3_s(&[]);
+    a_killed_transactional_holder_frees_its_key_within_3_s(&services::postgres_url(), &[]);
 }
 
 #[cfg(feature = "sqlx-postgres")]
 #[test]
 fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_sqlx_postgres() {
-    a_killed_transactional_holder_frees_its_key_within_3_s(&["--db-driver", "sqlx"]);
+    a_killed_transactional_holder_frees_its_key_within_3_s(
+        &services::postgres_url(),
+        &["--db-driver", "sqlx"],
+    );
+}
+
+#[cfg(feature = "mysql")]
+#[test]
+fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_mysql() {
+    a_killed_transactional_holder_frees_its_key_within_3_s(&services::mysql_url(), &[]);
 }
 
 #[cfg(feature = "redis")]

@@ -252,22 +252,32 @@ mod capped {
 /// database and gets the replay.
 #[test]
 fn postgres_transactional_two_ledgers_share_the_keys() {
-    two_ledgers_share_the_keys(&[]);
+    two_ledgers_share_the_keys(&postgres_url(), &[]);
 }
 
 /// The same through sqlx's PostgreSQL store.
 #[cfg(feature = "sqlx-postgres")]
 #[test]
 fn sqlx_postgres_transactional_two_ledgers_share_the_keys() {
-    two_ledgers_share_the_keys(&["--db-driver", "sqlx"]);
+    two_ledgers_share_the_keys(&postgres_url(), &["--db-driver", "sqlx"]);
 }
 
-/// Ledgers on the test database, with `driver` (`--db-driver`) flags.
-fn two_ledgers_share_the_keys(driver: &[&str]) {
+/// The same on MySQL/MariaDB, where a lock wait is bounded in whole
+/// seconds: the ledger without the flag waits 1 s on the uncommitted claim
+/// (then 409, or the replay of a first that committed meanwhile).
+#[cfg(feature = "mysql")]
+#[test]
+fn mysql_transactional_two_ledgers_share_the_keys() {
+    let url = std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    two_ledgers_share_the_keys(&url, &[]);
+}
+
+/// Ledgers on the database at `url`, with `driver` (`--db-driver`) flags.
+fn two_ledgers_share_the_keys(url: &str, driver: &[&str]) {
     use std::sync::{Arc, Barrier};
     let binary = driver::ledger_beside_tests();
-    let url = postgres_url();
-    let db = Path::new(&url);
+    let db = Path::new(url);
     let a = Ledger::start_with(&binary, db, "transactional", 0, driver);
     let waits = [driver, &["--wait-in-flight-ms", "10000"]].concat();
     let b = Ledger::start_with(&binary, db, "transactional", 0, &waits);
@@ -343,14 +353,14 @@ fn two_ledgers_share_the_keys(driver: &[&str]) {
         }
     }
 
-    // A different body, while a 2 s credit holds the key on A.
+    // A different body, while a 3 s credit holds the key on A.
     let key = format!("other-{nanos}");
     let first = {
         let (addr, path, key) = (a.addr, path.clone(), key.clone());
         std::thread::spawn(move || {
             let headers = [
                 ("idempotency-key", key.as_str()),
-                ("x-ledger-delay-ms", "2000"),
+                ("x-ledger-delay-ms", "3000"),
             ];
             // Past a 409 from a probe of `until_in_flight` that came first.
             driver::request_past_409(addr, "POST", &path, &headers, r#"{"amount":4}"#)

@@ -240,3 +240,57 @@ async fn replays_take_no_row_lock() {
     assert!(matches!(mismatch, Claim::Refused(Refusal::Mismatch)));
     lock.rollback().await.unwrap();
 }
+
+/// Renewals touch only their own claims' rows: with another key's claim
+/// held uncommitted in an open transaction (one phase, the default), a
+/// separate-mode claim's batch renewal succeeds. A statement that scanned
+/// the table (MariaDB does not look `(id, token) IN (...)` up in the
+/// primary key) waited on that row lock until `innodb_lock_wait_timeout`
+/// and failed, and the ledger's renewals lost their leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_do_not_wait_on_another_keys_open_claim() {
+    use tower_idempotency::fingerprint::Fingerprint;
+    use tower_idempotency::store::{
+        Claim, ClaimRequest, RecordId, Store, TransactionClaim, TransactionalStore,
+    };
+    let table = unique("idem_renew");
+    let _drop = DropTables(vec![table.clone()]);
+    let store = open(&table).await;
+    let request = |key: &str| {
+        ClaimRequest::new(
+            RecordId::new("s", key),
+            Fingerprint([7; 32]),
+            FencingToken::random(),
+        )
+        .with_lease(Duration::from_secs(60))
+        .with_ttl(Duration::from_secs(3600))
+    };
+    // Claims before and after the open one in the primary key's order.
+    let mut separate = Vec::new();
+    for key in ["a", "b", "c", "d", "e", "f"] {
+        let req = request(key);
+        let (id, token) = (req.record_id(), req.token);
+        let claim = store.claim(req).await.unwrap();
+        assert!(matches!(claim, Claim::Acquired { .. }), "{key}: {claim:?}");
+        separate.push((id, token));
+    }
+    let TransactionClaim::Acquired { transaction, .. } =
+        store.claim_in_transaction(request("open")).await.unwrap()
+    else {
+        panic!("the transactional claim is acquired");
+    };
+    let renewed = store
+        .renew_all(separate.clone(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(renewed, vec![true; separate.len()]);
+    for (id, token) in separate {
+        assert!(
+            store
+                .renew(id, token, Duration::from_secs(60))
+                .await
+                .unwrap()
+        );
+    }
+    store.rollback(&transaction);
+}

@@ -1,6 +1,7 @@
 //! Several ledger processes on one MySQL/MariaDB database, as app servers
 //! behind a load balancer: the database decides who is first, and a dead
-//! server's claim is taken over once its lease ends, in both modes. Needs
+//! server's claim is taken over once its lease ends (separate mode) or dies
+//! with its transaction (transactional mode). Needs
 //! the ledger example built with `--features mysql` beside the tests (a
 //! whole `cargo test --features mysql` builds it) and the server at
 //! `TOWER_IDEMPOTENCY_MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`).
@@ -15,7 +16,10 @@ mod common;
 
 use std::path::PathBuf;
 
-use fleet_support::{a_dead_servers_claim_is_taken_over, racing_servers_apply_once};
+use fleet_support::{
+    a_dead_servers_claim_dies_with_it, a_dead_servers_claim_is_taken_over,
+    racing_servers_apply_once,
+};
 use tower_idempotency_sqlx::sqlx;
 
 fn url() -> String {
@@ -49,12 +53,16 @@ fn two_servers_on_mysql_racing_one_key_apply_it_once_separate() {
     racing_servers_apply_once(PathBuf::from(url()), "separate");
 }
 
+/// Server one dies holding the claim inside its transaction (one phase, the
+/// default); server two applies the credit once as soon as the database
+/// rolled it back, before the lease (2 s) could end.
+#[test]
+fn a_dead_servers_claim_dies_with_its_transaction() {
+    a_dead_servers_claim_dies_with_it(PathBuf::from(url()), record_state);
+}
+
 /// Server one is killed holding the claim; server two answers 409 until the
 /// lease (2 s) ends, then takes over and applies the credit once.
-#[test]
-fn a_dead_servers_claim_is_taken_over_after_the_lease_transactional() {
-    a_dead_servers_claim_is_taken_over(PathBuf::from(url()), "transactional", record_state);
-}
 
 #[test]
 fn a_dead_servers_claim_is_taken_over_after_the_lease_separate() {

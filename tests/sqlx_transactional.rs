@@ -544,8 +544,8 @@ async fn repeats_wait_at_most_their_bound<B: Backend>() {
     db.drop_tables().await;
 }
 
-/// The suite's tests for backend `$b`, each a test of its own;
-/// `two_phase` adds those of the stores whose repeats never wait.
+/// The suite's tests for backend `$b`, each a test of its own; `waits`
+/// adds those of the stores whose repeats wait in the store.
 macro_rules! suite {
     (@tests $b:ty; $($name:ident,)*) => {
         $(
@@ -558,10 +558,6 @@ macro_rules! suite {
     ($b:ty, waits) => {
         suite!($b);
         suite!(@tests $b; repeats_wait_at_most_their_bound,);
-    };
-    ($b:ty, two_phase) => {
-        suite!($b);
-        suite!(@tests $b; a_renewed_lease_keeps_a_slow_transaction,);
     };
     ($b:ty) => {
         suite!(@tests $b;
@@ -679,21 +675,23 @@ mod mysql {
     use sqlx::{AssertSqlSafe, MySql};
     use tower_idempotency_sqlx::MySqlStore;
 
-    pub(crate) struct My {
+    /// MySQL/MariaDB; its claims commit first when `FIRST` (two phases).
+    pub(crate) struct My<const FIRST: bool> {
         store: MySqlStore,
         table: String,
     }
 
-    impl Backend for My {
+    impl<const FIRST: bool> Backend for My<FIRST> {
         type DB = MySql;
         type Store = MySqlStore;
-        const REPEATS_WAIT: bool = false;
+        const REPEATS_WAIT: bool = !FIRST;
 
-        async fn open() -> My {
+        async fn open() -> Self {
             let url = common::services::mysql_url();
             let table = unique("idem_sqlxtx");
             let store = MySqlStore::builder(&url)
                 .table(table.clone())
+                .commit_claims_first(FIRST)
                 .open()
                 .await
                 .unwrap_or_else(|e| panic!("MySQL/MariaDB at {url} is required: {e}"));
@@ -757,7 +755,12 @@ mod mysql {
         }
     }
 
-    suite!(My, two_phase);
+    // One phase (the default): this process's repeats wait in memory.
+    suite!(My<false>, waits);
+
+    mod two_phase {
+        suite!(@tests super::My<true>; a_renewed_lease_keeps_a_slow_transaction,);
+    }
 }
 
 #[cfg(feature = "sqlx-sqlite")]

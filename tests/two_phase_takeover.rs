@@ -183,11 +183,13 @@ async fn mysql_a_fenced_commit_never_replays_nor_releases() {
     let table = format!("idem_brk_{:016x}", FencingToken::random().0);
     let first = MySqlStore::builder(&mysql_url())
         .table(&table)
+        .commit_claims_first(true)
         .open()
         .await
         .unwrap();
     let later = MySqlStore::builder(&mysql_url())
         .table(&table)
+        .commit_claims_first(true)
         .clock_offset(Ahead(AHEAD))
         .open()
         .await

@@ -441,15 +441,16 @@ pub trait TransactionalStore: Store {
         std::future::ready(())
     }
 
-    /// Whether the claim commits before the handler runs (two phases:
-    /// PostgreSQL, MySQL), so other servers see it and a crash leaves it in
-    /// flight until its lease ends; then the layer renews its lease. `false`
-    /// (the default) where the claim lives in the open transaction and
-    /// vanishes with it (SQLite): nothing to renew.
+    /// Whether the claim commits before the handler runs (two phases: the
+    /// PostgreSQL and MySQL stores with `commit_claims_first(true)`), so
+    /// other servers see it and a crash leaves it in flight until its lease
+    /// ends; then the layer renews its lease. `false` (the default) where
+    /// the claim lives in the open transaction and vanishes with it (SQLite;
+    /// the PostgreSQL and MySQL stores by default): nothing to renew.
     const CLAIM_COMMITS_FIRST: bool = false;
 
     /// [`TransactionalStore::CLAIM_COMMITS_FIRST`] for this store as it
-    /// was built: a store that can do either (PostgreSQL) says which it
+    /// was built: a store that can do either (PostgreSQL, MySQL) says which it
     /// does. The layer renews a claim's lease only where it is `true`.
     fn claim_commits_first(&self) -> bool {
         Self::CLAIM_COMMITS_FIRST

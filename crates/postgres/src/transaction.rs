@@ -2,7 +2,6 @@
 //! connection inside the request's transaction, and the
 //! [`TwoPhase`] steps on which the store kit runs transactional mode.
 
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
@@ -12,9 +11,8 @@ use tokio_postgres::{CancelToken, NoTls, Statement};
 use super::tx::PgTx;
 use super::{PostgresStore, cached, unavailable};
 use tower_idempotency::response::StoredResponse;
-use tower_idempotency::store::kit::held::HeldKeys;
-use tower_idempotency::store::kit::two_phase::{Held, Inside, TwoPhase, two_phase_store};
-use tower_idempotency::store::{ClaimRequest, FencingToken, RecordId, StoreError};
+use tower_idempotency::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
+use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 
 /// An open PostgreSQL transaction in which the layer has claimed the
 /// request's key. The handler runs its own statements on it through
@@ -151,18 +149,7 @@ impl TwoPhase for PostgresStore {
         &self.limits.held_too_long
     }
 
-    fn one_phase(&self) -> Option<&Arc<HeldKeys>> {
-        self.one_phase.as_ref()
-    }
-
-    async fn claim_inside(
-        &self,
-        hold: Duration,
-        req: &ClaimRequest,
-        wait: Duration,
-    ) -> Result<Inside<Self>, StoreError> {
-        super::inside::claim(self, hold, req, wait).await
-    }
+    tower_idempotency::store::kit::one_phase::claims_inside!(super::inside::claim);
 
     async fn begin(&self, hold: Duration) -> Result<(PgTx, CancelToken), StoreError> {
         let tx = PgTx::new(self.client().await?);

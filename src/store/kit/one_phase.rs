@@ -1,5 +1,5 @@
 //! Transactional mode in one phase, for the shared SQL stores (PostgreSQL
-//! through tokio-postgres): the claim is written inside the handler's
+//! through tokio-postgres and sqlx, MySQL/MariaDB): the claim is written inside the handler's
 //! transaction, so it commits with the handler's writes and the completion,
 //! or vanishes with them.
 //!
@@ -9,8 +9,8 @@
 //! * Another server's claim of the key meets the uncommitted row and waits
 //!   on it in the database, at most its own bound
 //!   ([`ClaimRequest::wait_in_flight`]; the layer's first claim never
-//!   waits, so without `wait_in_flight` that is 1 ms, the least a lock
-//!   wait can be bounded by): then it finds the completed record (a replay,
+//!   waits, so without `wait_in_flight` that is the least a lock wait can
+//!   be bounded by: 1 ms on PostgreSQL, 1 s on MySQL): then it finds the completed record (a replay,
 //!   or 422 for another fingerprint), or a free key (the first rolled back),
 //!   or it is refused as in flight (409).
 //! * This process's own claims of a held key are answered before they take
@@ -85,3 +85,34 @@ async fn inside<D: TwoPhase>(
         taken_over,
     })
 }
+
+/// The two [`TwoPhase`] items of a store that claims in one phase, inside
+/// its `impl TwoPhase` block: [`TwoPhase::one_phase`] from the store's
+/// field `one_phase: Option<Arc<HeldKeys>>` (`None` where it commits its
+/// claims first), and [`TwoPhase::claim_inside`] by the driver's function
+/// `$claim(&store, hold, &req, wait)`.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! __claims_inside {
+    ($claim:path) => {
+        fn one_phase(
+            &self,
+        ) -> ::core::option::Option<&::std::sync::Arc<$crate::store::kit::held::HeldKeys>> {
+            self.one_phase.as_ref()
+        }
+
+        async fn claim_inside(
+            &self,
+            hold: ::std::time::Duration,
+            req: &$crate::store::ClaimRequest,
+            wait: ::std::time::Duration,
+        ) -> ::core::result::Result<
+            $crate::store::kit::two_phase::Inside<Self>,
+            $crate::store::StoreError,
+        > {
+            $claim(self, hold, req, wait).await
+        }
+    };
+}
+
+pub use crate::__claims_inside as claims_inside;

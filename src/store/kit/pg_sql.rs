@@ -416,27 +416,4 @@ pub fn lock_wait_ms(wait: std::time::Duration) -> String {
 /// SQLSTATE `lock_not_available`: a lock wait past `lock_timeout`.
 pub const LOCK_NOT_AVAILABLE: &str = "55P03";
 
-/// A claim that commits first ([`crate::store::Store::claim`]) whose lock
-/// wait reached its bound (`lock_timeout`, by the driver's error:
-/// `is_lock_timeout`) met a claim held in another open transaction (one
-/// phase): refused as in flight. That holder ends within its max hold,
-/// which this claim takes to be its own (`hold`).
-///
-/// # Errors
-///
-/// `result`'s other errors.
-pub fn busy_is_in_flight(
-    result: Result<crate::store::Claim, crate::store::StoreError>,
-    hold: std::time::Duration,
-    is_lock_timeout: impl Fn(&(dyn std::error::Error + Send + Sync + 'static)) -> bool,
-) -> Result<crate::store::Claim, crate::store::StoreError> {
-    match result {
-        Err(crate::store::StoreError::Unavailable(e)) if is_lock_timeout(e.as_ref()) => {
-            Ok(crate::store::Refusal::InFlight {
-                lease_remaining: hold,
-            }
-            .into())
-        }
-        other => other,
-    }
-}
+pub use super::claim::busy_is_in_flight;

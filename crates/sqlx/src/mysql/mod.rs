@@ -3,7 +3,8 @@
 //!
 //! * `transaction.rs`: [`MySqlTransaction`] and the
 //!   [`TransactionalStore`](tower_idempotency::store::TransactionalStore) impl
-//!   (transactional mode, on the store kit's two phases).
+//!   (transactional mode, on the store kit's `one_phase` and `two_phase`);
+//!   `inside.rs`: the claim inside the handler's transaction (one phase).
 //! * `inspect.rs`: [`Inspect`](tower_idempotency::store::Inspect) in SQL; `sql.rs`: the
 //!   statements and the schema.
 
@@ -11,24 +12,28 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{
+    MySql, MySqlArguments, MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions,
+};
 use sqlx::{AssertSqlSafe, Executor, Row};
 
 use tower_idempotency::fingerprint::Hasher;
 use tower_idempotency::response::StoredResponse;
 use tower_idempotency::store::kit::builder::{Limits, Settings};
+use tower_idempotency::store::kit::held::HeldKeys;
 use tower_idempotency::store::kit::purge::{PurgeTask, in_batches};
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError,
+    Claim, ClaimRequest, Completion, FencingToken, RecordId, Refusal, Store, StoreError,
 };
 
+mod inside;
 mod inspect;
 mod sql;
 mod transaction;
 
 use sql::{Sql, q};
 use tower_idempotency::store::kit::claim::{
-    ClaimSteps, Found, Met, answer_cached, answer_completed, claim_in,
+    ClaimSteps, Found, Met, answer_cached, busy_is_in_flight, claim_in,
 };
 
 pub use transaction::MySqlTransaction;
@@ -60,17 +65,23 @@ pub use transaction::MySqlTransaction;
 ///   purges), which make unrelated keys wait on each other and deadlock.
 ///   Handlers in transactional mode run at this level too, as on
 ///   PostgreSQL's default.
-/// * Transactional mode ([`tower_idempotency::mode::Transactional`]) runs in two phases
-///   as `PostgresStore` does: the claim commits at once, so
-///   every server sees the key in flight with its fingerprint; then the
-///   handler's writes and the record's completion share one transaction
-///   ([`MySqlTransaction`]) that commits only while the record still carries
-///   this request's fencing token.
+/// * Transactional mode ([`tower_idempotency::mode::Transactional`]) writes
+///   the claim inside the handler's transaction ([`MySqlTransaction`]), as
+///   the PostgreSQL stores do: the claim, the handler's writes and the
+///   completion commit together, or vanish together, so a crash frees the
+///   key at once and no lease is renewed. Another server's repeat waits on
+///   the uncommitted record at most its `wait_in_flight`, in whole seconds
+///   (InnoDB's `innodb_lock_wait_timeout`), and at least 1 s. With
+///   [`MySqlStoreBuilder::commit_claims_first`] it runs in two phases: the
+///   claim commits at once, so every server sees the key in flight with its
+///   fingerprint, and the transaction commits only while the record still
+///   carries this request's fencing token.
 /// * A transactional request holds its transaction (and a pooled
 ///   connection) at most the layer's max hold (default 60 s; see
 ///   [`MySqlTransaction`]).
 /// * Lease renewals run in one statement per batch on a connection of
-///   their own, outside the pool, so they never wait behind requests.
+///   their own, outside the pool (also at `READ COMMITTED`), so they never
+///   wait behind requests.
 /// * Connections come from a sqlx pool (default 16); a connection that
 ///   cannot be had in time, a server that cannot be reached, a deadlock that
 ///   outlives three tries or any other database error is
@@ -99,6 +110,10 @@ pub struct MySqlStore {
     sql: Arc<Sql>,
     /// Max hold, the transactions held past it, the test clock offset.
     limits: Limits,
+    /// Transactional claims inside the handler's transaction (the
+    /// default): the keys this process's open ones hold. `None` with
+    /// [`MySqlStoreBuilder::commit_claims_first`].
+    one_phase: Option<Arc<HeldKeys>>,
 }
 
 impl std::fmt::Debug for MySqlStore {
@@ -115,6 +130,7 @@ pub struct MySqlStoreBuilder {
     url: String,
     pool_size: u32,
     wait_timeout: Duration,
+    commit_claims_first: bool,
     settings: Settings,
 }
 
@@ -127,6 +143,24 @@ pub(super) fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>
 fn is_deadlock(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001")
         || db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|e| e.number() == 1213))
+}
+
+/// Every connection's isolation level (see [`MySqlStore`], "Isolation").
+fn read_committed(
+    conn: &mut MySqlConnection,
+) -> std::pin::Pin<Box<dyn Future<Output = Result<(), sqlx::Error>> + Send + '_>> {
+    Box::pin(async move {
+        conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            .await
+            .map(drop)
+    })
+}
+
+/// A lock wait past `innodb_lock_wait_timeout` (1205,
+/// `ER_LOCK_WAIT_TIMEOUT`).
+fn is_lock_wait_timeout(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db)
+        if db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|e| e.number() == 1205))
 }
 
 /// A duplicate-key error (1062, `ER_DUP_ENTRY`).
@@ -154,6 +188,18 @@ impl MySqlStoreBuilder {
         self
     }
 
+    /// Whether a transactional request's claim commits on its own before
+    /// the handler runs, in two phases (default `false`: it is written
+    /// inside the handler's transaction, so a crash frees the key at once
+    /// and no lease is renewed; another server's repeat waits on it at most
+    /// its `wait_in_flight` rounded up to whole seconds, at least 1 s).
+    /// The PostgreSQL stores have the same switch; `docs/contract.md` §9
+    /// says what each promises.
+    pub fn commit_claims_first(mut self, on: bool) -> Self {
+        self.commit_claims_first = on;
+        self
+    }
+
     /// How long a call waits for a pooled connection (or a new one) before
     /// it fails with [`StoreError::Unavailable`] (default 5 s).
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
@@ -177,13 +223,7 @@ impl MySqlStoreBuilder {
         let pool = MySqlPoolOptions::new()
             .max_connections(self.pool_size)
             .acquire_timeout(self.wait_timeout)
-            .after_connect(|conn, _| {
-                Box::pin(async move {
-                    conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                        .await
-                        .map(drop)
-                })
-            })
+            .after_connect(|conn, _| read_committed(conn))
             .connect_with(options)
             .await
             .map_err(unavailable)?;
@@ -217,10 +257,13 @@ impl MySqlStoreBuilder {
             )));
         }
         let mut store = MySqlStore {
-            renewals: crate::renewals::pool_beside(&pool),
+            renewals: crate::renewals::options_beside(&pool)
+                .after_connect(|conn, _| read_committed(conn))
+                .connect_lazy_with((*pool.connect_options()).clone()),
             pool,
             sql: Arc::new(sql),
             limits: self.settings.limits(),
+            one_phase: (!self.commit_claims_first).then(Arc::default),
         };
         store.limits.purge_task = PurgeTask::start(store.clone(), self.settings.purge);
         Ok(store)
@@ -244,6 +287,7 @@ impl MySqlStore {
             url: url.to_owned(),
             pool_size: 16,
             wait_timeout: Duration::from_secs(5),
+            commit_claims_first: false,
             settings: Settings::default(),
         }
     }
@@ -286,6 +330,48 @@ impl MySqlStore {
         Ok(renewed.rows_affected() == 1)
     }
 
+    /// Read first: a completed record is answered by one consistent read,
+    /// without the claim's row lock, so replays of one key run in
+    /// parallel: the replay, or 422. Safe for the reason the PostgreSQL
+    /// stores' read is (see `store::kit::pg_sql`): a completed record does
+    /// not change until its TTL ends, and the read decides no race.
+    async fn read_completed(
+        &self,
+        conn: &mut MySqlConnection,
+        req: &ClaimRequest,
+        id: &[u8],
+        sent: std::time::Instant,
+    ) -> Result<Option<Refusal>, StoreError> {
+        let row = q(&self.sql.completed)
+            .bind(self.offset_ms())
+            .bind(id)
+            .bind(self.offset_ms())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(unavailable)?;
+        crate::read_first::answer(row, req, &self.limits.replays, sent)
+    }
+
+    /// `insert` (`insert_first` or `insert_inside`) with a new record's
+    /// parameters: `(id, scope, key, fingerprint, token, lease ms, TTL ms,
+    /// offset)`.
+    fn new_record<'q>(
+        &self,
+        insert: &Arc<str>,
+        req: &'q ClaimRequest,
+        id: &'q [u8],
+    ) -> sqlx::query::Query<'q, MySql, MySqlArguments> {
+        q(insert)
+            .bind(id)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .bind(&req.fingerprint.0[..])
+            .bind(req.token.0)
+            .bind(tower_idempotency::store::duration_ms(req.lease))
+            .bind(tower_idempotency::store::duration_ms(req.ttl))
+            .bind(self.offset_ms())
+    }
+
     /// The insert of a new key on its own (autocommit): `true` when it
     /// inserted, `false` when a record is there (a duplicate key: the
     /// locking claim then reads and judges it).
@@ -295,15 +381,8 @@ impl MySqlStore {
         req: &ClaimRequest,
         id: &[u8],
     ) -> Result<bool, StoreError> {
-        let inserted = q(&self.sql.insert_first)
-            .bind(id)
-            .bind(&req.scope)
-            .bind(&req.key)
-            .bind(&req.fingerprint.0[..])
-            .bind(req.token.0)
-            .bind(tower_idempotency::store::duration_ms(req.lease))
-            .bind(tower_idempotency::store::duration_ms(req.ttl))
-            .bind(self.offset_ms())
+        let inserted = self
+            .new_record(&self.sql.insert_first, req, id)
             .execute(conn)
             .await;
         match inserted {
@@ -343,6 +422,40 @@ impl MySqlStore {
             tx.rollback().await?;
         }
         Ok(found)
+    }
+
+    /// [`Store::claim`], before a lock wait's timeout is answered.
+    async fn claim_committed(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        // A replay cached by an earlier one needs no read (off unless the
+        // builder sets `replay_cache`).
+        let sent = self.limits.instant();
+        if let Some(claim) = answer_cached(&self.limits.replays, &req, sent) {
+            return Ok(claim);
+        }
+        let id = record_key(&req.scope, &req.key);
+        // One connection for every statement of the claim: the pool tests
+        // a connection (a ping, one round trip) each time it hands one out.
+        let mut conn = self.pool.acquire().await.map_err(unavailable)?;
+        if let Some(refused) = self.read_completed(&mut conn, &req, &id, sent).await? {
+            return Ok(Claim::Refused(refused));
+        }
+        // Then a new key is claimed by its insert alone, outside a
+        // transaction: the primary key decides who is first.
+        if self.insert_first(&mut conn, &req, &id).await? {
+            return Ok(Claim::Acquired { taken_over: false });
+        }
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.try_claim(&mut conn, &req, &id).await {
+                Ok(found) => return found.into_claim(),
+                // InnoDB rolled the whole transaction back: nothing of it
+                // stays, so it is tried again from the start.
+                Err(e) if is_deadlock(&e) && tries < 3 => continue,
+                Err(sqlx::Error::Decode(e)) => return Err(StoreError::Corrupt(e.to_string())),
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
     }
 }
 
@@ -419,50 +532,15 @@ impl ClaimSteps for Steps<'_> {
 }
 
 impl Store for MySqlStore {
+    /// Waits on a claim held in another open transaction (one phase) are
+    /// bounded by the server's `innodb_lock_wait_timeout` (50 s by
+    /// default), then refused as in flight.
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
-        // A replay cached by an earlier one needs no read (off unless the
-        // builder sets `replay_cache`).
-        let sent = self.limits.instant();
-        if let Some(claim) = answer_cached(&self.limits.replays, &req, sent) {
-            return Ok(claim);
-        }
-        let id = record_key(&req.scope, &req.key);
-        // One connection for every statement of the claim: the pool tests
-        // a connection (a ping, one round trip) each time it hands one out.
-        let mut conn = self.pool.acquire().await.map_err(unavailable)?;
-        // Read first: a completed record is answered by one consistent read,
-        // without the claim's row lock, so replays of one key run in
-        // parallel. Safe for the reason the PostgreSQL stores' read is (see
-        // `store::kit::pg_sql`): a completed record does not change until
-        // its TTL ends, and the read decides no race.
-        let row = q(&self.sql.completed)
-            .bind(self.offset_ms())
-            .bind(&id[..])
-            .bind(self.offset_ms())
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(unavailable)?;
-        if let Some(row) = row {
-            let row = crate::read_first::completed_row(&row).map_err(unavailable)?;
-            return answer_completed(row, &req, &self.limits.replays, sent);
-        }
-        // Then a new key is claimed by its insert alone, outside a
-        // transaction: the primary key decides who is first.
-        if self.insert_first(&mut conn, &req, &id).await? {
-            return Ok(Claim::Acquired { taken_over: false });
-        }
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            match self.try_claim(&mut conn, &req, &id).await {
-                Ok(found) => return found.into_claim(),
-                // InnoDB rolled the whole transaction back: nothing of it
-                // stays, so it is tried again from the start.
-                Err(e) if is_deadlock(&e) && tries < 3 => continue,
-                Err(sqlx::Error::Decode(e)) => return Err(StoreError::Corrupt(e.to_string())),
-                Err(e) => return Err(unavailable(e)),
-            }
-        }
+        let hold = req.hold();
+        busy_is_in_flight(self.claim_committed(req).await, hold, |e| {
+            e.downcast_ref::<sqlx::Error>()
+                .is_some_and(is_lock_wait_timeout)
+        })
     }
 
     async fn complete(
@@ -520,8 +598,15 @@ impl Store for MySqlStore {
             .persistent(false)
             .bind(offset.saturating_add(tower_idempotency::store::duration_ms(lease)))
             .bind(offset);
-        for (id, token) in &claims {
-            update = update.bind(record_key(id.scope(), id.key())).bind(token.0);
+        let ids: Vec<Vec<u8>> = claims
+            .iter()
+            .map(|(id, _)| record_key(id.scope(), id.key()))
+            .collect();
+        for id in &ids {
+            update = update.bind(id.clone());
+        }
+        for (id, (_, token)) in ids.into_iter().zip(&claims) {
+            update = update.bind(id).bind(token.0);
         }
         let renewed = update.execute(&self.renewals).await.map_err(unavailable)?;
         if renewed.rows_affected() == claims.len() as u64 {

@@ -20,6 +20,11 @@ pub(super) struct Sql {
     /// with a duplicate-key error (1062), whatever the client's
     /// CLIENT_FOUND_ROWS flag.
     pub(super) insert_first: Arc<str>,
+    /// The claim's insert inside the handler's transaction (one phase),
+    /// with `insert_first`'s parameters: the row's exclusive lock, on a new
+    /// record (1 row affected) or on the committed record there (2), after
+    /// a wait on another open transaction's record of the key.
+    pub(super) insert_inside: Arc<str>,
     /// The claim's insert, in its transaction.
     pub(super) insert: Arc<str>,
     pub(super) select: Arc<str>,
@@ -59,6 +64,13 @@ impl Sql {
                     (id, scope, `key`, fingerprint, token, state, lease_until, expires_at, claims)
                  SELECT ?, ?, ?, ?, ?, 'in_flight', n.ms + ?, n.ms + ?, 1
                  FROM (SELECT {NOW_MS} AS ms) AS n"
+            )),
+            insert_inside: s(format!(
+                "INSERT INTO {table}
+                    (id, scope, `key`, fingerprint, token, state, lease_until, expires_at, claims)
+                 SELECT ?, ?, ?, ?, ?, 'in_flight', n.ms + ?, n.ms + ?, 1
+                 FROM (SELECT {NOW_MS} AS ms) AS n
+                 ON DUPLICATE KEY UPDATE claims = claims + 1"
             )),
             // `claims` changes on a duplicate, so the affected-row count is
             // 1 for an insert and 2 for a duplicate whatever the client's
@@ -111,14 +123,7 @@ impl Sql {
                  ORDER BY t.lease_until, t.scope, t.`key`
                  LIMIT ?"
             )),
-            counts: s(format!(
-                "SELECT
-                    CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'in_flight' AND t.lease_until > n.ms), 0) AS SIGNED),
-                    CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'in_flight' AND t.lease_until <= n.ms), 0) AS SIGNED),
-                    CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'completed'), 0) AS SIGNED),
-                    CAST(COALESCE(SUM(t.expires_at <= n.ms), 0) AS SIGNED)
-                 FROM {table} AS t CROSS JOIN (SELECT {NOW_MS} AS ms) AS n"
-            )),
+            counts: s(counts(table)),
         }
     }
 
@@ -146,16 +151,34 @@ impl Sql {
 
 impl Sql {
     /// [`Sql::renew`] for `n` claims at once: `(lease ms + offset, offset,
-    /// then the id and token of each claim)`. Its row count is the records
-    /// renewed (each deadline moves later, as for `renew`).
+    /// then the ids, then the id and token of each claim)`. Its row count is
+    /// the records renewed (each deadline moves later, as for `renew`).
+    /// `id IN (...)` keeps it to the primary key's rows: MariaDB does not
+    /// look a row constructor up in the index, and a scan would wait on the
+    /// row locks of other keys' uncommitted claims (one phase).
     pub(super) fn renew_all(&self, n: usize) -> String {
+        let ids = vec!["?"; n].join(", ");
         let claims = vec!["(?, ?)"; n].join(", ");
         format!(
             "UPDATE {} SET lease_until = {NOW_MS}
-             WHERE state = 'in_flight' AND expires_at > {NOW_MS} AND (id, token) IN ({claims})",
+             WHERE state = 'in_flight' AND expires_at > {NOW_MS}
+               AND id IN ({ids}) AND (id, token) IN ({claims})",
             self.table
         )
     }
+}
+
+/// The records counted by kind, each judged at the same instant (`NOW(6)`
+/// is read once per statement): live in flight, stuck, completed, expired.
+fn counts(table: &str) -> String {
+    format!(
+        "SELECT
+            CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'in_flight' AND t.lease_until > n.ms), 0) AS SIGNED),
+            CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'in_flight' AND t.lease_until <= n.ms), 0) AS SIGNED),
+            CAST(COALESCE(SUM(t.expires_at > n.ms AND t.state = 'completed'), 0) AS SIGNED),
+            CAST(COALESCE(SUM(t.expires_at <= n.ms), 0) AS SIGNED)
+         FROM {table} AS t CROSS JOIN (SELECT {NOW_MS} AS ms) AS n"
+    )
 }
 
 /// The query of one of the statements.

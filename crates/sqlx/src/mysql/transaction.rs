@@ -65,12 +65,15 @@ pub type MySqlTransaction = SqlxTransaction<MySql>;
 
 crate::transaction::two_phase_dialect!(MySql, MySqlStore, "MySqlTransaction");
 
-/// The session's `wait_timeout` back to the server's default, before the
+/// The session's `wait_timeout` (and `innodb_lock_wait_timeout`, which a
+/// one-phase claim bounds) back to the server's defaults, before the
 /// transaction ends (a `SET` is not transactional). A failure is left to
 /// the statements that follow.
 async fn restore_wait_timeout(tx: &mut sqlx::Transaction<'static, MySql>) {
     let _ = tx
-        .execute("SET SESSION wait_timeout = @@GLOBAL.wait_timeout")
+        .execute(
+            "SET SESSION wait_timeout = @@GLOBAL.wait_timeout, innodb_lock_wait_timeout = DEFAULT",
+        )
         .await;
 }
 
@@ -86,6 +89,8 @@ impl TwoPhase for MySqlStore {
     fn held_too_long(&self) -> &AtomicU64 {
         &self.limits.held_too_long
     }
+
+    tower_idempotency::store::kit::one_phase::claims_inside!(super::inside::claim);
 
     /// `BEGIN`, with the session's `wait_timeout` at the hold time plus 1 s
     /// (whole seconds, rounded up) as the backstop.

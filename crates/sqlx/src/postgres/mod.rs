@@ -47,9 +47,7 @@ mod sql;
 mod transaction;
 
 use sql::{Sql, advisory_key, checked, query, schema};
-use tower_idempotency::store::kit::claim::{
-    ClaimSteps, Met, answer_cached, answer_completed, claim_in,
-};
+use tower_idempotency::store::kit::claim::{ClaimSteps, Met, answer_cached, claim_in};
 use tower_idempotency::store::kit::pg_sql::{
     LOCK_NOT_AVAILABLE, busy_is_in_flight, lock_wait_ms, renew_arrays, renewed_in_order,
 };
@@ -491,14 +489,7 @@ impl SqlxPostgresStore {
             .fetch_optional(&mut *conn)
             .await
             .map_err(unavailable)?;
-        let Some(row) = row else { return Ok(None) };
-        let row = crate::read_first::completed_row(&row).map_err(unavailable)?;
-        Ok(
-            match answer_completed(row, req, &self.limits.replays, sent)? {
-                Claim::Refused(refused) => Some(refused),
-                Claim::Acquired { .. } => None,
-            },
-        )
+        crate::read_first::answer(row, req, &self.limits.replays, sent)
     }
 
     /// [`Store::claim`], its lock waits bounded by the claim's own wait.

@@ -2,7 +2,6 @@
 //! (the crate's [`SqlxTransaction`] on PostgreSQL) and the
 //! [`TwoPhase`] steps on which the store kit runs transactional mode.
 
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
@@ -11,9 +10,8 @@ use sqlx::{Connection, PgConnection, Postgres};
 use super::sql::checked;
 use super::{SqlxPostgresStore, unavailable};
 use tower_idempotency::response::StoredResponse;
-use tower_idempotency::store::kit::held::HeldKeys;
-use tower_idempotency::store::kit::two_phase::{Inside, TwoPhase, two_phase_store};
-use tower_idempotency::store::{ClaimRequest, Completion, FencingToken, RecordId, StoreError};
+use tower_idempotency::store::kit::two_phase::{TwoPhase, two_phase_store};
+use tower_idempotency::store::{Completion, FencingToken, RecordId, StoreError};
 
 pub use crate::error::SqlxPostgresError;
 use crate::transaction::SqlxTransaction;
@@ -76,18 +74,7 @@ impl TwoPhase for SqlxPostgresStore {
         &self.limits.held_too_long
     }
 
-    fn one_phase(&self) -> Option<&Arc<HeldKeys>> {
-        self.one_phase.as_ref()
-    }
-
-    async fn claim_inside(
-        &self,
-        hold: Duration,
-        req: &ClaimRequest,
-        wait: Duration,
-    ) -> Result<Inside<Self>, StoreError> {
-        super::inside::claim(self, hold, req, wait).await
-    }
+    tower_idempotency::store::kit::one_phase::claims_inside!(super::inside::claim);
 
     async fn begin(&self, hold: Duration) -> Result<(Self::Tx, i32), StoreError> {
         let mut tx = self
