@@ -6,6 +6,11 @@
 //! `Store` and the kit's `TwoPhase` (so the shared two-phase lifecycle
 //! that PostgreSQL and MySQL use runs here unchanged), [`SimQueue`] the
 //! outbox's `Queue`.
+//!
+//! In one-phase worlds (issue 37; [`LockWait`]) `SimStore` claims as the
+//! PostgreSQL and MySQL stores do by default: through the kit's
+//! `one_phase`, inside the handler's transaction, on a session of its own
+//! ([`claim_inside`]); the kit's `HeldKeys` answers this server's repeats.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -20,7 +25,8 @@ use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use tower::Layer;
 use tower_idempotency::key::ClaimedKey;
-use tower_idempotency::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
+use tower_idempotency::store::kit::held::HeldKeys;
+use tower_idempotency::store::kit::two_phase::{Held, Inside, TwoPhase, two_phase_store};
 use tower_idempotency::store::{
     Claim, ClaimRequest, Completion, FencingToken, RecordId, Refusal, Store, StoreError,
 };
@@ -29,7 +35,9 @@ use tower_idempotency_outbox::test_util::{BoxFut, Claimed, Fate, Queue};
 use tower_idempotency_outbox::{Counts, Entry, HttpSink, Message, Outbox, View};
 
 use crate::http::SimClient;
-use crate::wire::{self, Call, Credit, Id, Msg, Reply, WireClaim, WireFate};
+use crate::wire::{
+    self, Call, ClaimArgs, Credit, Id, Msg, Reply, Session, WireClaim, WireFate, WireInside,
+};
 
 /// The layer's lease, and how long renewal may hold a key.
 pub const LEASE: Duration = Duration::from_secs(1);
@@ -50,35 +58,73 @@ fn bad_reply(reply: Reply) -> StoreError {
     StoreError::Corrupt(format!("unexpected reply {reply:?}"))
 }
 
+/// How the fleet's database bounds a claim's wait on another open
+/// transaction's claim (one phase).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockWait {
+    /// `lock_timeout`: whole milliseconds, at least 1.
+    Postgres,
+    /// `innodb_lock_wait_timeout`: whole seconds, rounded up, at least 1.
+    MySql,
+}
+
+impl LockWait {
+    fn bound(self, wait: Duration) -> Duration {
+        match self {
+            LockWait::Postgres => Duration::from_millis((wait.as_millis() as u64).max(1)),
+            LockWait::MySql => {
+                let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+                Duration::from_secs(secs.max(1))
+            }
+        }
+    }
+}
+
 /// The store host's records, over the simulated network.
 #[derive(Clone, Default)]
 pub struct SimStore {
     held_too_long: Arc<AtomicU64>,
+    /// One phase: the keys this server's open transactions hold (the kit's
+    /// `one_phase` reads this field); `None`: the claim commits first.
+    one_phase: Option<Arc<HeldKeys>>,
+    /// One phase: how the database bounds a lock wait.
+    lock_wait: Option<LockWait>,
+    /// This server's name, as its claims tell the store host's audit.
+    server: &'static str,
+}
+
+fn claim_args(request: &ClaimRequest) -> ClaimArgs {
+    ClaimArgs {
+        id: Id {
+            scope: request.scope.clone(),
+            key: request.key.clone(),
+        },
+        fingerprint: request.fingerprint.0.to_vec(),
+        token: request.token.0,
+        lease_ms: request.lease.as_millis() as u64,
+        ttl_ms: request.ttl.as_millis() as u64,
+        max_hold_ms: request.max_hold.map(|d| d.as_millis() as u64),
+    }
+}
+
+fn claim_answer(claim: WireClaim) -> Result<Claim, StoreError> {
+    match claim {
+        WireClaim::Acquired { taken_over } => Ok(Claim::Acquired { taken_over }),
+        WireClaim::Mismatch => Ok(Refusal::Mismatch.into()),
+        WireClaim::Completed(bytes) => StoredResponse::decode(&bytes)
+            .map(|r| Refusal::Completed(r).into())
+            .map_err(|e| StoreError::Corrupt(e.to_string())),
+        WireClaim::InFlight { remaining_ms } => Ok(Refusal::InFlight {
+            lease_remaining: Duration::from_millis(remaining_ms),
+        }
+        .into()),
+    }
 }
 
 impl Store for SimStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Claim, StoreError> {
-        let call = Call::Claim {
-            id: Id {
-                scope: request.scope,
-                key: request.key,
-            },
-            fingerprint: request.fingerprint.0.to_vec(),
-            token: request.token.0,
-            lease_ms: request.lease.as_millis() as u64,
-            ttl_ms: request.ttl.as_millis() as u64,
-            max_hold_ms: request.max_hold.map(|d| d.as_millis() as u64),
-        };
-        match wire::call(&call).await? {
-            Reply::Claim(WireClaim::Acquired { taken_over }) => Ok(Claim::Acquired { taken_over }),
-            Reply::Claim(WireClaim::Mismatch) => Ok(Refusal::Mismatch.into()),
-            Reply::Claim(WireClaim::Completed(bytes)) => StoredResponse::decode(&bytes)
-                .map(|r| Refusal::Completed(r).into())
-                .map_err(|e| StoreError::Corrupt(e.to_string())),
-            Reply::Claim(WireClaim::InFlight { remaining_ms }) => Ok(Refusal::InFlight {
-                lease_remaining: Duration::from_millis(remaining_ms),
-            }
-            .into()),
+        match wire::call(&Call::Claim(claim_args(&request))).await? {
+            Reply::Claim(claim) => claim_answer(claim),
             other => Err(bad_reply(other)),
         }
     }
@@ -143,6 +189,48 @@ impl Store for SimStore {
 pub struct SimTx {
     credits: Vec<Credit>,
     messages: Vec<Msg>,
+    /// One phase: the session whose open transaction holds the claim.
+    session: Option<Session>,
+}
+
+/// [`TwoPhase::claim_inside`]: on a session of its own, the transaction
+/// opened, then the claim inside it, its wait bounded as the fleet's
+/// database bounds it. Refused or busy, the session is closed: the store
+/// rolls back its transaction, which holds nothing.
+async fn claim_inside(
+    store: &SimStore,
+    hold: Duration,
+    req: &ClaimRequest,
+    wait: Duration,
+) -> Result<Inside<SimStore>, StoreError> {
+    let wait = store.lock_wait.unwrap_or(LockWait::Postgres).bound(wait);
+    let begin = Call::Begin {
+        hold_ms: hold.as_millis() as u64,
+    };
+    let claim = Call::ClaimWaiting {
+        claim: claim_args(req),
+        wait_ms: wait.as_millis() as u64,
+        server: store.server.to_owned(),
+    };
+    let mut session = Session::open().await?;
+    session.call(&begin, wire::CALL_TIMEOUT).await?;
+    let claimed = session.call(&claim, wire::CALL_TIMEOUT + wait).await?;
+    match claimed {
+        Reply::Inside(WireInside::Claimed { taken_over }) => Ok(Inside::Claimed {
+            tx: SimTx {
+                session: Some(session),
+                ..SimTx::default()
+            },
+            cancel: (),
+            taken_over,
+        }),
+        Reply::Inside(WireInside::Busy) => Ok(Inside::Busy),
+        Reply::Inside(WireInside::Refused(refused)) => match claim_answer(refused)? {
+            Claim::Refused(refusal) => Ok(Inside::Refused(refusal)),
+            Claim::Acquired { .. } => Err(StoreError::Corrupt("refused as acquired".into())),
+        },
+        other => Err(bad_reply(other)),
+    }
 }
 
 impl TwoPhase for SimStore {
@@ -153,6 +241,8 @@ impl TwoPhase for SimStore {
     fn held_too_long(&self) -> &AtomicU64 {
         &self.held_too_long
     }
+
+    tower_idempotency::store::kit::one_phase::claims_inside!(claim_inside);
 
     async fn begin(&self, _hold: Duration) -> Result<(SimTx, ()), StoreError> {
         Ok((SimTx::default(), ()))
@@ -176,7 +266,16 @@ impl TwoPhase for SimStore {
             credits: std::mem::take(&mut tx.credits),
             messages: std::mem::take(&mut tx.messages),
         };
-        match wire::call(&call).await? {
+        let reply = match tx.session.as_mut() {
+            None => wire::call(&call).await,
+            Some(session) => session.call(&call, wire::CALL_TIMEOUT).await,
+        };
+        if reply.is_err() {
+            // Its outcome unknown: the session is closed, and the store
+            // rolls back a transaction still open on it.
+            tx.session = None;
+        }
+        match reply? {
             Reply::Bool(committed) => Ok(committed),
             other => Err(bad_reply(other)),
         }
@@ -186,7 +285,12 @@ impl TwoPhase for SimStore {
         Ok(())
     }
 
-    async fn roll_back_tx(_: SimTx) {}
+    async fn roll_back_tx(tx: SimTx) {
+        if let Some(mut session) = tx.session {
+            // Unanswered, the session is closed: the store rolls back then.
+            let _ = session.call(&Call::Rollback, wire::CALL_TIMEOUT).await;
+        }
+    }
 }
 
 /// The transaction handed to the handler.
@@ -303,6 +407,9 @@ impl Drop for SendingGuard {
 pub struct ServerSetup {
     pub name: &'static str,
     pub wait_in_flight: bool,
+    /// One phase (issue 37), with the database's lock-wait bound; `None`:
+    /// the claim commits first.
+    pub one_phase: Option<LockWait>,
     pub sending: Arc<Mutex<Sending>>,
     /// How many times this host's software has started.
     pub boots: Arc<AtomicUsize>,
@@ -404,7 +511,13 @@ pub async fn serve(setup: ServerSetup) -> turmoil::Result {
         .backoff(Duration::from_millis(200), Duration::from_millis(200))
         .max_attempts(None)
         .spawn();
-    let mut layer = IdempotencyLayer::new(SimStore::default(), scope::header("x-user-id"))
+    let store = SimStore {
+        one_phase: setup.one_phase.map(|_| Arc::default()),
+        lock_wait: setup.one_phase,
+        server: setup.name,
+        ..SimStore::default()
+    };
+    let mut layer = IdempotencyLayer::new(store, scope::header("x-user-id"))
         .require_key(true)
         .lease(LEASE)
         .max_hold(MAX_HOLD);

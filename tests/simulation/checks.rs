@@ -12,13 +12,21 @@
 //! 5. The outbox: each applied credit's message is in the table with the
 //!    payload committed with it, and the downstream acted on it at least
 //!    once, never on anything else; no two relays sent one message at once.
+//! 6. One phase (issue 37, the audit in `store_one_phase.rs`): a claim is
+//!    never visible outside its transaction (no key found in flight on a
+//!    committed claim, none taken over, none granted while its holder's
+//!    transaction is open), no claim waits on another transaction past its
+//!    bound, and a holder whose server crashed is rolled back and leaves
+//!    its key free to the next claim, without a lease to wait for.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::app;
+use crate::http::Downstream;
 use crate::invariants;
-use crate::world::{CLIENT_DEADLINE, Shared};
+use crate::store_host::Db;
+use crate::world::{Asked, CLIENT_DEADLINE, Shared};
 
 /// A step back of the store's clock longer than this may stall the outbox
 /// past the end of the run.
@@ -53,8 +61,36 @@ pub fn judge(shared: &Shared, elapsed: Duration, error: Option<String>) -> Outco
     let asked = shared.asked.lock().unwrap();
     let downstream = shared.downstream.lock().unwrap();
     problems.extend(db.violations.iter().cloned());
+    problems.extend(ledger(&db, &asked));
+    problems.extend(messages(&db, &asked, &downstream));
+    let sending = shared.sending.lock().unwrap();
+    // A step back of the clock ends every lease further ahead than one
+    // lease (as the contract says): a relay may then claim a message whose
+    // first holder is still sending, for up to one lease after the step.
+    let relay_lease = app::RELAY_LEASE.as_millis() as u64;
+    let after_step = |at: u64| {
+        let mut steps = db.steps_at_ms.iter();
+        steps.any(|&step| (step..=step + relay_lease).contains(&at))
+    };
+    for (key, at) in &sending.overlaps {
+        if !after_step(*at) {
+            problems.push(format!("two relays sent {key} at once, at {at} ms"));
+        }
+    }
+    let mut trace = shared.trace.lock().unwrap().clone();
+    trace.push(format!(
+        "{:>6} ms  end: balances {:?}, {} messages, downstream acted {} times, refused {}",
+        elapsed.as_millis(),
+        db.balances,
+        db.rows().len(),
+        downstream.acted.values().map(Vec::len).sum::<usize>(),
+        downstream.refused
+    ));
+    Outcome { trace, problems }
+}
 
-    // Invariants 2 to 4, as the real-store harness judges them too.
+/// Invariants 2 to 4, as the real-store harness judges them too.
+fn ledger(db: &Db, asked: &BTreeMap<String, Asked>) -> Vec<String> {
     let applied: BTreeMap<String, Vec<invariants::Applied>> = db
         .applied
         .iter()
@@ -78,13 +114,13 @@ pub fn judge(shared: &Shared, elapsed: Duration, error: Option<String>) -> Outco
             (key.clone(), asked)
         })
         .collect();
-    problems.extend(invariants::judge(
-        &applied,
-        &db.balances,
-        &judged,
-        CLIENT_DEADLINE,
-    ));
+    invariants::judge(&applied, &db.balances, &judged, CLIENT_DEADLINE)
+}
 
+/// Invariant 5's messages: each answered credit's committed once and acted
+/// on, no row but a committed one, nothing else acted on, no dead letter.
+fn messages(db: &Db, asked: &BTreeMap<String, Asked>, downstream: &Downstream) -> Vec<String> {
+    let mut problems = Vec::new();
     let rows = db.rows();
     for (key, asked) in asked.iter() {
         let Some(first) = asked.created.first() else {
@@ -143,28 +179,5 @@ pub fn judge(shared: &Shared, elapsed: Duration, error: Option<String>) -> Outco
     if db.dead() > 0 {
         problems.push(format!("{} dead letters", db.dead()));
     }
-    let sending = shared.sending.lock().unwrap();
-    // A step back of the clock ends every lease further ahead than one
-    // lease (as the contract says): a relay may then claim a message whose
-    // first holder is still sending, for up to one lease after the step.
-    let relay_lease = app::RELAY_LEASE.as_millis() as u64;
-    let after_step = |at: u64| {
-        let mut steps = db.steps_at_ms.iter();
-        steps.any(|&step| (step..=step + relay_lease).contains(&at))
-    };
-    for (key, at) in &sending.overlaps {
-        if !after_step(*at) {
-            problems.push(format!("two relays sent {key} at once, at {at} ms"));
-        }
-    }
-    let mut trace = shared.trace.lock().unwrap().clone();
-    trace.push(format!(
-        "{:>6} ms  end: balances {:?}, {} messages, downstream acted {} times, refused {}",
-        elapsed.as_millis(),
-        db.balances,
-        rows.len(),
-        downstream.acted.values().map(Vec::len).sum::<usize>(),
-        downstream.refused
-    ));
-    Outcome { trace, problems }
+    problems
 }

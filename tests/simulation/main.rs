@@ -13,6 +13,13 @@
 //! downstream that fails or answers late. Then every fault is healed and
 //! the run must settle. `checks.rs` judges it.
 //!
+//! Even seeds run transactional mode in two phases (the claim commits
+//! first, leased and renewed); odd seeds in one phase, as PostgreSQL and
+//! MySQL do by default (issue 37): the claim inside the handler's
+//! transaction, a lock other servers' claims wait on within their bound
+//! (as PostgreSQL's `lock_timeout` bounds it, or MySQL's whole seconds),
+//! rolled back with a crash of its server (`store_one_phase.rs`).
+//!
 //! ```text
 //! SIM_SEEDS=2000 cargo test --release --test simulation    # seeds 0..2000
 //! SIM_SEED=1234 cargo test --release --test simulation     # one seed, twice, with its trace

@@ -8,6 +8,10 @@
 //! A takeover of a live lease, a completion or release by anyone but the
 //! holder, or a replay of a response the holder did not store is recorded
 //! as a violation.
+//!
+//! In one-phase worlds the claim lives in a session's open transaction
+//! (`store_one_phase.rs`): other claims of its key wait on it, and it is
+//! rolled back with its connection. The audit's rules for them are there.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -25,7 +29,15 @@ use tower_idempotency::store::{
     Claim, ClaimRequest, Clock, Completion, FencingToken, MemoryStore, RecordId, Refusal, Store,
 };
 
-use crate::wire::{self, Call, Credit, Id, Msg, Reply, WireClaim, WireClaimed, WireFate};
+use crate::wire::{
+    self, Call, ClaimArgs, Credit, Id, Msg, Reply, WireClaim, WireClaimed, WireFate,
+};
+
+#[path = "store_one_phase.rs"]
+mod one_phase;
+
+/// What an injected failure answers.
+const INJECTED: &str = "injected: the database refused the call";
 
 /// The simulation's wall clock as the store reads it: the simulated time,
 /// plus an offset the fault schedule steps back.
@@ -77,6 +89,8 @@ struct Holder {
     lease_until_ms: i64,
     lease_ms: i64,
     response: Option<Vec<u8>>,
+    /// The server whose claim inside a transaction it is (one phase).
+    server: Option<String>,
 }
 
 /// Everything the store host keeps; shared with the checks after the run.
@@ -96,12 +110,24 @@ pub struct Db {
     /// Injected failures per thousand calls.
     pub error_rate: Arc<AtomicU32>,
     rng: StdRng,
+    /// Whether the fleet claims inside the handler's transaction.
+    one_phase: bool,
+    /// One phase: the claims inside open transactions, as row locks.
+    locks: BTreeMap<Id, one_phase::RowLock>,
+    /// One phase (audit): holders whose server crashed while they held.
+    crashed: BTreeMap<Id, one_phase::Crashed>,
+    /// The run's trace, for the store's own notes.
+    trace: Arc<Mutex<Vec<String>>>,
 }
 
 impl Db {
-    pub fn new(seed: u64) -> Arc<Mutex<Db>> {
+    pub fn new(seed: u64, one_phase: bool, trace: Arc<Mutex<Vec<String>>>) -> Arc<Mutex<Db>> {
         let clock = SimClock::default();
         Arc::new(Mutex::new(Db {
+            one_phase,
+            locks: BTreeMap::new(),
+            crashed: BTreeMap::new(),
+            trace,
             records: MemoryStore::with_clock(clock.clone()),
             clock,
             balances: BTreeMap::new(),
@@ -185,33 +211,19 @@ impl Db {
         self.violations.push(what);
     }
 
-    fn handle(&mut self, call: Call) -> Reply {
+    /// Whether this call meets an injected failure.
+    fn refused(&mut self) -> bool {
         let rate = self.error_rate.load(Ordering::SeqCst);
-        if rate > 0 && self.rng.random_range(0..1000) < rate {
-            return Reply::Error("injected: the database refused the call".into());
+        rate > 0 && self.rng.random_range(0..1000) < rate
+    }
+
+    fn handle(&mut self, call: Call) -> Reply {
+        if self.refused() {
+            return Reply::Error(INJECTED.into());
         }
         let now = self.clock.now_ms();
         match call {
-            Call::Claim {
-                id,
-                fingerprint,
-                token,
-                lease_ms,
-                ttl_ms,
-                max_hold_ms,
-            } => {
-                let mut fp = [0; 32];
-                fp.copy_from_slice(&fingerprint);
-                let record = RecordId::new(id.scope.clone(), id.key.clone());
-                let mut request = ClaimRequest::new(record, Fingerprint(fp), FencingToken(token))
-                    .with_lease(Duration::from_millis(lease_ms))
-                    .with_ttl(Duration::from_millis(ttl_ms));
-                if let Some(hold) = max_hold_ms {
-                    request = request.with_max_hold(Duration::from_millis(hold));
-                }
-                let claim = at_once(self.records.claim(request));
-                Reply::Claim(self.audit_claim(id, token, lease_ms as i64, now, claim))
-            }
+            Call::Claim(args) => Reply::Claim(self.claim(&args, now, None)),
             Call::Complete {
                 id,
                 token,
@@ -223,58 +235,13 @@ impl Db {
                 response,
                 credits,
                 messages,
-            } => {
-                let stored = self.complete(id.clone(), token, response);
-                if stored {
-                    for credit in &credits {
-                        *self.balances.entry(credit.account.clone()).or_default() += credit.amount;
-                    }
-                    self.applied.entry(id).or_default().extend(credits);
-                    for message in messages {
-                        let payloads = self.committed.entry(message.key.clone()).or_default();
-                        payloads.push(message.payload.clone());
-                        self.enqueue(message, now);
-                    }
-                }
-                Reply::Bool(stored)
-            }
-            Call::Release { id, token } => {
-                let record = RecordId::new(id.scope.clone(), id.key.clone());
-                let released =
-                    at_once(self.records.release(record, FencingToken(token))).unwrap_or(false);
-                if released {
-                    match self.holders.remove(&id) {
-                        Some(h) if h.token == token && h.response.is_none() => {}
-                        other => self.violation(format!(
-                            "{id:?}: released by token {token}, held by {other:?}"
-                        )),
-                    }
-                }
-                Reply::Bool(released)
-            }
+            } => Reply::Bool(self.commit(id, token, response, (credits, messages), now)),
+            Call::Release { id, token } => Reply::Bool(self.release(id, token)),
             Call::Renew {
                 id,
                 token,
                 lease_ms,
-            } => {
-                let record = RecordId::new(id.scope.clone(), id.key.clone());
-                let lease = Duration::from_millis(lease_ms);
-                let renewed = at_once(self.records.renew(record, FencingToken(token), lease))
-                    .unwrap_or(false);
-                if renewed {
-                    match self.holders.get_mut(&id) {
-                        Some(h) if h.token == token && h.response.is_none() => {
-                            h.lease_until_ms = now + lease_ms as i64;
-                        }
-                        other => {
-                            let what =
-                                format!("{id:?}: renewed by token {token}, held by {other:?}");
-                            self.violation(what);
-                        }
-                    }
-                }
-                Reply::Bool(renewed)
-            }
+            } => Reply::Bool(self.renew(id, token, lease_ms, now)),
             Call::Purge => Reply::Count(at_once(self.records.purge_expired()).unwrap_or(0)),
             Call::Enqueue { message } => {
                 self.enqueue(message, now);
@@ -289,7 +256,84 @@ impl Db {
                 lease_until_ms,
                 fate,
             } => Reply::Bool(self.finish(id, attempt, lease_until_ms, fate, now)),
+            Call::Begin { .. } | Call::ClaimWaiting { .. } | Call::Rollback => {
+                Reply::Error("a session's call, on a connection of its own".into())
+            }
         }
+    }
+
+    /// The claim `args`, by `server`'s transaction if it is one (one phase).
+    fn claim(&mut self, args: &ClaimArgs, now: i64, server: Option<&str>) -> WireClaim {
+        let mut fp = [0; 32];
+        fp.copy_from_slice(&args.fingerprint);
+        let record = RecordId::new(args.id.scope.clone(), args.id.key.clone());
+        let mut request = ClaimRequest::new(record, Fingerprint(fp), FencingToken(args.token))
+            .with_lease(Duration::from_millis(args.lease_ms))
+            .with_ttl(Duration::from_millis(args.ttl_ms));
+        if let Some(hold) = args.max_hold_ms {
+            request = request.with_max_hold(Duration::from_millis(hold));
+        }
+        let claim = at_once(self.records.claim(request));
+        let (id, token, lease_ms) = (args.id.clone(), args.token, args.lease_ms as i64);
+        self.audit_claim((id, token, lease_ms), now, claim, server)
+    }
+
+    /// The completion and the handler's writes, applied together only if
+    /// the completion is stored.
+    fn commit(
+        &mut self,
+        id: Id,
+        token: i64,
+        response: Vec<u8>,
+        (credits, messages): (Vec<Credit>, Vec<Msg>),
+        now: i64,
+    ) -> bool {
+        let stored = self.complete(id.clone(), token, response);
+        if stored {
+            for credit in &credits {
+                *self.balances.entry(credit.account.clone()).or_default() += credit.amount;
+            }
+            self.applied.entry(id).or_default().extend(credits);
+            for message in messages {
+                let payloads = self.committed.entry(message.key.clone()).or_default();
+                payloads.push(message.payload.clone());
+                self.enqueue(message, now);
+            }
+        }
+        stored
+    }
+
+    fn release(&mut self, id: Id, token: i64) -> bool {
+        let record = RecordId::new(id.scope.clone(), id.key.clone());
+        let released = at_once(self.records.release(record, FencingToken(token))).unwrap_or(false);
+        if released {
+            match self.holders.remove(&id) {
+                Some(h) if h.token == token && h.response.is_none() => {}
+                other => self.violation(format!(
+                    "{id:?}: released by token {token}, held by {other:?}"
+                )),
+            }
+        }
+        released
+    }
+
+    fn renew(&mut self, id: Id, token: i64, lease_ms: u64, now: i64) -> bool {
+        let record = RecordId::new(id.scope.clone(), id.key.clone());
+        let lease = Duration::from_millis(lease_ms);
+        let renewed =
+            at_once(self.records.renew(record, FencingToken(token), lease)).unwrap_or(false);
+        if renewed {
+            match self.holders.get_mut(&id) {
+                Some(h) if h.token == token && h.response.is_none() => {
+                    h.lease_until_ms = now + lease_ms as i64;
+                }
+                other => {
+                    let what = format!("{id:?}: renewed by token {token}, held by {other:?}");
+                    self.violation(what);
+                }
+            }
+        }
+        renewed
     }
 
     fn complete(&mut self, id: Id, token: i64, response: Vec<u8>) -> bool {
@@ -314,12 +358,14 @@ impl Db {
 
     fn audit_claim(
         &mut self,
-        id: Id,
-        token: i64,
-        lease_ms: i64,
+        (id, token, lease_ms): (Id, i64, i64),
         now: i64,
         claim: Result<Claim, tower_idempotency::StoreError>,
+        server: Option<&str>,
     ) -> WireClaim {
+        if self.one_phase {
+            self.audit_one_phase(&id, token, &claim);
+        }
         let holder = self.holders.get(&id);
         match claim {
             Ok(Claim::Acquired { taken_over }) => {
@@ -343,6 +389,7 @@ impl Db {
                     lease_until_ms,
                     lease_ms,
                     response: None,
+                    server: server.map(str::to_owned),
                 };
                 self.holders.insert(id, fresh);
                 WireClaim::Acquired { taken_over }
@@ -440,18 +487,12 @@ impl Db {
     }
 }
 
-/// The store host's software: accepts calls until the simulation ends.
+/// The store host's software: accepts calls until the simulation ends,
+/// each connection's in turn (a session's, `store_one_phase.rs`).
 pub async fn serve(db: Arc<Mutex<Db>>) -> turmoil::Result {
     let listener = turmoil::net::TcpListener::bind(("0.0.0.0", wire::STORE.1)).await?;
     loop {
-        let (mut stream, _) = listener.accept().await?;
-        let db = db.clone();
-        tokio::spawn(async move {
-            let Ok(call) = wire::read_frame::<Call>(&mut stream).await else {
-                return;
-            };
-            let reply = db.lock().unwrap().handle(call);
-            let _ = wire::write_frame(&mut stream, &reply).await;
-        });
+        let (stream, _) = listener.accept().await?;
+        tokio::spawn(one_phase::session(db.clone(), stream));
     }
 }

@@ -3,6 +3,11 @@
 //! partition, a crashed peer or a slow answer fails with
 //! `StoreError::Unavailable` after [`CALL_TIMEOUT`]: its outcome is unknown,
 //! as a real database's is when the connection drops.
+//!
+//! A [`Session`] keeps one connection for several calls, as a database
+//! session does: one-phase mode opens a transaction on it (`Begin`), claims
+//! inside it (`ClaimWaiting`) and commits or rolls it back on it. The store
+//! host rolls back the transaction of a session whose connection is lost.
 
 use std::time::Duration;
 
@@ -40,16 +45,38 @@ pub struct Msg {
     pub payload: Vec<u8>,
 }
 
+/// A claim's request, as both claims carry it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClaimArgs {
+    pub id: Id,
+    pub fingerprint: Vec<u8>,
+    pub token: i64,
+    pub lease_ms: u64,
+    pub ttl_ms: u64,
+    pub max_hold_ms: Option<u64>,
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Call {
-    Claim {
-        id: Id,
-        fingerprint: Vec<u8>,
-        token: i64,
-        lease_ms: u64,
-        ttl_ms: u64,
-        max_hold_ms: Option<u64>,
+    /// A claim that commits at once (two phases: the first).
+    Claim(ClaimArgs),
+    /// On a session: opens a transaction, ended by the store at
+    /// `hold_ms` + 1 s if its session is still idle in it (as
+    /// `idle_in_transaction_session_timeout` or MySQL's `wait_timeout`).
+    Begin {
+        hold_ms: u64,
     },
+    /// On a session: the claim, inside the session's transaction if one is
+    /// open (uncommitted: other claims of the key wait on it), else
+    /// committed at once. A wait on another transaction's claim of the key
+    /// lasts at most `wait_ms`, then answers `Busy`.
+    ClaimWaiting {
+        claim: ClaimArgs,
+        wait_ms: u64,
+        server: String,
+    },
+    /// On a session: rolls its transaction back.
+    Rollback,
     Complete {
         id: Id,
         token: i64,
@@ -66,7 +93,9 @@ pub enum Call {
     },
     Purge,
     /// The transaction's commit: the completion and the handler's writes,
-    /// applied together only while the record carries `token`.
+    /// applied together only while the record carries `token`. On a
+    /// session it ends the session's transaction too (rolled back if the
+    /// completion was refused).
     Commit {
         id: Id,
         token: i64,
@@ -105,6 +134,17 @@ pub enum WireClaim {
     InFlight { remaining_ms: u64 },
 }
 
+/// What a claim on a session answers.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum WireInside {
+    Claimed {
+        taken_over: bool,
+    },
+    Refused(WireClaim),
+    /// The wait on another open transaction's claim reached its bound.
+    Busy,
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 pub struct WireClaimed {
     pub id: i64,
@@ -116,6 +156,7 @@ pub struct WireClaimed {
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Reply {
     Claim(WireClaim),
+    Inside(WireInside),
     Bool(bool),
     Count(u64),
     Claimed(Vec<WireClaimed>),
@@ -134,11 +175,45 @@ pub async fn call(call: &Call) -> Result<Reply, StoreError> {
         write_frame(&mut stream, call).await?;
         read_frame::<Reply>(&mut stream).await
     };
-    match tokio::time::timeout(CALL_TIMEOUT, exchange).await {
+    answered(tokio::time::timeout(CALL_TIMEOUT, exchange).await)
+}
+
+fn answered(
+    exchange: Result<std::io::Result<Reply>, tokio::time::error::Elapsed>,
+) -> Result<Reply, StoreError> {
+    match exchange {
         Err(_) => Err(unavailable("the store did not answer in time")),
         Ok(Err(e)) => Err(unavailable(e)),
         Ok(Ok(Reply::Error(e))) => Err(unavailable(e)),
         Ok(Ok(reply)) => Ok(reply),
+    }
+}
+
+/// One connection to the store host kept for several calls. After a call
+/// failed it must be dropped (a reply may still be on its way), which
+/// closes the connection: the store rolls back its open transaction.
+pub struct Session {
+    stream: turmoil::net::TcpStream,
+}
+
+impl Session {
+    pub async fn open() -> Result<Session, StoreError> {
+        let connect = turmoil::net::TcpStream::connect(STORE);
+        match tokio::time::timeout(CALL_TIMEOUT, connect).await {
+            Err(_) => Err(unavailable("the store did not answer in time")),
+            Ok(Err(e)) => Err(unavailable(e)),
+            Ok(Ok(stream)) => Ok(Session { stream }),
+        }
+    }
+
+    /// `call` on this session, answered within `within`.
+    pub async fn call(&mut self, call: &Call, within: Duration) -> Result<Reply, StoreError> {
+        let stream = &mut self.stream;
+        let exchange = async {
+            write_frame(stream, call).await?;
+            read_frame::<Reply>(stream).await
+        };
+        answered(tokio::time::timeout(within, exchange).await)
     }
 }
 

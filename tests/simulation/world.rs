@@ -12,7 +12,7 @@ use http_body_util::Full;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::app::{self, Sending, ServerSetup};
+use crate::app::{self, LockWait, Sending, ServerSetup};
 use crate::checks::{self, Outcome};
 use crate::http::{self, Downstream, Mood};
 use crate::store_host::{self, Db};
@@ -127,6 +127,8 @@ fn apply(sim: &mut turmoil::Sim<'_>, shared: &Shared, fault: &Fault) {
     match fault {
         Fault::Crash(host) => {
             if sim.is_host_running(*host) {
+                let at = sim.elapsed().as_millis() as u64;
+                shared.db.lock().unwrap().crashed(host, at);
                 sim.crash(*host);
             }
         }
@@ -235,16 +237,20 @@ async fn client(shared: Shared, index: usize, seed: u64) -> turmoil::Result {
     Ok(())
 }
 
-/// Runs seed `seed` to the end and judges it.
-pub fn run(seed: u64) -> Outcome {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let shared = Shared {
-        db: Db::new(seed),
-        downstream: Arc::default(),
-        sending: Arc::default(),
-        asked: Arc::default(),
-        trace: Arc::default(),
-    };
+/// How a seed's fleet claims in transactional mode: odd seeds in one
+/// phase (issue 37), the claim inside the handler's transaction (lock
+/// waits bounded as on PostgreSQL, or as on MySQL), even seeds with the
+/// claim committed first, as before.
+pub fn one_phase(seed: u64) -> Option<LockWait> {
+    match seed % 4 {
+        1 => Some(LockWait::Postgres),
+        3 => Some(LockWait::MySql),
+        _ => None,
+    }
+}
+
+/// Seed `seed`'s hosts and links.
+fn build(seed: u64, rng: &mut StdRng, shared: &Shared) -> turmoil::Sim<'static> {
     let mut sim = turmoil::Builder::new()
         .rng_seed(seed)
         .tick_duration(Duration::from_millis(2))
@@ -258,6 +264,7 @@ pub fn run(seed: u64) -> Outcome {
         let setup = ServerSetup {
             name,
             wait_in_flight: rng.random_bool(0.5),
+            one_phase: one_phase(seed),
             sending: shared.sending.clone(),
             boots: Arc::new(AtomicUsize::new(0)),
         };
@@ -277,6 +284,26 @@ pub fn run(seed: u64) -> Outcome {
             sim.set_link_latency(*a, *b, Duration::from_millis(rng.random_range(1..40)));
         }
     }
+    sim
+}
+
+/// Runs seed `seed` to the end and judges it.
+pub fn run(seed: u64) -> Outcome {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let trace: Arc<Mutex<Vec<String>>> = Arc::default();
+    let shared = Shared {
+        db: Db::new(seed, one_phase(seed).is_some(), trace.clone()),
+        downstream: Arc::default(),
+        sending: Arc::default(),
+        asked: Arc::default(),
+        trace,
+    };
+    let mode = match one_phase(seed) {
+        Some(lock) => format!("one phase, lock waits as on {lock:?}"),
+        None => "two phases".into(),
+    };
+    shared.note(format!("transactional mode in {mode}"));
+    let mut sim = build(seed, &mut rng, &shared);
     let faults = schedule(&mut rng);
     for (at, fault) in &faults {
         shared
@@ -310,6 +337,7 @@ pub fn run(seed: u64) -> Outcome {
             }
         }
     }
+    shared.db.lock().unwrap().audit_end();
     checks::judge(&shared, sim.elapsed(), error)
 }
 
