@@ -6,14 +6,10 @@
 use sqlx::pool::PoolOptions;
 use sqlx::{Database, Pool};
 
-/// A pool of one connection beside `pool`, connected on first use, with the
-/// same connect options and acquire timeout.
-pub(crate) fn pool_beside<DB: Database>(pool: &Pool<DB>) -> Pool<DB> {
-    options_beside(pool).connect_lazy_with((*pool.connect_options()).clone())
-}
-
-/// The options of [`pool_beside`], for a store that sets up its
-/// connections as well (`after_connect`).
+/// The options of a pool of one connection beside `pool`, connected on
+/// first use (`connect_lazy_with` `pool`'s connect options), with the same
+/// acquire timeout; a store adds what its connections need
+/// (`after_connect`).
 pub(crate) fn options_beside<DB: Database>(pool: &Pool<DB>) -> PoolOptions<DB> {
     PoolOptions::<DB>::new()
         .max_connections(1)

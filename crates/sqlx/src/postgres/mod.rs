@@ -275,7 +275,8 @@ impl SqlxPostgresStoreBuilder {
             .map_err(unavailable)?;
         tx.commit().await.map_err(unavailable)?;
         let mut store = SqlxPostgresStore {
-            renewals: crate::renewals::pool_beside(&self.pool),
+            renewals: crate::renewals::options_beside(&self.pool)
+                .connect_lazy_with((*self.pool.connect_options()).clone()),
             pool: self.pool,
             sql: Arc::new(sql),
             limits: self.settings.limits(),
