@@ -4,8 +4,9 @@
 //! `ReadmeDoctests` in `src/lib.rs`, and the guides' through `src/guide.rs`).
 //! The README stays short and keeps the two commands `.ci/run` relies on;
 //! every guide is included into rustdoc; the contributors' file map names
-//! every source file; and every `[dependencies]` block a user copies names
-//! real features and every crate of the workspace its example uses.
+//! every source file; every `[dependencies]` block a user copies names
+//! real features and every crate of the workspace its example uses; and
+//! every repository path the README and `docs/` write in backticks exists.
 
 use std::path::Path;
 
@@ -309,4 +310,144 @@ fn dependency_blocks_name_real_features_and_every_crate_used() {
     // READMEs and guides beside it, more.
     let expected = if root.join("crates").is_dir() { 6 } else { 1 };
     assert!(blocks >= expected, "{blocks} dependency blocks found");
+}
+
+/// The inline code spans of a Markdown text, fenced blocks left out: the
+/// text between a run of backticks and the next run of as many.
+fn code_spans(text: &str) -> Vec<&str> {
+    let mut prose = Vec::new();
+    let mut fenced = false;
+    let mut start = 0;
+    for line in text.split_inclusive('\n') {
+        let at = start;
+        start += line.len();
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced {
+            prose.push(at..start);
+        }
+    }
+    let mut spans = Vec::new();
+    // Consecutive prose lines form one stretch, so a span may cross a line.
+    let mut stretches: Vec<std::ops::Range<usize>> = Vec::new();
+    for range in prose {
+        match stretches.last_mut() {
+            Some(last) if last.end == range.start => last.end = range.end,
+            _ => stretches.push(range),
+        }
+    }
+    for stretch in stretches {
+        let mut rest = &text[stretch];
+        while let Some(open) = rest.find('`') {
+            let ticks = rest[open..].len() - rest[open..].trim_start_matches('`').len();
+            let body = &rest[open + ticks..];
+            let fence = &rest[open..open + ticks];
+            // The closing run: as many backticks, not part of a longer run.
+            let mut search = 0;
+            let close = loop {
+                let Some(at) = body[search..].find(fence).map(|a| a + search) else {
+                    break None;
+                };
+                let run = body[at..].len() - body[at..].trim_start_matches('`').len();
+                if run == ticks {
+                    break Some(at);
+                }
+                search = at + run;
+            };
+            match close {
+                Some(close) => {
+                    spans.push(&body[..close]);
+                    rest = &body[close + ticks..];
+                }
+                None => rest = body,
+            }
+        }
+    }
+    spans
+}
+
+/// Whether at least one path under `root` matches `path` (`*`, `?` and `**`
+/// as the `glob` crate reads them); a trailing `/` asks for a directory.
+fn glob_matches(root: &Path, path: &str) -> bool {
+    let directory = path.ends_with('/');
+    let pattern = root.join(path.trim_end_matches('/'));
+    glob::glob(&pattern.to_string_lossy())
+        .expect("a valid glob")
+        .flatten()
+        .any(|found| !directory || found.is_dir())
+}
+
+/// Every repository path the README and `docs/**/*.md` write in backticks
+/// (`src/...`, `crates/...`, `tests/...`, `examples/...`, `bench/...`,
+/// `docs/...`, `proof/...`, `fuzz/...`, `.ci/...`, `integration/...`)
+/// exists; a glob
+/// (`tests/*_faults.rs`) matches at least one file, a path with a
+/// `<placeholder>` is not checked. A span that is a command checks its
+/// first word (`fuzz/run 10`); `::item`, `#anchor` and `:line` are cut.
+/// In the published `.crate` only `src/` and `docs/` are checked: the
+/// rest of the repository is not in it.
+#[test]
+fn every_path_the_docs_name_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let repository = root.join("crates").is_dir();
+    let prefixes: &[&str] = if repository {
+        &[
+            "src/",
+            "crates/",
+            "tests/",
+            "examples/",
+            "bench/",
+            "docs/",
+            "proof/",
+            "fuzz/",
+            ".ci/",
+        ]
+    } else {
+        &["src/", "docs/"]
+    };
+    let mut docs = vec![root.join("README.md")];
+    let mut dirs = vec![root.join("docs")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                docs.push(path);
+            }
+        }
+    }
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for doc in &docs {
+        let text = std::fs::read_to_string(doc).unwrap();
+        let name = doc
+            .strip_prefix(root)
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .replace('\\', "/");
+        for span in code_spans(&text) {
+            let Some(word) = span.split_whitespace().next() else {
+                continue;
+            };
+            if !prefixes.iter().any(|p| word.starts_with(p)) || word.contains('<') {
+                continue;
+            }
+            let path = word.split("::").next().unwrap();
+            let path = path.split(['#', ':']).next().unwrap();
+            checked += 1;
+            if !glob_matches(root, path) {
+                let offset = span.as_ptr() as usize - text.as_ptr() as usize;
+                let line = text[..offset].matches('\n').count() + 1;
+                missing.push(format!("{name}:{line}: `{path}`"));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "paths the docs name that are not in the repository:\n  {}",
+        missing.join("\n  ")
+    );
+    assert!(checked >= 20, "{checked} paths checked");
 }

@@ -1,5 +1,5 @@
 //! A sick SQLite database under `SqlxSqliteStore` fails closed and recovers,
-//! as `tests/faults.rs` shows for the rusqlite store: while the layer serves
+//! as `tests/sqlite_faults.rs` shows for the rusqlite store: while the layer serves
 //! real HTTP and a handler counts its runs,
 //!
 //! * every request the store cannot decide gets the 503 `store-unavailable`

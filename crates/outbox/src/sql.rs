@@ -103,6 +103,32 @@ fn list(now: &str, int: impl Fn(&str) -> String, limit: &str) -> [String; 3] {
     })
 }
 
+/// PostgreSQL's clock, in unix milliseconds.
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+const POSTGRES_NOW: &str = "(floor(extract(epoch from clock_timestamp()) * 1000))::bigint";
+
+/// MySQL's clock, in unix milliseconds.
+#[cfg(feature = "mysql")]
+const MYSQL_NOW: &str = "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
+
+/// What the relay writes once an attempt has ended: the fields of the same
+/// names of [`OutboxSql`].
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "mysql"))]
+struct Outcomes {
+    done: String,
+    retry: String,
+    dead: String,
+}
+
+/// What the admin router and the outbox's counts read and do: the fields
+/// of the same names of [`OutboxSql`].
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "mysql"))]
+struct Admin {
+    list: [String; 3],
+    requeue: String,
+    counts: String,
+}
+
 impl OutboxSql {
     /// PostgreSQL: claims with `FOR UPDATE SKIP LOCKED`, so relays in
     /// several processes each get other rows and none waits for another.
@@ -114,19 +140,50 @@ impl OutboxSql {
 
     #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     fn postgres_sql() -> OutboxSql {
-        const NOW: &str = "(floor(extract(epoch from clock_timestamp()) * 1000))::bigint";
-        let int = |e: &str| format!("{e}::bigint");
+        const NOW: &str = POSTGRES_NOW;
+        let Outcomes { done, retry, dead } = OutboxSql::postgres_outcomes();
+        let Admin {
+            list,
+            requeue,
+            counts,
+        } = OutboxSql::postgres_admin();
         OutboxSql {
-            // Under an advisory lock, so processes starting together do
-            // not race on CREATE. No BEGIN/COMMIT of its own: run alone
-            // (a simple query of several statements) it is one implicit
-            // transaction, and run inside the request's transaction
-            // (`outbox::sqlx::migrate`) it must not commit that. Tables
-            // and indexes already there are skipped without a NOTICE
-            // (drivers log those at INFO on every start), to the end of
-            // that transaction.
-            schema: format!(
-                "SELECT pg_advisory_xact_lock(7261, 15);
+            // 1. The table, and how a message enters it.
+            schema: OutboxSql::postgres_schema(),
+            enqueue: format!(
+                "INSERT INTO {TABLE} (msg_key, destination, content_type, payload)
+                 VALUES ($1, $2, $3, $4) ON CONFLICT (msg_key) DO NOTHING"
+            ),
+            // 2. The relay's claims of due messages.
+            claim: OutboxSql::postgres_claim(),
+            // 3. What the relay writes once an attempt has ended.
+            done,
+            retry,
+            dead,
+            // 4. The purge of delivered messages.
+            purge: format!(
+                "DELETE FROM {TABLE} WHERE id IN (SELECT id FROM {TABLE}
+                 WHERE state = 'done' AND finished_ms <= {NOW} - $1::bigint LIMIT $2::bigint)"
+            ),
+            // 5. The admin's views, counts and requeue of a dead letter.
+            list,
+            requeue,
+            counts,
+        }
+    }
+
+    /// PostgreSQL's table and indexes, under an advisory lock, so processes
+    /// starting together do not race on CREATE. No BEGIN/COMMIT of its
+    /// own: run alone (a simple query of several statements) it is one
+    /// implicit transaction, and run inside the request's transaction
+    /// (`outbox::sqlx::migrate`) it must not commit that. Tables and
+    /// indexes already there are skipped without a NOTICE (drivers log
+    /// those at INFO on every start), to the end of that transaction.
+    #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+    fn postgres_schema() -> String {
+        const NOW: &str = POSTGRES_NOW;
+        format!(
+            "SELECT pg_advisory_xact_lock(7261, 15);
                  SET LOCAL client_min_messages = warning;
                  CREATE TABLE IF NOT EXISTS {TABLE} (
                     id BIGSERIAL PRIMARY KEY,
@@ -145,15 +202,18 @@ impl OutboxSql {
                  );
                  CREATE INDEX IF NOT EXISTS {TABLE}_due ON {TABLE} (due_ms) WHERE state = 'pending';
                  CREATE INDEX IF NOT EXISTS {TABLE}_finished ON {TABLE} (finished_ms) WHERE state = 'done';"
-            ),
-            enqueue: format!(
-                "INSERT INTO {TABLE} (msg_key, destination, content_type, payload)
-                 VALUES ($1, $2, $3, $4) ON CONFLICT (msg_key) DO NOTHING"
-            ),
-            claim: ClaimSql::Returning {
-                probe: None,
-                update: format!(
-                    "WITH now AS (SELECT {NOW} AS ms)
+        )
+    }
+
+    /// PostgreSQL's claim: one `UPDATE ... RETURNING` of the due rows
+    /// locked `FOR UPDATE SKIP LOCKED`, with no probe first.
+    #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+    fn postgres_claim() -> ClaimSql {
+        const NOW: &str = POSTGRES_NOW;
+        ClaimSql::Returning {
+            probe: None,
+            update: format!(
+                "WITH now AS (SELECT {NOW} AS ms)
                      UPDATE {TABLE} SET lease_owner = $1, lease_until_ms = (SELECT ms FROM now) + $2::bigint,
                        attempts = attempts + 1
                      WHERE id IN (SELECT id FROM {TABLE} WHERE state = 'pending'
@@ -162,8 +222,15 @@ impl OutboxSql {
                          OR lease_until_ms > {NOW} + 2 * $2::bigint)
                        ORDER BY due_ms, id LIMIT $3::bigint FOR UPDATE SKIP LOCKED)
                      RETURNING id, attempts::bigint, lease_until_ms, msg_key, destination, content_type, payload"
-                ),
-            },
+            ),
+        }
+    }
+
+    /// PostgreSQL's [`Outcomes`].
+    #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+    fn postgres_outcomes() -> Outcomes {
+        const NOW: &str = POSTGRES_NOW;
+        Outcomes {
             done: format!(
                 "UPDATE {TABLE} SET state = 'done', finished_ms = {NOW}, lease_until_ms = NULL,
                  lease_owner = NULL, last_error = NULL WHERE id = $1 AND state = 'pending'"
@@ -179,11 +246,16 @@ impl OutboxSql {
                  WHERE id = $2 AND attempts = $3::bigint AND lease_until_ms = $4::bigint
                  AND state = 'pending'"
             ),
-            purge: format!(
-                "DELETE FROM {TABLE} WHERE id IN (SELECT id FROM {TABLE}
-                 WHERE state = 'done' AND finished_ms <= {NOW} - $1::bigint LIMIT $2::bigint)"
-            ),
-            list: list(NOW, int, "$1::bigint"),
+        }
+    }
+
+    /// PostgreSQL's [`Admin`] statements; the counts read the clock once,
+    /// in a CTE.
+    #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+    fn postgres_admin() -> Admin {
+        const NOW: &str = POSTGRES_NOW;
+        Admin {
+            list: list(NOW, |e| format!("{e}::bigint"), "$1::bigint"),
             requeue: format!(
                 "UPDATE {TABLE} SET state = 'pending', attempts = 0, due_ms = {NOW}, finished_ms = NULL
                  WHERE id = $1 AND state = 'dead'"
@@ -301,14 +373,48 @@ impl OutboxSql {
 
     #[cfg(feature = "mysql")]
     fn mysql_sql() -> OutboxSql {
-        const NOW: &str = "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
-        let int = |e: &str| format!("CAST({e} AS SIGNED)");
-        let count = |cond: &str| {
-            format!("CAST(COALESCE(SUM(CASE WHEN {cond} THEN 1 ELSE 0 END), 0) AS SIGNED)")
-        };
+        const NOW: &str = MYSQL_NOW;
+        let Outcomes { done, retry, dead } = OutboxSql::mysql_outcomes();
+        let Admin {
+            list,
+            requeue,
+            counts,
+        } = OutboxSql::mysql_admin();
         OutboxSql {
-            schema: format!(
-                "CREATE TABLE IF NOT EXISTS {TABLE} (
+            // 1. The table, and how a message enters it.
+            schema: OutboxSql::mysql_schema(),
+            // `INSERT IGNORE` ignores only the duplicate key here: every
+            // other field was checked by `Message` to fit its column, and
+            // the table's text is utf8mb4 whatever the database's default
+            // (IGNORE would store a character latin1 lacks as `?`).
+            enqueue: format!(
+                "INSERT IGNORE INTO {TABLE} (msg_key, destination, content_type, payload, created_ms, due_ms)
+                 VALUES (?, ?, ?, ?, {NOW}, {NOW})"
+            ),
+            // 2. The relay's claims of due messages.
+            claim: OutboxSql::mysql_claim(),
+            // 3. What the relay writes once an attempt has ended.
+            done,
+            retry,
+            dead,
+            // 4. The purge of delivered messages.
+            purge: format!(
+                "DELETE FROM {TABLE} WHERE state = 'done' AND finished_ms <= {NOW} - ?
+                 ORDER BY id LIMIT ?"
+            ),
+            // 5. The admin's views, counts and requeue of a dead letter.
+            list,
+            requeue,
+            counts,
+        }
+    }
+
+    /// MySQL's table, its unique key and indexes, in InnoDB with utf8mb4
+    /// text whatever the database's defaults.
+    #[cfg(feature = "mysql")]
+    fn mysql_schema() -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {TABLE} (
                     id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
                     msg_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
                     destination VARCHAR(2048) NOT NULL,
@@ -326,32 +432,37 @@ impl OutboxSql {
                     KEY {TABLE}_due (state, due_ms),
                     KEY {TABLE}_finished (state, finished_ms)
                 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
-            ),
-            // `INSERT IGNORE` ignores only the duplicate key here: every
-            // other field was checked by `Message` to fit its column, and
-            // the table's text is utf8mb4 whatever the database's default
-            // (IGNORE would store a character latin1 lacks as `?`).
-            enqueue: format!(
-                "INSERT IGNORE INTO {TABLE} (msg_key, destination, content_type, payload, created_ms, due_ms)
-                 VALUES (?, ?, ?, ?, {NOW}, {NOW})"
-            ),
-            claim: ClaimSql::LockThenUpdate {
-                now: format!("SELECT {NOW}"),
-                lock: format!(
-                    "SELECT id FROM {TABLE} WHERE state = 'pending' AND due_ms <= ?
+        )
+    }
+
+    /// MySQL's claim, in the steps of [`ClaimSql::LockThenUpdate`].
+    #[cfg(feature = "mysql")]
+    fn mysql_claim() -> ClaimSql {
+        const NOW: &str = MYSQL_NOW;
+        ClaimSql::LockThenUpdate {
+            now: format!("SELECT {NOW}"),
+            lock: format!(
+                "SELECT id FROM {TABLE} WHERE state = 'pending' AND due_ms <= ?
                        AND (lease_until_ms IS NULL OR lease_until_ms <= ? OR lease_until_ms > {NOW} + 2 * ?)
                      ORDER BY due_ms, id LIMIT ? FOR UPDATE SKIP LOCKED"
-                ),
-                update: format!(
-                    "UPDATE {TABLE} SET lease_owner = ?, lease_until_ms = ?, attempts = attempts + 1
+            ),
+            update: format!(
+                "UPDATE {TABLE} SET lease_owner = ?, lease_until_ms = ?, attempts = attempts + 1
                      WHERE id IN ({{ids}})"
-                ),
-                select: format!(
-                    "SELECT id, CAST(attempts AS SIGNED), lease_until_ms, msg_key, destination,
+            ),
+            select: format!(
+                "SELECT id, CAST(attempts AS SIGNED), lease_until_ms, msg_key, destination,
                        content_type, payload
                      FROM {TABLE} WHERE id IN ({{ids}}) ORDER BY due_ms, id"
-                ),
-            },
+            ),
+        }
+    }
+
+    /// MySQL's [`Outcomes`].
+    #[cfg(feature = "mysql")]
+    fn mysql_outcomes() -> Outcomes {
+        const NOW: &str = MYSQL_NOW;
+        Outcomes {
             done: format!(
                 "UPDATE {TABLE} SET state = 'done', finished_ms = {NOW}, lease_until_ms = NULL,
                  lease_owner = NULL, last_error = NULL WHERE id = ? AND state = 'pending'"
@@ -366,11 +477,19 @@ impl OutboxSql {
                  lease_owner = NULL, last_error = ?
                  WHERE id = ? AND attempts = ? AND lease_until_ms = ? AND state = 'pending'"
             ),
-            purge: format!(
-                "DELETE FROM {TABLE} WHERE state = 'done' AND finished_ms <= {NOW} - ?
-                 ORDER BY id LIMIT ?"
-            ),
-            list: list(NOW, int, "?"),
+        }
+    }
+
+    /// MySQL's [`Admin`] statements; MySQL has no `FILTER`, so each count
+    /// sums a `CASE`.
+    #[cfg(feature = "mysql")]
+    fn mysql_admin() -> Admin {
+        const NOW: &str = MYSQL_NOW;
+        let count = |cond: &str| {
+            format!("CAST(COALESCE(SUM(CASE WHEN {cond} THEN 1 ELSE 0 END), 0) AS SIGNED)")
+        };
+        Admin {
+            list: list(NOW, |e| format!("CAST({e} AS SIGNED)"), "?"),
             requeue: format!(
                 "UPDATE {TABLE} SET state = 'pending', attempts = 0, due_ms = {NOW}, finished_ms = NULL
                  WHERE id = ? AND state = 'dead'"

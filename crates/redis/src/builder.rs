@@ -191,6 +191,39 @@ impl RedisStoreBuilder {
     /// the servers' replies), unless
     /// [`RedisStoreBuilder::accept_eviction_risk`] is `true`.
     pub async fn open(self) -> Result<RedisStore, StoreError> {
+        // 1. Refuse what cannot work, before any connection.
+        self.check()?;
+        // 2. Connect to the server, or to the cluster through its seeds.
+        let Connected {
+            mut conn,
+            single,
+            subscriber,
+        } = self.connect().await?;
+        // 3. Load the scripts (on a cluster, on every master).
+        load_scripts(&mut conn).await?;
+        // 4. Refuse a node that may evict records, unless the risk is
+        //    accepted, and keep checking.
+        let eviction = self.watch_eviction(single, &conn).await?;
+        Ok(RedisStore {
+            conn,
+            channel: super::listen::channel(&self.prefix).into(),
+            prefix: self.prefix.into(),
+            offset: self.offset,
+            replays: self.replays.open(),
+            eviction,
+            feed: subscriber.map(|client| {
+                (
+                    Feed::new(tower_idempotency::store::kit::feed::DEFAULT_MAX_WATCHED_KEYS),
+                    client,
+                )
+            }),
+        })
+    }
+
+    /// Step 1 of [`RedisStoreBuilder::open`]: the prefix is usable (not
+    /// empty, no hash tag), and the URLs' TLS can be set up (with the `tls`
+    /// feature, `check_tls`; without it, no URL may ask for TLS).
+    fn check(&self) -> Result<(), StoreError> {
         if self.prefix.is_empty() {
             return Err(StoreError::config(
                 "the Redis key prefix is empty: purging and inspecting would scan every key of the database",
@@ -209,80 +242,106 @@ impl RedisStoreBuilder {
                 "a rediss:// URL needs TLS: enable the `tls` feature of tower-idempotency-redis",
             ));
         }
-        let mut single = String::new();
-        let mut subscriber = None;
-        let mut conn = match self.target {
+        Ok(())
+    }
+
+    /// Step 2 of [`RedisStoreBuilder::open`]: connects to the one server
+    /// (through a connection manager that reconnects), or to a cluster
+    /// through its seeds.
+    async fn connect(&self) -> Result<Connected, StoreError> {
+        match &self.target {
             Target::Single(url) => {
-                #[cfg(feature = "tls")]
-                let client = match self.ca {
-                    Some(pem) => ::redis::Client::build_with_tls(
-                        url.as_str(),
-                        ::redis::TlsCertificates {
-                            client_tls: None,
-                            root_cert: Some(pem),
-                        },
-                    ),
-                    None => ::redis::Client::open(url.as_str()),
-                };
-                #[cfg(not(feature = "tls"))]
-                let client = ::redis::Client::open(url.as_str());
-                let client = client.map_err(StoreError::config)?;
-                single = client.get_connection_info().addr().to_string();
-                subscriber = Some(client.clone());
-                Conn::Single(
+                let client = self.single_client(url)?;
+                let single = client.get_connection_info().addr().to_string();
+                let subscriber = Some(client.clone());
+                let conn = Conn::Single(
                     ConnectionManager::new_with_config(client, connection_config())
                         .await
                         .map_err(|e| connect_error(&e))?,
-                )
+                );
+                Ok(Connected {
+                    conn,
+                    single,
+                    subscriber,
+                })
             }
             Target::Cluster(seeds) => {
-                if seeds.is_empty() {
-                    return Err(StoreError::config(
-                        "a Redis Cluster needs at least one seed URL",
-                    ));
-                }
-                let builder = ClusterClientBuilder::new(seeds.iter().map(String::as_str))
-                    .connection_timeout(CONNECTION_TIMEOUT)
-                    .response_timeout(RESPONSE_TIMEOUT)
-                    .overall_response_timeout(Some(CLUSTER_CALL_TIMEOUT))
-                    .retries(CLUSTER_RETRIES)
-                    .min_retry_wait(CLUSTER_MIN_RETRY_WAIT_MS)
-                    .max_retry_wait(CLUSTER_MAX_RETRY_WAIT_MS);
-                #[cfg(feature = "tls")]
-                let builder = match self.ca {
-                    Some(pem) => builder.certs(::redis::TlsCertificates {
-                        client_tls: None,
-                        root_cert: Some(pem),
-                    }),
-                    None => builder,
-                };
-                let client = builder.build().map_err(StoreError::config)?;
-                Conn::Cluster(
+                let client = self.cluster_client(seeds)?;
+                let conn = Conn::Cluster(
                     client
                         .get_async_connection()
                         .await
                         .map_err(|e| connect_error(&e))?,
-                )
+                );
+                Ok(Connected {
+                    conn,
+                    single: String::new(),
+                    subscriber: None,
+                })
             }
-        };
-        for script in [
-            &CLAIM_SCRIPT,
-            &COMPLETE_SCRIPT,
-            &RELEASE_SCRIPT,
-            &PURGE_SCRIPT,
-            &INSPECT_SCRIPT,
-        ] {
-            // On a cluster `SCRIPT LOAD` goes to every master; a master that
-            // lacks a script later (say, a promoted replica) gets it again
-            // from the call that finds it missing (`NOSCRIPT`).
-            script
-                .prepare_invoke()
-                .load_async(&mut conn)
-                .await
-                .map_err(StoreError::unavailable)?;
         }
+    }
+
+    /// The one server's client, trusting the CA given (feature `tls`)
+    /// instead of the system's roots.
+    fn single_client(&self, url: &str) -> Result<::redis::Client, StoreError> {
+        #[cfg(feature = "tls")]
+        let client = match self.ca.clone() {
+            Some(pem) => ::redis::Client::build_with_tls(
+                url,
+                ::redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem),
+                },
+            ),
+            None => ::redis::Client::open(url),
+        };
+        #[cfg(not(feature = "tls"))]
+        let client = ::redis::Client::open(url);
+        client.map_err(StoreError::config)
+    }
+
+    /// The cluster's client: its seeds, its timeouts and retries, and the
+    /// CA given (feature `tls`).
+    fn cluster_client(
+        &self,
+        seeds: &[String],
+    ) -> Result<::redis::cluster::ClusterClient, StoreError> {
+        if seeds.is_empty() {
+            return Err(StoreError::config(
+                "a Redis Cluster needs at least one seed URL",
+            ));
+        }
+        let builder = ClusterClientBuilder::new(seeds.iter().map(String::as_str))
+            .connection_timeout(CONNECTION_TIMEOUT)
+            .response_timeout(RESPONSE_TIMEOUT)
+            .overall_response_timeout(Some(CLUSTER_CALL_TIMEOUT))
+            .retries(CLUSTER_RETRIES)
+            .min_retry_wait(CLUSTER_MIN_RETRY_WAIT_MS)
+            .max_retry_wait(CLUSTER_MAX_RETRY_WAIT_MS);
+        #[cfg(feature = "tls")]
+        let builder = match self.ca.clone() {
+            Some(pem) => builder.certs(::redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(pem),
+            }),
+            None => builder,
+        };
+        builder.build().map_err(StoreError::config)
+    }
+
+    /// Step 4 of [`RedisStoreBuilder::open`]: reads every node's
+    /// `maxmemory-policy`, refuses one that may evict unless
+    /// [`RedisStoreBuilder::accept_eviction_risk`] (then logs a WARN for
+    /// it), and starts the timer of
+    /// [`RedisStoreBuilder::eviction_check_interval`].
+    async fn watch_eviction(
+        &self,
+        single: String,
+        conn: &Conn,
+    ) -> Result<Arc<Eviction>, StoreError> {
         let eviction = Eviction::new(single);
-        let check = eviction.read(&conn).await?;
+        let check = eviction.read(conn).await?;
         if !check.is_safe() && !self.accept_eviction_risk {
             return Err(eviction::refusal(&check));
         }
@@ -291,20 +350,7 @@ impl RedisStoreBuilder {
         if !self.eviction_interval.is_zero() {
             Eviction::start_timer(&eviction, conn.clone(), self.eviction_interval);
         }
-        Ok(RedisStore {
-            conn,
-            channel: super::listen::channel(&self.prefix).into(),
-            prefix: self.prefix.into(),
-            offset: self.offset,
-            replays: self.replays.open(),
-            eviction,
-            feed: subscriber.map(|client| {
-                (
-                    Feed::new(tower_idempotency::store::kit::feed::DEFAULT_MAX_WATCHED_KEYS),
-                    client,
-                )
-            }),
-        })
+        Ok(eviction)
     }
 
     /// Every URL is `rediss://` when a CA is given, and a TLS URL has a
@@ -349,6 +395,38 @@ impl RedisStoreBuilder {
             Target::Cluster(seeds) => seeds.iter().map(String::as_str).collect(),
         }
     }
+}
+
+/// What step 2 of [`RedisStoreBuilder::open`] connected.
+struct Connected {
+    conn: Conn,
+    /// The one server's address, naming it in the eviction check; empty on
+    /// a cluster, whose masters `CLUSTER SLOTS` names.
+    single: String,
+    /// The one server's client, for the pub/sub feed; none on a cluster.
+    subscriber: Option<::redis::Client>,
+}
+
+/// Step 3 of [`RedisStoreBuilder::open`]: loads every script, so a server
+/// without Lua scripting fails at start-up, not on the first request.
+async fn load_scripts(conn: &mut Conn) -> Result<(), StoreError> {
+    for script in [
+        &CLAIM_SCRIPT,
+        &COMPLETE_SCRIPT,
+        &RELEASE_SCRIPT,
+        &PURGE_SCRIPT,
+        &INSPECT_SCRIPT,
+    ] {
+        // On a cluster `SCRIPT LOAD` goes to every master; a master that
+        // lacks a script later (say, a promoted replica) gets it again
+        // from the call that finds it missing (`NOSCRIPT`).
+        script
+            .prepare_invoke()
+            .load_async(conn)
+            .await
+            .map_err(StoreError::unavailable)?;
+    }
+    Ok(())
 }
 
 /// Whether `url` asks for TLS (`rediss://`, in any case).

@@ -190,33 +190,17 @@ fn write_batches(
     limits: Limits,
     counters: &WriterCounters,
 ) {
-    use std::sync::atomic::Ordering::Relaxed;
-    // Jobs received but not started yet, with their permits.
-    let mut pending: VecDeque<Queued> = VecDeque::new();
-    let mut next_id = 0u64;
-    let take = |pending: &mut VecDeque<Queued>, lazy: bool| {
-        next_to_start(pending, lazy, &counters.waiting)
+    let mut queue = Queue {
+        inbox,
+        pending: VecDeque::new(),
+        closed: false,
+        waiting: &counters.waiting,
     };
-    let mut closed = false;
-    loop {
-        // The batch's first job.
-        let first = loop {
-            if let Some(work) = take(&mut pending, false) {
-                break Some(work);
-            }
-            if closed {
-                break None;
-            }
-            match receive(inbox, Some(None)) {
-                Next::Event(Event::Work(work, permit)) => {
-                    pending.push_back(Queued(work, Some(permit)));
-                }
-                // A late command for a request that has ended.
-                Next::Event(Event::Command(..)) | Next::Timeout | Next::Empty => {}
-                Next::Closed => closed = true,
-            }
-        };
-        let Some(first) = first else { return };
+    let mut next_id = 0u64;
+    // 1. Wait for the batch's first job (none: every sender is gone).
+    while let Some(first) = queue.first_job() {
+        // 2. Open the batch's transaction on a pooled connection; the first
+        //    job fails alone when that cannot be done.
         let conn = match pool.get() {
             Ok(conn) => conn,
             Err(e) => {
@@ -226,102 +210,192 @@ fn write_batches(
         };
         // A batch that starts with a lazy write holds only lazy writes.
         let lazy = limits.lazy_batches && !first.durable();
-        if limits.lazy_batches
-            && let Err(e) = synchronous(&conn, if lazy { "NORMAL" } else { "FULL" })
-        {
-            first.fail(StoreError::unavailable(e));
-            continue;
-        }
-        let tx = match begin_immediate(&conn, limits.lock_wait) {
+        let tx = match begin_batch(&conn, lazy, limits) {
             Ok(tx) => tx,
             Err(e) => {
                 first.fail(StoreError::unavailable(e));
                 continue;
             }
         };
+        // 3. Run jobs and commands in it until the batch is over.
         let mut batch = Batch::new(&tx, clock, counters);
         batch.start(first, &mut next_id);
-        loop {
-            // SQLite itself rolls the whole transaction back on some errors
-            // (a full disk, an I/O error): the batch is over.
-            if tx.is_autocommit() {
-                batch.abort(&mut pending);
-                break;
-            }
-            let blocked = lazy
-                && pending
-                    .front()
-                    .is_some_and(|Queued(work, _)| work.durable());
-            let room = !blocked && batch.open() < limits.concurrent && batch.started < limits.batch;
-            if room && let Some(work) = take(&mut pending, lazy) {
-                batch.start(work, &mut next_id);
-                continue;
-            }
-            let wait = match batch.open() {
-                // Nothing open: commit unless more work is queued already.
-                0 if !room || closed => break,
-                0 => None,
-                _ => Some(batch.deadline()),
-            };
-            match receive(inbox, wait) {
-                Next::Event(Event::Work(work, permit)) => {
-                    pending.push_back(Queued(work, Some(permit)));
-                }
-                Next::Event(Event::Command(id, command)) => {
-                    batch.command(id, command, &mut pending);
-                }
-                Next::Timeout => batch.expire(&mut pending),
-                Next::Empty => break,
-                Next::Closed => {
-                    // No sender left, so no handle either: nothing open can
-                    // ever finish. Roll it back.
-                    closed = true;
-                    batch.abort(&mut pending);
-                    break;
-                }
-            }
-        }
+        queue.fill(&mut batch, &tx, lazy, limits, &mut next_id);
         let deferred = batch.into_deferred();
-        let broken = tx.is_autocommit();
-        let committed = if broken {
-            Err("SQLite rolled the batch's transaction back".to_owned())
-        } else if deferred.is_empty() {
-            tx.rollback().map_err(|e| e.to_string())
-        } else {
-            tx.commit().map_err(|e| e.to_string())
-        };
+        // 4. Commit it (or roll back an empty one).
+        let committed = end_batch(tx, &deferred);
         if lazy {
             // Other users of the pooled connection (purges) get the store's
             // level back; the next batch sets its own either way.
             let _ = synchronous(&conn, "FULL");
         }
-        let stored = deferred
-            .iter()
-            .filter(|d| matches!(d, Deferred::Commit(_)))
-            .count() as u64;
-        if committed.is_ok() && !deferred.is_empty() {
-            counters.commits.fetch_add(1, Relaxed);
-            counters.requests.fetch_add(stored, Relaxed);
-        }
+        count_commit(counters, &committed, &deferred);
+        // 5. Answer the waiters: what the batch stored, or why it failed.
         match committed {
-            Ok(()) => {
-                for answer in deferred {
-                    match answer {
-                        Deferred::Commit(reply) => drop(reply.send(Ok(Completion::Stored))),
-                        Deferred::Refusal(reply, found) => {
-                            drop(reply.send(found.decode().map(TransactionClaim::Refused)));
-                        }
-                        Deferred::Write(answer) => answer(None),
-                    }
-                }
+            Ok(()) => answer_committed(deferred),
+            Err(why) => answer_failed(deferred, &why),
+        }
+    }
+}
+
+/// The writer's side of its channel: the events it receives, and the jobs
+/// received but not started yet, with their permits.
+struct Queue<'a> {
+    inbox: &'a std::sync::mpsc::Receiver<Event>,
+    pending: VecDeque<Queued>,
+    /// Every sender is gone: no event will come any more.
+    closed: bool,
+    /// The counter of jobs waiting for the writer (see [`next_to_start`]).
+    waiting: &'a std::sync::atomic::AtomicUsize,
+}
+
+impl Queue<'_> {
+    /// A job to start now, as [`next_to_start`] picks it.
+    fn take(&mut self, lazy: bool) -> Option<Work> {
+        next_to_start(&mut self.pending, lazy, self.waiting)
+    }
+
+    /// Step 1: the next batch's first job, waiting for one as long as it
+    /// takes; `None` once every sender is gone and nothing is queued.
+    /// Commands that come meanwhile are for requests that have ended.
+    fn first_job(&mut self) -> Option<Work> {
+        loop {
+            if let Some(work) = self.take(false) {
+                return Some(work);
             }
-            Err(why) => {
-                let error = batch_failed(&why);
-                for answer in deferred {
-                    fail(answer, &error);
+            if self.closed {
+                return None;
+            }
+            match receive(self.inbox, Some(None)) {
+                Next::Event(Event::Work(work, permit)) => {
+                    self.pending.push_back(Queued(work, Some(permit)));
+                }
+                // A late command for a request that has ended.
+                Next::Event(Event::Command(..)) | Next::Timeout | Next::Empty => {}
+                Next::Closed => self.closed = true,
+            }
+        }
+    }
+
+    /// Step 3: starts queued jobs in `batch` while it has room (its size,
+    /// its open requests, and in a lazy batch no durable job next), and
+    /// runs the commands of its open requests, expiring those held past
+    /// their max hold time. Returns when nothing is open and no more work
+    /// may join, or nothing more is queued; or when SQLite or the last
+    /// handle's going ended the batch (its open requests then rolled back).
+    fn fill(
+        &mut self,
+        batch: &mut Batch<'_, '_>,
+        tx: &rusqlite::Transaction<'_>,
+        lazy: bool,
+        limits: Limits,
+        next_id: &mut u64,
+    ) {
+        loop {
+            // SQLite itself rolls the whole transaction back on some errors
+            // (a full disk, an I/O error): the batch is over.
+            if tx.is_autocommit() {
+                batch.abort(&mut self.pending);
+                return;
+            }
+            let blocked = lazy
+                && self
+                    .pending
+                    .front()
+                    .is_some_and(|Queued(work, _)| work.durable());
+            let room = !blocked && batch.open() < limits.concurrent && batch.started < limits.batch;
+            if room && let Some(work) = self.take(lazy) {
+                batch.start(work, next_id);
+                continue;
+            }
+            let wait = match batch.open() {
+                // Nothing open: commit unless more work is queued already.
+                0 if !room || self.closed => return,
+                0 => None,
+                _ => Some(batch.deadline()),
+            };
+            match receive(self.inbox, wait) {
+                Next::Event(Event::Work(work, permit)) => {
+                    self.pending.push_back(Queued(work, Some(permit)));
+                }
+                Next::Event(Event::Command(id, command)) => {
+                    batch.command(id, command, &mut self.pending);
+                }
+                Next::Timeout => batch.expire(&mut self.pending),
+                Next::Empty => return,
+                Next::Closed => {
+                    // No sender left, so no handle either: nothing open can
+                    // ever finish. Roll it back.
+                    self.closed = true;
+                    batch.abort(&mut self.pending);
+                    return;
                 }
             }
         }
+    }
+}
+
+/// Step 2: sets the connection's `synchronous` level for a lazy or a
+/// durable batch (when the store runs lazy batches at all), then opens the
+/// batch's transaction, waiting at most the busy timeout for the lock.
+fn begin_batch(
+    conn: &rusqlite::Connection,
+    lazy: bool,
+    limits: Limits,
+) -> rusqlite::Result<rusqlite::Transaction<'_>> {
+    if limits.lazy_batches {
+        synchronous(conn, if lazy { "NORMAL" } else { "FULL" })?;
+    }
+    begin_immediate(conn, limits.lock_wait)
+}
+
+/// Step 4: ends the batch's transaction: commits it when the batch has
+/// answers to give, rolls back one with none. `Err` says why nothing of the
+/// batch was stored: SQLite rolled it back already, or the end failed.
+fn end_batch(tx: rusqlite::Transaction<'_>, deferred: &[Deferred]) -> Result<(), String> {
+    if tx.is_autocommit() {
+        Err("SQLite rolled the batch's transaction back".to_owned())
+    } else if deferred.is_empty() {
+        tx.rollback().map_err(|e| e.to_string())
+    } else {
+        tx.commit().map_err(|e| e.to_string())
+    }
+}
+
+/// Step 4, once the transaction has ended: counts a commit that stored
+/// something, and the requests it made durable, for [`GroupCommitStats`].
+fn count_commit(counters: &WriterCounters, committed: &Result<(), String>, deferred: &[Deferred]) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let stored = deferred
+        .iter()
+        .filter(|d| matches!(d, Deferred::Commit(_)))
+        .count() as u64;
+    if committed.is_ok() && !deferred.is_empty() {
+        counters.commits.fetch_add(1, Relaxed);
+        counters.requests.fetch_add(stored, Relaxed);
+    }
+}
+
+/// Step 5, after a commit: each waiter gets its result (`Stored`, a
+/// refusal read in the batch, or a write's success).
+fn answer_committed(deferred: Vec<Deferred>) {
+    for answer in deferred {
+        match answer {
+            Deferred::Commit(reply) => drop(reply.send(Ok(Completion::Stored))),
+            Deferred::Refusal(reply, found) => {
+                drop(reply.send(found.decode().map(TransactionClaim::Refused)));
+            }
+            Deferred::Write(answer) => answer(None),
+        }
+    }
+}
+
+/// Step 5, after a failed batch: each waiter gets the batch's failure, as
+/// nothing of its request happened.
+fn answer_failed(deferred: Vec<Deferred>, why: &str) {
+    let error = batch_failed(why);
+    for answer in deferred {
+        fail(answer, &error);
     }
 }
 
