@@ -243,7 +243,11 @@ async fn a_dropped_request_rolls_everything_back() {
         .unwrap();
     assert_eq!(entered.recv().await.unwrap(), "g");
     drop(conn); // the client goes away after the handler wrote its item
-    // The retry waits for the rolled-back transaction's lock, then runs.
+    // The server reads the end of that connection before the retry's
+    // request (one runtime here, the end sent first); dropping the request
+    // posts its rollback and frees its key, so the retry's claim is queued
+    // behind the rollback and runs, however late the writer gets to it. (A
+    // retry the server reads first meets the request in flight: 409.)
     let retry = f.post(b"k", &[]).await;
     assert_eq!((retry.status, retry.replayed()), (201, false));
     assert_eq!((f.items(), f.records(), f.h.runs()), (1, 1, 2));
@@ -269,7 +273,8 @@ async fn a_clone_kept_by_the_handler_does_not_keep_the_transaction_open() {
         .unwrap();
     assert_eq!(entered.recv().await.unwrap(), "g");
     drop(conn);
-    // Were the transaction still open, this would wait out the busy timeout: 503.
+    // The layer rolls back although the handler kept a clone: were the
+    // transaction still open, the retry would be told 409 (in flight).
     let retry = f.post(b"k", &[]).await;
     assert_eq!((retry.status, retry.replayed()), (201, false));
     assert_eq!((f.items(), f.h.runs()), (1, 2));
@@ -296,6 +301,10 @@ async fn a_panicking_handler_rolls_everything_back() {
     let mut buf = Vec::new();
     let _ = tokio::io::AsyncReadExt::read_to_end(&mut conn, &mut buf).await;
     assert!(buf.is_empty());
+    // The panic unwinds through the layer, whose hold posts the rollback and
+    // frees the key before the connection is closed: the retry, sent the
+    // moment the client sees it closed, is queued behind the rollback and
+    // runs (never 409), however late the writer gets to the rollback.
     let retry = f.post(b"k", &[]).await;
     assert_eq!((retry.status, retry.replayed()), (201, false));
     assert_eq!((f.items(), f.records(), f.h.runs()), (1, 1, 2));

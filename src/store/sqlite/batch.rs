@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use super::claim::{Found, Refused, claim_in, complete_in};
 use super::queue::{Begin, Deferred, Queued, Work, WriterCounters, exec};
-use super::transaction::{Command, Ended, Handle, Job, SqliteTransaction};
-use crate::store::kit::held::{HeldKey, MAX_WAITERS};
+use super::transaction::{Command, Ended, Handle, Job, KeyMark, Marked, SqliteTransaction};
+use crate::store::kit::held::MAX_WAITERS;
 use crate::store::{Clock, Completion, FencingToken, StoreError, TransactionClaim};
 
 /// A transactional request of the batch.
@@ -39,8 +39,9 @@ struct Member {
     /// Claims of the same key that found this request in flight: they run
     /// again once it has ended.
     waiters: Vec<Begin>,
-    /// Its key, marked held until the member is dropped.
-    _held: HeldKey,
+    /// Its key, marked held until the member is dropped (or its handle
+    /// posts its rollback, see [`KeyMark`]).
+    _held: Marked,
 }
 
 /// A request's savepoint, and what landed in it.
@@ -173,10 +174,12 @@ impl<'t, 'c> Batch<'t, 'c> {
             }
         };
         let (ended, watch) = tokio::sync::watch::channel(Ended::Open);
+        let mark = std::sync::Arc::new(KeyMark::default());
         let transaction = SqliteTransaction {
             handle: std::sync::Arc::new(Handle {
                 events: Box::new(events),
                 id,
+                key: mark.clone(),
             }),
             ended: watch,
         };
@@ -196,7 +199,9 @@ impl<'t, 'c> Batch<'t, 'c> {
             members: vec![id],
             deferred: Vec::new(),
         });
-        let held = self.counters.held.hold(&record, req.fingerprint, hold);
+        // Not if its handle has posted its rollback already: that comes next
+        // in the queue.
+        mark.hold(|| self.counters.held.hold(&record, req.fingerprint, hold));
         self.members.push(Member {
             id,
             scope: req.scope,
@@ -206,7 +211,7 @@ impl<'t, 'c> Batch<'t, 'c> {
             hold,
             ended: Some(ended),
             waiters: Vec::new(),
-            _held: held,
+            _held: Marked(mark),
         });
     }
 

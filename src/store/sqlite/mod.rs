@@ -541,8 +541,10 @@ impl TransactionalStore for SqliteStore {
         answer.await.map_err(|_| transaction.over())?
     }
 
+    /// Posts the rollback and frees the key at once: a claim that finds
+    /// it free is queued behind the rollback (see `KeyMark`).
     fn rollback(&self, transaction: &SqliteTransaction) {
-        let _ = transaction.handle.send(Command::Rollback);
+        transaction.handle.roll_back();
     }
 
     /// Returns once the writer has rolled the request back and its key is

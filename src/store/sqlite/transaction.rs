@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::store::kit::held::HeldKey;
 use crate::store::{Completion, StoreError};
 
 /// An open SQLite transaction in which the layer has claimed the request's
@@ -91,6 +92,8 @@ pub struct SqliteTransaction {
 pub(super) struct Handle {
     pub(super) events: Box<dyn Mailbox>,
     pub(super) id: u64,
+    /// The request's mark on its key, shared with the writer.
+    pub(super) key: std::sync::Arc<KeyMark>,
 }
 
 /// Where a handle's commands go: the writer's queue (`queue.rs`). A trait,
@@ -109,12 +112,84 @@ impl Handle {
             Err(())
         }
     }
+
+    /// Posts the request's rollback (ignored by the writer when the request
+    /// has ended already), then frees its key: see [`KeyMark`].
+    pub(super) fn roll_back(&self) {
+        let _ = self.send(Command::Rollback);
+        self.key.free();
+    }
 }
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        // Ignored by the writer when the request has ended already.
-        let _ = self.send(Command::Rollback);
+        self.roll_back();
+    }
+}
+
+/// A transactional request's mark on its key in the store's
+/// [`HeldKeys`](crate::store::kit::held::HeldKeys), which a claim of the key
+/// reads before it is queued for the writer (422 or 409 at once while the
+/// key is held). Shared by the writer's record of the request and its
+/// handle: whichever ends the request first frees the key. The writer, when
+/// it commits or rolls the request back (before anyone hears of it); or the
+/// handle, right after it has posted the request's rollback (the layer rolls
+/// back on a panic, a dropped request or an answer it does not store; or the
+/// last handle is dropped).
+///
+/// So a claim that finds the key free is queued after that rollback: the
+/// writer takes its queue in order, rolls the request back, then runs the
+/// claim, which finds nothing of it. A client that sees its request end
+/// without a stored answer (a 5xx, the connection closed by a panic) and
+/// retries at once is never met by its own dead request as in flight (409),
+/// however long the writer takes to get to the rollback. The writer frees a
+/// key only after its request has ended in the batch, so a key it frees is
+/// free there too.
+#[derive(Default)]
+pub(super) struct KeyMark(std::sync::Mutex<Mark>);
+
+#[derive(Default)]
+enum Mark {
+    /// The writer has not marked the key yet.
+    #[default]
+    Unmarked,
+    /// Marked: dropping the guard frees the key.
+    Held { _guard: HeldKey },
+    /// The request has ended, or its rollback is posted: never marked again.
+    Freed,
+}
+
+impl KeyMark {
+    fn state(&self) -> std::sync::MutexGuard<'_, Mark> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Marks the key held (`hold` makes the guard), unless the request's
+    /// rollback was posted meanwhile: then the key is never marked at all.
+    pub(super) fn hold(&self, hold: impl FnOnce() -> HeldKey) {
+        let mut state = self.state();
+        if let Mark::Unmarked = *state {
+            *state = Mark::Held { _guard: hold() };
+        }
+    }
+
+    /// Frees the key, for good.
+    pub(super) fn free(&self) {
+        let freed = std::mem::replace(&mut *self.state(), Mark::Freed);
+        // The guard drops here, outside the lock.
+        drop(freed);
+    }
+}
+
+/// The writer's side of a [`KeyMark`]: dropped with the request's record
+/// when the request ends, it frees the key.
+pub(super) struct Marked(pub(super) std::sync::Arc<KeyMark>);
+
+impl Drop for Marked {
+    fn drop(&mut self) {
+        self.0.free();
     }
 }
 
@@ -288,3 +363,106 @@ impl axum_core::response::IntoResponse for TransactionError {
 }
 
 crate::store::kit::transaction_extractor!(SqliteTransaction);
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::SqliteTransaction;
+    use crate::fingerprint::Fingerprint;
+    use crate::store::sqlite::SqliteStore;
+    use crate::store::{
+        ClaimRequest, FencingToken, RecordId, TransactionClaim, TransactionalStore,
+    };
+
+    fn claim(key: &str, body: u8) -> ClaimRequest {
+        let id = RecordId::new("s", key);
+        ClaimRequest::new(id, Fingerprint([body; 32]), FencingToken::random())
+    }
+
+    async fn acquire(store: &SqliteStore, key: &str) -> SqliteTransaction {
+        match store.claim_in_transaction(claim(key, 1)).await.unwrap() {
+            TransactionClaim::Acquired { transaction, .. } => transaction,
+            TransactionClaim::Refused(refusal) => panic!("{refusal:?}"),
+        }
+    }
+
+    /// How a request's transaction ends without the writer's doing.
+    #[derive(Clone, Copy, Debug)]
+    enum End {
+        /// The layer rolls it back (its hold dropped: a panic, a dropped
+        /// request) while the handler still has a clone.
+        LayerRollsBack,
+        /// Its last handle is dropped.
+        LastHandleDropped,
+    }
+
+    /// Ends the request holding `k` while the writer is busy with another
+    /// request's closure (so it has not run the rollback yet), then claims
+    /// `k` again with `body`: the claim must be queued behind the rollback
+    /// and acquire the key. Before, it met the key still marked held (the
+    /// writer frees it only once it has run the rollback) and was refused
+    /// at once: 409 for the same body, 422 for another.
+    async fn claim_after(end: End, body: u8) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::builder(dir.path().join("s.sqlite3"))
+            .concurrent_transactions(2)
+            .open()
+            .await
+            .unwrap();
+        let busy = acquire(&store, "busy").await;
+        let held = acquire(&store, "k").await;
+        // The writer runs `busy`'s closure until it is told to go on.
+        let (started, running) = tokio::sync::oneshot::channel();
+        let (go_on, wait) = std::sync::mpsc::channel::<()>();
+        let blocked = tokio::spawn(async move {
+            busy.run(move |_| {
+                let _ = started.send(());
+                let _ = wait.recv();
+                Ok(())
+            })
+            .await
+        });
+        running.await.unwrap();
+        let kept = match end {
+            End::LayerRollsBack => {
+                store.rollback(&held);
+                Some(held)
+            }
+            End::LastHandleDropped => {
+                drop(held);
+                None
+            }
+        };
+        let again = tokio::spawn({
+            let store = store.clone();
+            async move { store.claim_in_transaction(claim("k", body)).await }
+        });
+        // The claim is queued for the writer, or (before) answered at once.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while store.transactions_waiting() == 0 && !again.is_finished() {
+            assert!(tokio::time::Instant::now() < deadline, "{end:?}: no answer");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        go_on.send(()).unwrap();
+        match again.await.unwrap().unwrap() {
+            TransactionClaim::Acquired { .. } => {}
+            TransactionClaim::Refused(refusal) => {
+                panic!(
+                    "{end:?}, body {body}: the claim after the rollback was refused: {refusal:?}"
+                )
+            }
+        }
+        blocked.await.unwrap().unwrap();
+        drop(kept);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_after_a_posted_rollback_finds_the_key_free() {
+        for end in [End::LayerRollsBack, End::LastHandleDropped] {
+            for body in [1, 2] {
+                claim_after(end, body).await;
+            }
+        }
+    }
+}
