@@ -7,7 +7,7 @@
 //! cargo run --example grpc --features client -- charge [--to URL] [--key KEY] [--caller NAME] ACCOUNT AMOUNT_CENTS
 //! ```
 //!
-//! `tests/grpc.rs` includes this file and drives it with a real tonic client
+//! `tests/core/grpc.rs` includes this file and drives it with a real tonic client
 //! over HTTP/2. With the server running:
 //!
 //! ```text
@@ -149,7 +149,7 @@
 //! Trailers-Only, so the code is in the head; a status that comes only in the
 //! trailers after a body (a streaming response that fails part way, or
 //! tonic's own error when the reply cannot be encoded) is seen by the second
-//! question. `tests/grpc.rs` covers both. One limit remains: a response
+//! question. `tests/core/grpc.rs` covers both. One limit remains: a response
 //! larger than the layer's response limit is completed before its trailers
 //! arrive, so its trailer status is not seen.
 

@@ -7,7 +7,7 @@
 //! curl -si -X POST localhost:3001/orders -H 'Idempotency-Key: "o-1"' -d 'sku=42'   # replayed
 //! ```
 
-#![allow(dead_code)] // tests/hyper.rs includes this file for `service` and `serve`
+#![allow(dead_code)] // tests/core/hyper.rs includes this file for `service` and `serve`
 
 use std::convert::Infallible;
 use std::sync::Arc;

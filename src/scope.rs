@@ -67,7 +67,7 @@
 //!
 //! If the order is wrong, the scope finds no principal and every request
 //! with a key gets 401: the mistake shows at once and never leaks one
-//! caller's stored response to another (`tests/handlers.rs` holds this).
+//! caller's stored response to another (`tests/core/handlers.rs` holds this).
 //! A [`header`] scope is as safe only if the header cannot come from the
 //! client: the authentication layer must overwrite or remove it.
 //!

@@ -3,7 +3,7 @@
 
 #![cfg(feature = "admin")]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

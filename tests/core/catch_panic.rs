@@ -6,7 +6,7 @@
 //! free: the retry runs once and is then replayed (the configuration
 //! guide's "Panics").
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;

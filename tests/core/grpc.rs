@@ -3,9 +3,9 @@
 //! of every rejection, the store policy, and a duplicate held in flight by a
 //! gate (never a sleep).
 
-#[path = "../examples/grpc.rs"]
+#[path = "../../examples/grpc.rs"]
 #[allow(dead_code)]
-mod grpc;
+mod example;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -23,18 +23,18 @@ use tower::{Layer, ServiceExt, service_fn};
 use tower_idempotency::problem::Rejection;
 use tower_idempotency::{MemoryStore, RequestBody};
 
-use grpc::{
+use example::{
     ChargeReply, ChargeRequest, Gate, PaymentsClient, PaymentsLayer, RETRY_PUSHBACK, charge_request,
 };
 
 /// The example's server on 127.0.0.1:0, and a client connected to it.
 async fn start(
-    payments: Arc<grpc::Payments>,
+    payments: Arc<example::Payments>,
     layer: PaymentsLayer<MemoryStore>,
 ) -> (SocketAddr, PaymentsClient) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(grpc::serve(listener, payments, layer));
+    tokio::spawn(example::serve(listener, payments, layer));
     // The listener is bound already: the connection waits in its backlog
     // until the server accepts it.
     let client = PaymentsClient::connect(format!("http://{addr}"))
@@ -70,9 +70,9 @@ fn comparable(metadata: &MetadataMap) -> HeaderMap {
 
 #[tokio::test]
 async fn a_repeat_gets_the_first_reply_and_its_trailers() {
-    let payments = Arc::new(grpc::Payments::new());
+    let payments = Arc::new(example::Payments::new());
     let store = MemoryStore::new();
-    let (_, mut client) = start(payments.clone(), grpc::payments_layer(store.clone())).await;
+    let (_, mut client) = start(payments.clone(), example::payments_layer(store.clone())).await;
 
     let first = client
         .charge(with_key(charge("acct-1", 500), "k-1"))
@@ -128,8 +128,12 @@ async fn a_repeat_gets_the_first_reply_and_its_trailers() {
 
 #[tokio::test]
 async fn the_handlers_own_error_is_stored_and_replayed() {
-    let payments = Arc::new(grpc::Payments::new());
-    let (_, mut client) = start(payments.clone(), grpc::payments_layer(MemoryStore::new())).await;
+    let payments = Arc::new(example::Payments::new());
+    let (_, mut client) = start(
+        payments.clone(),
+        example::payments_layer(MemoryStore::new()),
+    )
+    .await;
 
     let first = client
         .charge(with_key(charge("acct-1", 0), "k-zero"))
@@ -152,8 +156,12 @@ async fn the_handlers_own_error_is_stored_and_replayed() {
 
 #[tokio::test]
 async fn the_same_key_with_another_request_is_failed_precondition() {
-    let payments = Arc::new(grpc::Payments::new());
-    let (_, mut client) = start(payments.clone(), grpc::payments_layer(MemoryStore::new())).await;
+    let payments = Arc::new(example::Payments::new());
+    let (_, mut client) = start(
+        payments.clone(),
+        example::payments_layer(MemoryStore::new()),
+    )
+    .await;
 
     client
         .charge(with_key(charge("acct-1", 500), "k-1"))
@@ -179,8 +187,12 @@ async fn the_same_key_with_another_request_is_failed_precondition() {
 #[tokio::test]
 async fn a_duplicate_in_flight_is_unavailable_with_pushback_then_replays() {
     let gate = Arc::new(Gate::default());
-    let payments = Arc::new(grpc::Payments::gated(gate.clone()));
-    let (_, client) = start(payments.clone(), grpc::payments_layer(MemoryStore::new())).await;
+    let payments = Arc::new(example::Payments::gated(gate.clone()));
+    let (_, client) = start(
+        payments.clone(),
+        example::payments_layer(MemoryStore::new()),
+    )
+    .await;
 
     let mut first_client = client.clone();
     let first = tokio::spawn(async move {
@@ -227,9 +239,9 @@ async fn a_duplicate_in_flight_is_unavailable_with_pushback_then_replays() {
 
 #[tokio::test]
 async fn unavailable_releases_the_key_so_the_retry_runs_again() {
-    let payments = Arc::new(grpc::Payments::new());
+    let payments = Arc::new(example::Payments::new());
     let store = MemoryStore::new();
-    let (_, mut client) = start(payments.clone(), grpc::payments_layer(store.clone())).await;
+    let (_, mut client) = start(payments.clone(), example::payments_layer(store.clone())).await;
 
     let first = client
         .charge(with_key(charge("unavailable", 500), "k-1"))
@@ -255,8 +267,12 @@ async fn unavailable_releases_the_key_so_the_retry_runs_again() {
 
 #[tokio::test]
 async fn keys_are_required_and_validated() {
-    let payments = Arc::new(grpc::Payments::new());
-    let (_, mut client) = start(payments.clone(), grpc::payments_layer(MemoryStore::new())).await;
+    let payments = Arc::new(example::Payments::new());
+    let (_, mut client) = start(
+        payments.clone(),
+        example::payments_layer(MemoryStore::new()),
+    )
+    .await;
 
     let missing = client
         .charge(charge_request(charge("acct-1", 500), None, Some("alice")))
@@ -279,8 +295,12 @@ async fn keys_are_required_and_validated() {
 
 #[tokio::test]
 async fn keys_belong_to_their_caller() {
-    let payments = Arc::new(grpc::Payments::new());
-    let (_, mut client) = start(payments.clone(), grpc::payments_layer(MemoryStore::new())).await;
+    let payments = Arc::new(example::Payments::new());
+    let (_, mut client) = start(
+        payments.clone(),
+        example::payments_layer(MemoryStore::new()),
+    )
+    .await;
 
     let alice = client
         .charge(charge_request(
@@ -311,8 +331,8 @@ async fn keys_belong_to_their_caller() {
 
 #[tokio::test]
 async fn a_body_over_the_limit_is_resource_exhausted() {
-    let payments = Arc::new(grpc::Payments::new());
-    let layer = grpc::payments_layer(MemoryStore::new()).max_request_body(16);
+    let payments = Arc::new(example::Payments::new());
+    let layer = example::payments_layer(MemoryStore::new()).max_request_body(16);
     let (_, mut client) = start(payments.clone(), layer).await;
 
     let large = client
@@ -329,8 +349,8 @@ async fn a_body_over_the_limit_is_resource_exhausted() {
 
 #[tokio::test]
 async fn a_reply_too_large_to_keep_is_already_exists_on_repeat() {
-    let payments = Arc::new(grpc::Payments::new());
-    let layer = grpc::payments_layer(MemoryStore::new()).max_response_body(8);
+    let payments = Arc::new(example::Payments::new());
+    let layer = example::payments_layer(MemoryStore::new()).max_response_body(8);
     let (_, mut client) = start(payments.clone(), layer).await;
 
     let first = client
@@ -398,7 +418,7 @@ fn every_rejection_maps_to_a_trailers_only_status() {
         ),
     ];
     for (rejection, code, pushback) in table {
-        let response = grpc::grpc_rejection(&rejection);
+        let response = example::grpc_rejection(&rejection);
         assert_eq!(response.status(), StatusCode::OK, "{rejection:?}");
         assert!(response.body().is_empty());
         let headers = response.headers();
@@ -415,8 +435,8 @@ fn every_rejection_maps_to_a_trailers_only_status() {
         // never reach it (rejections are not stored), but a handler that
         // answered the same code would be treated the same way.
         assert_eq!(
-            grpc::grpc_store_policy(StatusCode::OK, headers),
-            !grpc::is_transient(code)
+            example::grpc_store_policy(StatusCode::OK, headers),
+            !example::is_transient(code)
         );
     }
 }
@@ -429,7 +449,7 @@ fn the_store_policy_releases_transient_codes_in_the_head() {
         headers.insert("grpc-status", code.parse().unwrap());
         headers
     };
-    let policy = grpc::grpc_store_policy;
+    let policy = example::grpc_store_policy;
     // OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED,
     // FAILED_PRECONDITION, OUT_OF_RANGE, UNAUTHENTICATED: stored.
     for code in ["0", "3", "5", "6", "7", "9", "11", "16"] {
@@ -465,9 +485,9 @@ async fn a_transient_status_in_the_trailers_releases_the_key() {
             Ok::<_, Infallible>(response)
         }
     });
-    let svc = grpc::payments_layer(MemoryStore::new()).layer(inner);
+    let svc = example::payments_layer(MemoryStore::new()).layer(inner);
     let request = || {
-        http::Request::post(grpc::CHARGE_PATH)
+        http::Request::post(example::CHARGE_PATH)
             .header("idempotency-key", "k-1")
             .body(Full::new(Bytes::from_static(b"\0\0\0\0\0")))
             .unwrap()

@@ -5,7 +5,7 @@
 //! loopback HTTP; the first request is held at a gate until every repeat has
 //! met its key in flight (counted by the store), so each repeat below waited.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -3,7 +3,7 @@
 //! commit for all; a request that rolls back takes the requests that ran
 //! after it down with it (503, nothing kept), never half of one.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

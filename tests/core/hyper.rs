@@ -1,10 +1,10 @@
 //! The layer in a plain hyper 1 server (`examples/hyper.rs`), over a real
 //! socket, with no framework in between.
 
-#[path = "../examples/hyper.rs"]
+#[path = "../../examples/hyper.rs"]
 mod example;
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

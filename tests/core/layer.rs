@@ -1,7 +1,7 @@
 //! The layer's behaviour over real sockets (docs/contract.md §3–§7): an axum app on
 //! loopback, a raw HTTP/1.1 client, and counts of the handler's executions.
 
-mod common;
+use crate::common;
 
 use common::charge::user;
 

@@ -6,7 +6,7 @@
 //! the response. Over a real hyper server and client on loopback, and with
 //! tower's `oneshot` where the body is driven by hand.
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::future::Future;

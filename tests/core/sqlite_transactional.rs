@@ -1,7 +1,7 @@
 //! Transactional mode over real sockets: the handler's writes, the record and
 //! the response commit together, or none of them do.
 
-mod common;
+use crate::common;
 
 use common::charge::user;
 

@@ -2,12 +2,9 @@
 //! redeliveries make one order, and nothing that fails verification ever
 //! occupies a `webhook-id`.
 
-mod common;
+use crate::common;
 
-// The example's `main` and command line are not used here.
-#[allow(dead_code)]
-#[path = "../examples/webhook.rs"]
-mod webhook;
+use crate::webhook_example as webhook;
 
 use std::net::SocketAddr;
 

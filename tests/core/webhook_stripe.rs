@@ -1,12 +1,9 @@
 //! The Stripe-shaped route of `examples/webhook.rs` over real sockets: the
 //! key is the event's `id` in the JSON body.
 
-mod common;
+use crate::common;
 
-// The example's `main`, command line and Standard Webhooks route are not used here.
-#[allow(dead_code)]
-#[path = "../examples/webhook.rs"]
-mod webhook;
+use crate::webhook_example as webhook;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
