@@ -31,6 +31,12 @@ pub fn nats_url() -> String {
     from_env("TOWER_IDEMPOTENCY_NATS_URL", "nats://127.0.0.1:4222")
 }
 
+/// `url` with its database replaced by `db`.
+pub fn with_database(url: &str, db: &str) -> String {
+    let cut = url.rfind('/').expect("a database in the URL");
+    format!("{}/{db}", &url[..cut])
+}
+
 fn from_env(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
 }

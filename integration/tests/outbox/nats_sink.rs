@@ -7,9 +7,7 @@
 
 #![cfg(all(feature = "sqlite", feature = "outbox-nats"))]
 
-mod outbox_support;
-
-mod common;
+use crate::outbox_support;
 
 use std::collections::BTreeMap;
 use std::path::Path;

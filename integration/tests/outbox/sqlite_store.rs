@@ -4,8 +4,8 @@
 
 #![cfg(all(feature = "sqlite", feature = "outbox"))]
 
-mod common;
-mod outbox_support;
+use crate::common;
+use crate::outbox_support;
 
 use std::collections::HashSet;
 use std::path::Path;

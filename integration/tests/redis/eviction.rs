@@ -16,8 +16,7 @@ use tower_idempotency::store::{Claim, FencingToken, RecordId, Refusal, Store};
 use tower_idempotency::test_util::{claim_of, response};
 use tower_idempotency_redis::RedisStore;
 
-#[path = "common/rediscluster.rs"]
-mod rediscluster;
+use crate::rediscluster;
 
 /// Every policy but `noeviction` (Redis 7).
 const EVICTING: [&str; 7] = [

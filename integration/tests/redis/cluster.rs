@@ -15,8 +15,7 @@ use tower_idempotency::test_util::{
 use tower_idempotency::{StoreError, StoredResponse};
 use tower_idempotency_redis::RedisStore;
 
-#[path = "common/rediscluster.rs"]
-mod rediscluster;
+use crate::rediscluster;
 use rediscluster::{RedisCluster, cli, wait_until};
 
 static SHARED: Mutex<Weak<RedisCluster>> = Mutex::new(Weak::new());

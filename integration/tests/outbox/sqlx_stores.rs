@@ -14,8 +14,6 @@
 #![cfg(feature = "outbox")]
 #![cfg(any(feature = "mysql", feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 
-mod common;
-
 /// Per message key: (relay, attempt number) of each attempt, in order.
 type Attempts = std::collections::BTreeMap<String, Vec<(usize, u32)>>;
 
@@ -44,7 +42,8 @@ macro_rules! outbox_suite {
             };
 
             use super::{Transaction, setup};
-            use crate::{Attempts, WAIT, common};
+            use crate::common;
+            use crate::sqlx_stores::{Attempts, WAIT};
 
             /// The tests share the database's outbox table: one at a time.
             static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -371,6 +370,11 @@ macro_rules! outbox_suite {
     };
 }
 
+/// The suite's database on each server. Every test of a database's suite
+/// starts by emptying its outbox table (they take turns: `TURN`), so the
+/// suite keeps to a database no other test uses.
+const DATABASE: &str = "outbox_sqlx";
+
 /// A records table no other run shares.
 fn table() -> String {
     format!(
@@ -385,8 +389,9 @@ mod mysql {
     use tower_idempotency_sqlx::MySqlStore;
     pub(crate) use tower_idempotency_sqlx::MySqlTransaction as Transaction;
 
-    fn url() -> String {
-        crate::common::services::mysql_url()
+    /// The suite's own database ([`super::DATABASE`]).
+    async fn url() -> String {
+        crate::mysql_database(super::DATABASE).await
     }
 
     pub(crate) struct Backend {
@@ -397,11 +402,12 @@ mod mysql {
 
     pub(crate) async fn setup() -> Backend {
         let table = super::table();
-        let store = MySqlStore::builder(&url())
+        let url = url().await;
+        let store = MySqlStore::builder(&url)
             .table(&table)
             .open()
             .await
-            .unwrap_or_else(|e| panic!("MySQL/MariaDB at {} is required: {e}", url()));
+            .unwrap_or_else(|e| panic!("MySQL/MariaDB at {url} is required: {e}"));
         let outbox = Outbox::mysql(&store).await.unwrap();
         sqlx::query("DELETE FROM tower_idempotency_outbox")
             .execute(store.pool())
@@ -431,14 +437,16 @@ mod mysql {
     outbox_suite!();
 }
 
-#[cfg(feature = "sqlx-postgres")]
+// Its database is made over tokio-postgres (`crate::postgres_database`).
+#[cfg(all(feature = "sqlx-postgres", feature = "postgres"))]
 mod sqlx_postgres {
     use tower_idempotency_outbox::Outbox;
     use tower_idempotency_sqlx::SqlxPostgresStore;
     pub(crate) use tower_idempotency_sqlx::SqlxPostgresTransaction as Transaction;
 
-    fn url() -> String {
-        crate::common::services::postgres_url()
+    /// The suite's own database ([`super::DATABASE`]).
+    async fn url() -> String {
+        crate::postgres_database(super::DATABASE).await
     }
 
     pub(crate) struct Backend {
@@ -449,9 +457,10 @@ mod sqlx_postgres {
 
     pub(crate) async fn setup() -> Backend {
         let table = super::table();
-        let pool = sqlx::PgPool::connect(&url())
+        let url = url().await;
+        let pool = sqlx::PgPool::connect(&url)
             .await
-            .unwrap_or_else(|e| panic!("PostgreSQL at {} is required: {e}", url()));
+            .unwrap_or_else(|e| panic!("PostgreSQL at {url} is required: {e}"));
         let store = SqlxPostgresStore::builder(pool)
             .table(&table)
             .open()

@@ -7,8 +7,6 @@
 
 #![cfg(all(feature = "mysql", feature = "outbox"))]
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

@@ -8,9 +8,8 @@
 
 #![cfg(all(feature = "sqlite", feature = "outbox"))]
 
-#[path = "common/logs.rs"]
-mod logs;
-mod outbox_support;
+use crate::common::logs;
+use crate::outbox_support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

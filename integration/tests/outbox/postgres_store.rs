@@ -5,8 +5,8 @@
 
 #![cfg(all(feature = "postgres", feature = "outbox"))]
 
-mod common;
-mod outbox_support;
+use crate::common;
+use crate::outbox_support;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

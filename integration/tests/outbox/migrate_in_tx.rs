@@ -8,19 +8,12 @@
 
 #![cfg(all(feature = "outbox", feature = "sqlx-postgres"))]
 
-mod common;
-
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
 use tower_idempotency::store::FencingToken;
 use tower_idempotency_outbox as outbox;
 
 fn url() -> String {
     crate::common::services::postgres_url()
-}
-
-fn with_db(url: &str, db: &str) -> String {
-    let cut = url.rfind('/').expect("a database in the URL");
-    format!("{}/{db}", &url[..cut])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -36,7 +29,10 @@ async fn migrate_inside_a_rolled_back_transaction_keeps_nothing() {
     let outcome = {
         let db = db.clone();
         tokio::spawn(async move {
-            let mut conn = PgConnection::connect(&with_db(&url(), &db)).await.unwrap();
+            let mut conn =
+                PgConnection::connect(&crate::common::services::with_database(&url(), &db))
+                    .await
+                    .unwrap();
             conn.execute("CREATE TABLE credits (id INT PRIMARY KEY)")
                 .await
                 .unwrap();
@@ -97,7 +93,7 @@ async fn mysql_migrate_inside_a_rolled_back_transaction_keeps_nothing() {
         .await
         .unwrap();
     let outcome = {
-        let url = with_db(&url, &db);
+        let url = crate::common::services::with_database(&url, &db);
         tokio::spawn(async move {
             let mut conn = MySqlConnection::connect(&url).await.unwrap();
             conn.execute("CREATE TABLE credits (id INT PRIMARY KEY) ENGINE=InnoDB")

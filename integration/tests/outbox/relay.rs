@@ -4,7 +4,7 @@
 
 #![cfg(all(feature = "sqlite", feature = "outbox"))]
 
-mod outbox_support;
+use crate::outbox_support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

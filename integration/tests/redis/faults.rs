@@ -15,7 +15,7 @@
 
 #![cfg(feature = "redis")]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

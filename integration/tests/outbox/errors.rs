@@ -9,8 +9,6 @@
 
 #![cfg(all(feature = "outbox", feature = "postgres", feature = "mysql"))]
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -26,12 +24,6 @@ fn pg_url() -> String {
 
 fn mysql_url() -> String {
     crate::common::services::mysql_url()
-}
-
-/// `url` with its database replaced by `db`.
-fn with_db(url: &str, db: &str) -> String {
-    let cut = url.rfind('/').expect("a database in the URL");
-    format!("{}/{db}", &url[..cut])
 }
 
 /// The errors a sink gives, each on a message of its own.
@@ -116,10 +108,11 @@ async fn postgres_records_any_error() {
     let outcome = {
         let db = db.clone();
         tokio::spawn(async move {
-            let store = PostgresStore::builder(&with_db(&pg_url(), &db))
-                .open()
-                .await
-                .unwrap();
+            let store =
+                PostgresStore::builder(&crate::common::services::with_database(&pg_url(), &db))
+                    .open()
+                    .await
+                    .unwrap();
             let outbox = Outbox::postgres(&store).await.unwrap();
             each_error_is_recorded(&outbox, async |messages: &[Message]| {
                 let pooled = store.pool().get().await.unwrap();
@@ -159,10 +152,11 @@ async fn mysql_records_any_error() {
     let outcome = {
         let db = db.clone();
         tokio::spawn(async move {
-            let store = MySqlStore::builder(&with_db(&mysql_url(), &db))
-                .open()
-                .await
-                .unwrap();
+            let store =
+                MySqlStore::builder(&crate::common::services::with_database(&mysql_url(), &db))
+                    .open()
+                    .await
+                    .unwrap();
             let outbox = Outbox::mysql(&store).await.unwrap();
             each_error_is_recorded(&outbox, async |messages: &[Message]| {
                 let mut tx = store.pool().begin().await.unwrap();
