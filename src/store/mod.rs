@@ -85,7 +85,7 @@
 //! claim will replay, and purging removes it) or [`Completion::Fenced`]
 //! (Redis: the record is already gone); either way no request replays it.
 //!
-//! `tests/model.rs` checks every store against a reference model of this
+//! `integration/tests/stores/model.rs` checks every store against a reference model of this
 //! table with random sequences of claims, completions, releases, crashed
 //! holders, clock moves and purges, and with concurrent claims from every
 //! starting state.

@@ -5,7 +5,7 @@
 //! (`tls`, port 15640), and eviction policies (`eviction`). Each private
 //! server is its own process on its own ports, and every key carries a
 //! prefix of its test, so modules run side by side. The store contract on
-//! the shared server is `tests/store_suite.rs`.
+//! the shared server is `integration/tests/stores/suite.rs`.
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;

@@ -7,7 +7,7 @@
 
 #![cfg(feature = "mysql")]
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -8,11 +8,7 @@
 
 #![cfg(feature = "mysql")]
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
-mod fleet_support;
-
-mod common;
+use crate::fleet_support;
 
 use std::path::PathBuf;
 

@@ -13,7 +13,7 @@
 //! The other stores' faults: `postgres_faults.rs`, `redis_faults.rs`,
 //! `sqlx_postgres_faults.rs`, `sqlx_sqlite_faults.rs`, `mysql_faults.rs`.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

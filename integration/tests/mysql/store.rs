@@ -6,8 +6,6 @@
 
 #![cfg(feature = "mysql")]
 
-mod common;
-
 use std::time::Duration;
 
 use tower_idempotency::StoreError;

@@ -1,5 +1,5 @@
 //! A sick SQLite database under `SqlxSqliteStore` fails closed and recovers,
-//! as `tests/sqlite_faults.rs` shows for the rusqlite store: while the layer serves
+//! as `integration/tests/stores/sqlite_faults.rs` shows for the rusqlite store: while the layer serves
 //! real HTTP and a handler counts its runs,
 //!
 //! * every request the store cannot decide gets the 503 `store-unavailable`
@@ -8,7 +8,7 @@
 //! * once the fault is gone, the SAME key runs exactly once and its repeat
 //!   is replayed byte for byte, without restarting the app.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -67,8 +67,6 @@
 //! `tests/model.proptest-regressions`; commit that file: proptest runs the
 //! seeds in it before any new case, on every later run.
 
-mod common;
-
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
@@ -1033,8 +1031,7 @@ async fn redis(clock: &ManualClock) -> tower_idempotency_redis::RedisStore {
 /// `RedisStore` on a private 3-master Redis Cluster (ports 15630-15632),
 /// started by the first case and stopped after the last.
 #[cfg(feature = "redis")]
-#[path = "common/rediscluster.rs"]
-mod rediscluster;
+use crate::rediscluster;
 
 #[cfg(feature = "redis")]
 static CLUSTER: std::sync::Mutex<std::sync::Weak<rediscluster::RedisCluster>> =

@@ -6,7 +6,7 @@
 
 #![cfg(feature = "mysql")]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,8 +2,6 @@
 //! `tower_idempotency::test_util` (feature `test-util`), run against each
 //! store of this crate by `store_suite!`, and the tests of one store each.
 
-mod common;
-
 use std::time::Duration;
 
 use tower_idempotency::store::{Claim, FencingToken, Purge, RecordId, Store};
