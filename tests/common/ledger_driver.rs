@@ -3,7 +3,7 @@
 //! key completes, then counts each key's credits in the database.
 //!
 //! Shared by `bench/storm` (`cargo run --release --example storm`, which
-//! prints the figures) and the tests that start ledgers (`tests/ledger_crash_sqlite.rs`
+//! prints the figures) and the tests that start ledgers (`integration/tests/ledger/crash_sqlite.rs`
 //! asserts the same figures). Standard library only, plus rusqlite to read the
 //! credits afterwards.
 

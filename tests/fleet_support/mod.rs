@@ -1,5 +1,5 @@
 //! The scenarios of several ledger processes on one database, shared by
-//! `tests/fleet.rs` (SQLite, PostgreSQL) and `integration/tests/mysql/fleet.rs`
+//! `integration/tests/ledger/fleet.rs` (SQLite, PostgreSQL) and `integration/tests/mysql/fleet.rs`
 //! (MySQL/MariaDB). The including test crate declares `mod driver` (the
 //! storm example's `driver.rs`) beside this module.
 

@@ -3,8 +3,7 @@
 //! the answer reaches the client. The client's retries carry the same key,
 //! so the ledger credits once and the third attempt gets the replay.
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
+use crate::driver;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

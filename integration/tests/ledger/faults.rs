@@ -13,8 +13,7 @@
 //!
 //! Each database test works in a database of its own, which it creates.
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
+use crate::driver;
 
 use std::path::Path;
 use std::sync::{Arc, Barrier};

@@ -6,11 +6,10 @@
 //! SQLite in both modes; on PostgreSQL with `--features postgres` and a
 //! server (`TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database).
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
+use crate::driver;
 
 #[cfg(feature = "postgres")]
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

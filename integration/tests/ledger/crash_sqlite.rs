@@ -4,8 +4,7 @@
 //! in separate mode none is lost, and only keys that died unanswered may be
 //! credited twice.
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
+use crate::driver;
 
 /// Four bursts of 32 keys against a ledger in `mode`, each ended by a kill;
 /// checks what holds in both modes: the kills landed mid-request and no key

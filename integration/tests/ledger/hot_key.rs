@@ -9,8 +9,7 @@
 //! writer, so its answer comes when that commit does. `bench/hotkey`
 //! measures the latencies on every store.
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
+use crate::driver;
 
 use driver::{Ledger, hot_key};
 

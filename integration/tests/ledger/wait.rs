@@ -10,8 +10,7 @@
 //! answered 201, the repeat 409 or the replay, one credit; on every store
 //! the ledger runs on, in both modes.
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
+use crate::driver;
 
 use std::path::Path;
 

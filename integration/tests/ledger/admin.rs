@@ -6,8 +6,7 @@
 
 #![cfg(feature = "admin")]
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
+use crate::driver;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

@@ -6,11 +6,8 @@
 //! with the ledger's defaults (no `--lease-secs`) on SQLite, PostgreSQL and
 //! Redis. `bench/recovery` measures the seconds.
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
 #[allow(dead_code)]
-#[path = "common/services.rs"]
-mod services;
+use crate::driver;
 
 use std::time::{Duration, Instant};
 
@@ -109,7 +106,7 @@ fn with_the_defaults_a_killed_holder_frees_its_key_within_15_s_on_sqlite() {
 #[cfg(feature = "postgres")]
 #[test]
 fn with_the_defaults_a_killed_holder_frees_its_key_within_15_s_on_postgres() {
-    let url = services::postgres_url();
+    let url = crate::common::services::postgres_url();
     defaults_free_a_killed_holders_key_within_15_s(std::path::Path::new(&url), &[]);
 }
 
@@ -131,14 +128,17 @@ fn a_killed_transactional_holder_frees_its_key_within_3_s(url: &str, extra: &[&s
 #[cfg(feature = "postgres")]
 #[test]
 fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_postgres() {
-    a_killed_transactional_holder_frees_its_key_within_3_s(&services::postgres_url(), &[]);
+    a_killed_transactional_holder_frees_its_key_within_3_s(
+        &crate::common::services::postgres_url(),
+        &[],
+    );
 }
 
 #[cfg(feature = "sqlx-postgres")]
 #[test]
 fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_sqlx_postgres() {
     a_killed_transactional_holder_frees_its_key_within_3_s(
-        &services::postgres_url(),
+        &crate::common::services::postgres_url(),
         &["--db-driver", "sqlx"],
     );
 }
@@ -146,14 +146,17 @@ fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_s
 #[cfg(feature = "mysql")]
 #[test]
 fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_mysql() {
-    a_killed_transactional_holder_frees_its_key_within_3_s(&services::mysql_url(), &[]);
+    a_killed_transactional_holder_frees_its_key_within_3_s(
+        &crate::common::services::mysql_url(),
+        &[],
+    );
 }
 
 #[cfg(feature = "redis")]
 #[test]
 fn with_the_defaults_a_killed_holder_frees_its_key_within_15_s_on_redis() {
     let dir = tempfile::tempdir().unwrap();
-    let redis = services::redis_url();
+    let redis = crate::common::services::redis_url();
     let db = dir.path().join("ledger.sqlite3");
     defaults_free_a_killed_holders_key_within_15_s(&db, &["--key-store", &redis]);
 }

@@ -5,8 +5,7 @@
 //! replayed, and the corrected request runs with the same key. A body sent
 //! with a `Content-Encoding` is refused 415.
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
+use crate::driver;
 
 use driver::{Answer, Ledger, request};
 

@@ -4,13 +4,9 @@
 //! PostgreSQL with `--features postgres` and a server
 //! (`TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database).
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
-mod fleet_support;
+use crate::fleet_support;
 
 #[cfg(feature = "postgres")]
-mod common;
-
 #[cfg(feature = "postgres")]
 use std::path::PathBuf;
 
