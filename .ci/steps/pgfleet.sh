@@ -2,8 +2,8 @@
 # PostgreSQL where fleets run: the ledger's conformance check against a private
 # PostgreSQL 15 cluster that accepts only TLS (hostssl), connecting with
 # sslmode=verify-full and a CA made here. Also checks what the TLS, failover
-# and partition tests (tests/postgres_tls.rs, tests/postgres_failover.rs,
-# tests/partition.rs, run by `cargo test --all-features`) need on this machine.
+# and partition tests (integration/tests/postgres/tls.rs, integration/tests/postgres/failover.rs,
+# integration/tests/postgres/partition.rs, run by `cargo test --all-features`) need on this machine.
 # Fails loudly, never skips. Port 15590 (127.0.0.1).
 set -euo pipefail
 

@@ -20,10 +20,8 @@
 
 #![cfg(feature = "postgres")]
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
-#[path = "common/pgcluster.rs"]
-mod pgcluster;
+use crate::driver;
+use crate::pgcluster;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -12,7 +12,7 @@
 
 #![cfg(all(feature = "postgres", feature = "redis"))]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -8,11 +8,9 @@
 
 #![cfg(feature = "postgres-tls")]
 
-mod common;
-#[path = "common/ledger_driver.rs"]
-mod driver;
-#[path = "common/pgcluster.rs"]
-mod pgcluster;
+use crate::common;
+use crate::driver;
+use crate::pgcluster;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -13,10 +13,8 @@
 
 #![cfg(feature = "postgres")]
 
-#[path = "common/ledger_driver.rs"]
-mod driver;
-#[path = "common/pgcluster.rs"]
-mod pgcluster;
+use crate::driver;
+use crate::pgcluster;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -4,7 +4,7 @@
 
 #![cfg(feature = "postgres")]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

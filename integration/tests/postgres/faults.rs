@@ -16,7 +16,7 @@
 
 #![cfg(feature = "postgres")]
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -8,8 +8,6 @@
 //! Needs PostgreSQL and MySQL/MariaDB (`TOWER_IDEMPOTENCY_POSTGRES_URL`,
 //! `TOWER_IDEMPOTENCY_MYSQL_URL`, or the local `test` databases).
 
-mod common;
-
 use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode};

@@ -6,8 +6,6 @@
 
 #![cfg(feature = "postgres")]
 
-mod common;
-
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Wake, Waker};
