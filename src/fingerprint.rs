@@ -224,7 +224,7 @@ impl Fingerprinter for JsonFingerprinter {
 /// `preserve_order` feature.
 ///
 /// Public but hidden, and not part of the API: the fuzz checks
-/// (`tests/fuzz_checks`) assert that it is a fixed point.
+/// (`integration/tests/fuzz_checks`) assert that it is a fixed point.
 #[doc(hidden)]
 pub fn canonical_json(value: &serde_json::Value) -> Vec<u8> {
     fn write(value: &serde_json::Value, out: &mut Vec<u8>) {

@@ -1,8 +1,8 @@
 #![no_main]
-//! libFuzzer target: `check_key` of `tests/fuzz_checks`, shared with the corpus replay
-//! of `tests/fuzz_corpus.rs`.
+//! libFuzzer target: `check_key` of `integration/tests/fuzz_checks`, shared with the corpus replay
+//! of `integration/tests/stores/fuzz_corpus.rs`.
 
-#[path = "../../tests/fuzz_checks/mod.rs"]
+#[path = "../../integration/tests/fuzz_checks/mod.rs"]
 #[allow(dead_code)]
 mod checks;
 

@@ -40,3 +40,12 @@ pub fn with_database(url: &str, db: &str) -> String {
 fn from_env(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
 }
+
+/// The sessions of the current database that wait for the advisory lock
+/// `$1` (a `bigint`: PostgreSQL splits it into `classid`, the high 32 bits,
+/// and `objid`, the low ones, with `objsubid` 1), as `pid`s. A test watches
+/// its own lock's waiters, so tests on one database run side by side.
+pub const ADVISORY_WAITERS: &str = "SELECT pid FROM pg_locks \
+     WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1 \
+       AND ((classid::bigint << 32) | objid::bigint) = $1 \
+       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";

@@ -2,10 +2,8 @@
 //! (`cargo test --test core`; one subject: `cargo test --test core layer::`).
 //! They need no server: the stores are in memory or SQLite files of their
 //! own, the servers on loopback ports the system picks, so modules run side
-//! by side. Three subjects are binaries of their own, because each needs the
-//! process to itself: `telemetry` and `misconfigured_route` install the
-//! global `tracing` subscriber (and the second counts what the whole process
-//! logged), and `fuzz_corpus` installs a counting global allocator.
+//! by side; the modules that read what they logged (`telemetry`,
+//! `misconfigured_route`) read their own thread's (`common::logs`).
 //!
 //! The binary needs the default features (`sqlite`, `axum`); a module that
 //! needs more says so with its `cfg`.
@@ -39,12 +37,14 @@ mod layer;
 #[cfg(feature = "test-util")]
 mod lease_renewal;
 mod memory_capacity;
+mod misconfigured_route;
 mod readme;
 mod service;
 mod sqlite_concurrent_transactions;
 mod sqlite_transactional;
 mod sqlite_transactional_panic;
 mod streaming;
+mod telemetry;
 #[cfg(feature = "test-util")]
 mod wait_abandoned;
 #[cfg(feature = "test-util")]

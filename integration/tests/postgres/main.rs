@@ -1,16 +1,22 @@
-//! `PostgresStore` (tokio-postgres), one module per subject in one binary
+//! PostgreSQL, both drivers (tokio-postgres: `PostgresStore`; sqlx:
+//! `SqlxPostgresStore`), one module per subject in one binary
 //! (`cargo test -p integration --features postgres --test postgres`; more
-//! features where a `cfg` says): the store against the server (`store`),
-//! faults on private clusters (`faults`), TLS (`tls`, ports 15510-15514),
-//! a primary's crash and a standby's promotion (`failover`, 15520-15521),
-//! a network partition through a proxy (`partition`, 15530-15533), the
-//! two-phase claim's cancel and takeover, and the notifications that wake
-//! another server's waiters. Private clusters have ports and directories of
-//! their own; on the shared `test` database each test has tables of its own,
-//! and the lock waits a test watches are its own tables' (`store`,
-//! `wake_other_server`), so modules run side by side. Tests that watch the
-//! whole database's lock waits stay binaries of their own
-//! (`tests/postgres_replay.rs`, `tests/*_stray_cancel.rs`).
+//! features where a `cfg` says): the store against the server (`store`,
+//! `sqlx_store`), its replays beside a session that holds the key's lock
+//! (`replay`), transactional mode over sqlx (`sqlx_transactional`), faults
+//! on private clusters and cut connections (`faults`, `sqlx_faults`), TLS
+//! (`tls`, ports 15510-15514), a primary's crash and a standby's promotion
+//! (`failover`, 15520-15521), a network partition through a proxy
+//! (`partition`, 15530-15533), the two-phase claim's cancel and takeover
+//! and a stray cancel of a pooled connection (`two_phase_cancel`,
+//! `two_phase_takeover`, `two_phase_stray_cancel`, `sqlx_stray_cancel`),
+//! the notifications that wake another server's waiters, and what is
+//! logged (`notices`, `sqlx_misconfigured`). Private clusters have ports
+//! and directories of their own; on the shared `test` database each test
+//! has tables of its own, the lock waits a test watches are its own
+//! tables' or its own advisory lock's (`common::services::ADVISORY_WAITERS`),
+//! and the log it reads is its own thread's (`common::logs`), so modules
+//! run side by side.
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
@@ -22,12 +28,27 @@ mod pgcluster;
 #[cfg(feature = "sqlite")]
 mod failover;
 mod faults;
+#[cfg(all(feature = "sqlx-postgres", feature = "outbox"))]
+mod notices;
 #[cfg(feature = "sqlite")]
 mod partition;
+#[cfg(feature = "sqlx-postgres")]
+mod replay;
+#[cfg(all(feature = "sqlx-postgres", feature = "axum"))]
+mod sqlx_faults;
+#[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite", feature = "axum"))]
+mod sqlx_misconfigured;
+#[cfg(feature = "sqlx-postgres")]
+mod sqlx_store;
+#[cfg(all(feature = "sqlx-postgres", feature = "axum"))]
+mod sqlx_stray_cancel;
+#[cfg(all(feature = "sqlx-postgres", feature = "axum"))]
+mod sqlx_transactional;
 mod store;
 #[cfg(all(feature = "sqlite", feature = "postgres-tls"))]
 mod tls;
 mod two_phase_cancel;
+mod two_phase_stray_cancel;
 #[cfg(all(feature = "sqlx-postgres", feature = "mysql"))]
 mod two_phase_takeover;
 #[cfg(feature = "redis")]

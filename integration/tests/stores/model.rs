@@ -64,7 +64,7 @@
 //! cases (84 rounds) each. `PROPTEST_CASES=n` runs `n` cases of every test
 //! instead. Each run draws new random seeds. A failing case is shrunk to a
 //! minimal one, printed, and its seed appended to
-//! `tests/model.proptest-regressions`; commit that file: proptest runs the
+//! `integration/tests/stores/model.proptest-regressions`; commit that file: proptest runs the
 //! seeds in it before any new case, on every later run.
 
 use std::sync::{Arc, LazyLock};
@@ -209,6 +209,10 @@ fn config(cases: u32) -> ProptestConfig {
         // reported as the simplest found so far: each try of a server's
         // case costs round trips, and proptest's default has no limit.
         max_shrink_time: 60_000,
+        // Beside this file, as `model.proptest-regressions`.
+        failure_persistence: Some(Box::new(
+            proptest::test_runner::FileFailurePersistence::WithSource("proptest-regressions"),
+        )),
         ..ProptestConfig::default()
     }
 }

@@ -3,9 +3,7 @@
 //! replayed. Needs a PostgreSQL server: `TOWER_IDEMPOTENCY_POSTGRES_URL`, or
 //! the local `test` database.
 
-#![cfg(all(feature = "postgres", feature = "sqlx-postgres"))]
-
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
@@ -116,15 +114,14 @@ async fn replays_under_locks<S: Store + Clone + 'static>(store: &S, table: &str)
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
-        let waiters: i64 = locker
-            .query_one(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-                 AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-                &[],
+        let waiters = locker
+            .query(
+                common::services::ADVISORY_WAITERS,
+                &[&advisory_key(table, "k2")],
             )
             .await
             .unwrap()
-            .get(0);
+            .len();
         if waiters >= 1 {
             break;
         }

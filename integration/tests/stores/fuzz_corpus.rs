@@ -1,21 +1,19 @@
 //! Replays every input of the committed fuzz corpus (`fuzz/corpus/<target>/`)
-//! through the checks the fuzz targets run (`tests/fuzz_checks`), without
-//! instrumentation. An input that once crashed a target, added to its corpus
-//! directory, stays a regression test here.
+//! through the checks the fuzz targets run (`integration/tests/fuzz_checks`),
+//! without instrumentation. An input that once crashed a target, added to
+//! its corpus directory, stays a regression test here. The binary's global
+//! allocator is the checks' counting one (`main.rs`); it counts per thread.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 
-mod fuzz_checks;
-
-#[global_allocator]
-static ALLOC: fuzz_checks::CountingAlloc = fuzz_checks::CountingAlloc;
+use crate::fuzz_checks;
 
 /// Runs `check` over every file of `fuzz/corpus/<target>` and names each
 /// input that fails. Returns how many inputs ran.
 fn replay(target: &str, check: fn(&[u8])) -> usize {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz/corpus")
+        .join("../fuzz/corpus")
         .join(target);
     let mut paths: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))

@@ -1,9 +1,9 @@
 //! What operators see: the `idempotency` span's fields and, with the
 //! `metrics` feature, the counters and histogram (names in `telemetry`).
 //!
-//! The subscriber and the recorder are installed for this thread only, and
-//! each test runs on a current-thread runtime, so the layer's spawned tasks
-//! report here too and tests do not see each other.
+//! The subscriber (`common::logs`) and the recorder collect for this
+//! thread only, and each test runs on a current-thread runtime, so the
+//! layer's spawned tasks report here too and tests do not see each other.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -19,7 +19,8 @@ use tower_idempotency::store::{MemoryStore, RecordId};
 use tower_idempotency::test_util::ManualClock;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
-use tracing_subscriber::layer::{Context, SubscriberExt};
+
+use crate::common;
 
 /// The raw key: it must never reach a span or an event.
 const KEY: &str = "order-secret-4711";
@@ -48,47 +49,7 @@ impl Visit for Fields<'_> {
     }
 }
 
-thread_local! {
-    /// The sink of this test's thread.
-    static SINK: std::cell::RefCell<Option<Spans>> = const { std::cell::RefCell::new(None) };
-}
-
-/// The process-wide subscriber's layer: hands everything to the sink of the
-/// thread it happens on. (Thread-local subscribers race on tracing's cached
-/// per-callsite interest when tests run in parallel; one global subscriber
-/// does not.)
-struct ToThreadSink;
-
-fn with_sink(f: impl FnOnce(&Spans)) {
-    SINK.with(|sink| {
-        if let Some(spans) = &*sink.borrow() {
-            f(spans);
-        }
-    });
-}
-
-impl<S> tracing_subscriber::Layer<S> for ToThreadSink
-where
-    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
-{
-    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, _: Context<'_, S>) {
-        with_sink(|spans| spans.new_span(attrs, id));
-    }
-
-    fn on_record(&self, id: &Id, values: &Record<'_>, _: Context<'_, S>) {
-        with_sink(|spans| spans.record(id, values));
-    }
-
-    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
-        with_sink(|spans| spans.event(event));
-    }
-
-    fn on_close(&self, id: Id, _: Context<'_, S>) {
-        with_sink(|spans| spans.close(id));
-    }
-}
-
-impl Spans {
+impl common::logs::Sink for Spans {
     fn new_span(&self, attrs: &Attributes<'_>, id: &Id) {
         let mut fields = BTreeMap::new();
         attrs.record(&mut Fields(&mut fields));
@@ -129,12 +90,7 @@ impl Spans {
 impl Spans {
     /// Collects what happens on this thread from now on.
     fn install(&self) {
-        static GLOBAL: std::sync::Once = std::sync::Once::new();
-        GLOBAL.call_once(|| {
-            let subscriber = tracing_subscriber::registry().with(ToThreadSink);
-            tracing::subscriber::set_global_default(subscriber).unwrap();
-        });
-        SINK.with(|sink| *sink.borrow_mut() = Some(self.clone()));
+        common::logs::route_here(Arc::new(self.clone()));
     }
 
     /// The closed spans' `claim` and `outcome`, in order.

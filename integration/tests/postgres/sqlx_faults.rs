@@ -10,7 +10,7 @@
 //! (`initdb`/`pg_ctl` under `/usr/lib/postgresql/*/bin`, run as the
 //! `postgres` user). A missing server or tool fails.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

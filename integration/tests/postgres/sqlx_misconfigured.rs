@@ -1,13 +1,12 @@
 //! A route whose handler takes the transaction extractor, behind a layer
 //! that is not `.transactional()`: each request gets a 500 problem saying
-//! so, and the process logs it once for each database's transaction. (One
-//! test in this binary: the log is once per process.) Here for
+//! so, and the process logs it once for each database's transaction. (The
+//! only test of this binary that meets the mistake: the log is once per
+//! process.) The test reads its own thread's log (`common::logs`). Here for
 //! `SqlxPostgresTransaction`, on PostgreSQL (`TOWER_IDEMPOTENCY_POSTGRES_URL`,
 //! or the local `test` database), then `SqlxSqliteTransaction`.
 
-mod common;
-
-use std::sync::Mutex;
+use crate::common;
 
 use axum::Router;
 use axum::body::Body;
@@ -21,10 +20,6 @@ use tower_idempotency::scope::GlobalScope;
 use tower_idempotency_sqlx::{
     SqlxPostgresStore, SqlxPostgresTransaction, SqlxSqliteStore, SqlxSqliteTransaction,
 };
-use tracing_subscriber::layer::SubscriberExt;
-
-/// Every error event of the process, as `message | detail`.
-static ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 /// Two requests to a misconfigured route: each a 500 problem naming the
 /// transaction type `name`.
@@ -58,13 +53,7 @@ async fn misconfigured(app: Router, name: &str) -> String {
 
 #[tokio::test]
 async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_once_per_database() {
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(
-        common::logs::Collector {
-            keep: |level, _| *level == tracing::Level::ERROR,
-            into: &ERRORS,
-        },
-    ))
-    .unwrap();
+    let errors = common::logs::capture(|level, _| *level == tracing::Level::ERROR);
     let url = crate::common::services::postgres_url();
     let pool = sqlx::PgPool::connect(&url)
         .await
@@ -76,7 +65,7 @@ async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_o
         .route("/credits", post(handler))
         .route_layer(IdempotencyLayer::new(store, GlobalScope).require_key(true));
     let pg = misconfigured(app, "SqlxPostgresTransaction").await;
-    assert_eq!(*ERRORS.lock().unwrap(), vec![pg.clone()]);
+    assert_eq!(errors.kept(), vec![pg.clone()]);
 
     // The same mistake on another database is logged once too: the
     // extractor is one generic impl, its log one per database.
@@ -91,5 +80,5 @@ async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_o
         .route("/credits", post(handler))
         .route_layer(IdempotencyLayer::new(store, GlobalScope).require_key(true));
     let lite = misconfigured(app, "SqlxSqliteTransaction").await;
-    assert_eq!(*ERRORS.lock().unwrap(), vec![pg, lite]);
+    assert_eq!(errors.kept(), vec![pg, lite]);
 }

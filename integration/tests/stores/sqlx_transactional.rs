@@ -22,9 +22,7 @@
 //! `TOWER_IDEMPOTENCY_MYSQL_URL` (`tests/common/services.rs`), each under
 //! its store's feature; a server that cannot be reached fails its tests.
 
-#![cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite", feature = "mysql"))]
-
-mod common;
+use crate::common;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -551,7 +549,7 @@ macro_rules! suite {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $name() {
-                crate::$name::<$b>().await
+                crate::sqlx_transactional::$name::<$b>().await
             }
         )*
     };

@@ -6,7 +6,7 @@
 //! `TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database; a server
 //! that cannot be reached fails.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The properties the fuzz targets check, one `check_*` function per target.
 //!
 //! Shared by two builds: the libFuzzer targets in `fuzz/fuzz_targets/`
-//! include this file with `#[path]`, and `tests/fuzz_corpus.rs` replays every
+//! include this file with `#[path]`, and `integration/tests/stores/fuzz_corpus.rs` replays every
 //! committed corpus input through it in the normal `cargo test`. Each check
 //! takes the raw input bytes and panics when a property does not hold.
 

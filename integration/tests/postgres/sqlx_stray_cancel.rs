@@ -8,9 +8,7 @@
 //! connection until the test lets it through. Needs PostgreSQL:
 //! `TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database.
 
-#![cfg(feature = "sqlx-postgres")]
-
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -212,14 +210,13 @@ async fn a_late_max_hold_cancel_never_stops_the_next_request_on_the_same_connect
     let b = tokio::spawn(async move {
         common::send(addr, "POST", "/b", &[("idempotency-key", b"\"b\"")], b"{}").await
     });
-    let waiting = "SELECT pid FROM pg_stat_activity
-         WHERE wait_event_type = 'Lock' AND query LIKE '%pg_advisory_lock%'
-           AND pid <> pg_backend_pid()";
+    let waiting = common::services::ADVISORY_WAITERS;
     // If A's connection went back to the pool already, B waits for the
     // lock on it now (bounded: with the connection held until the cancel
     // is through, B cannot start).
     for _ in 0..50 {
         let rows: Vec<i32> = sqlx::query_scalar(waiting)
+            .bind(lock)
             .fetch_all(&mut watcher)
             .await
             .unwrap();
@@ -240,6 +237,7 @@ async fn a_late_max_hold_cancel_never_stops_the_next_request_on_the_same_connect
             break;
         }
         let rows: Vec<i32> = sqlx::query_scalar(waiting)
+            .bind(lock)
             .fetch_all(&mut watcher)
             .await
             .unwrap();

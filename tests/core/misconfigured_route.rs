@@ -1,11 +1,7 @@
 //! A route whose handler takes the transaction extractor, behind a layer
 //! that is not `.transactional()`: each request gets a 500 problem saying
-//! so, and the process logs it once. (One test in this binary: the log is
-//! once per process.)
-
-mod common;
-
-use std::sync::Mutex;
+//! so, and the process logs it once. (The only test of this binary that
+//! meets the mistake: the log is once per process.)
 
 use axum::Router;
 use axum::body::Body;
@@ -17,20 +13,12 @@ use tower::ServiceExt;
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::scope::GlobalScope;
 use tower_idempotency::store::{SqliteStore, SqliteTransaction};
-use tracing_subscriber::layer::SubscriberExt;
 
-/// Every error event of the process, as `message | detail`.
-static ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+use crate::common;
 
 #[tokio::test]
 async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_once() {
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(
-        common::logs::Collector {
-            keep: |level, _| *level == tracing::Level::ERROR,
-            into: &ERRORS,
-        },
-    ))
-    .unwrap();
+    let errors = common::logs::capture(|level, _| *level == tracing::Level::ERROR);
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("app.sqlite3"))
         .await
@@ -61,7 +49,7 @@ async fn a_transaction_extractor_without_a_transactional_layer_is_a_500_logged_o
         );
     }
     assert_eq!(
-        *ERRORS.lock().unwrap(),
+        errors.kept(),
         vec![format!(
             "message=a handler's extractor found nothing in the request: the route is configured wrong; answering 500 (logged once per process);detail={detail:?};"
         )]

@@ -3,8 +3,6 @@
 //! `TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database. A server
 //! that cannot be reached fails every test here; nothing is skipped.
 
-mod common;
-
 use std::time::Duration;
 
 use sqlx::PgPool;

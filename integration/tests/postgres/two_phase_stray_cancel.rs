@@ -9,9 +9,7 @@
 //! connection until the test lets it through. Needs PostgreSQL:
 //! `TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database.
 
-#![cfg(feature = "postgres")]
-
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -215,12 +213,7 @@ async fn a_late_max_hold_cancel_never_stops_the_next_request_on_the_same_connect
     let mut b_pid = None;
     for _ in 0..1_500 {
         let rows = watcher
-            .query(
-                "SELECT pid FROM pg_stat_activity
-                 WHERE wait_event_type = 'Lock' AND query LIKE '%pg_advisory_lock%'
-                   AND pid <> pg_backend_pid()",
-                &[],
-            )
+            .query(common::services::ADVISORY_WAITERS, &[&lock])
             .await
             .unwrap();
         if let Some(row) = rows.first() {
