@@ -448,10 +448,8 @@ pub type PolicyFn = GrpcStorePolicy;
 /// The layer as configured for the payments service.
 pub type PaymentsLayer<St> = IdempotencyLayer<St, CallerFn, DefaultFingerprinter, PolicyFn>;
 /// The payments service behind the layer, under its gRPC name.
-pub type IdempotentPayments<St> = Named<
-    PaymentsServer,
-    Idempotency<PaymentsServer, St, CallerFn, DefaultFingerprinter, PolicyFn>,
->;
+pub type IdempotentPayments<St> =
+    Named<PaymentsServer, Idempotency<PaymentsServer, PaymentsLayer<St>>>;
 
 /// The layer for gRPC: a required key, scoped by [`caller`], rejections as
 /// gRPC statuses, and [`GrpcStorePolicy`].

@@ -332,7 +332,7 @@ where
     F: Clone,
     P: Clone,
 {
-    type Service = Idempotency<S, St, Sc, F, P, M>;
+    type Service = Idempotency<S, Self>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency::from_config(inner, self.store.clone(), Arc::new(self.config.clone()))
@@ -341,9 +341,7 @@ where
 
 /// The service's own constructors, as tower-http's services have: kept
 /// here, beside the layer they build on, so the service needs no layer.
-impl<S, St: Store, Sc: Scope + Clone>
-    Idempotency<S, St, Sc, DefaultFingerprinter, DefaultStorePolicy>
-{
+impl<S, St: Store, Sc: Scope + Clone> Idempotency<S, IdempotencyLayer<St, Sc>> {
     /// `inner` behind [`IdempotencyLayer::new`]`(store, scope)` with every
     /// default: the same as `IdempotencyLayer::new(store, scope).layer(inner)`.
     pub fn new(inner: S, store: St, scope: Sc) -> Self {

@@ -158,7 +158,7 @@ pub use response::{StoredBody, StoredResponse};
 /// crate that moves to a newer rusqlite is a breaking release.
 #[cfg(feature = "sqlite")]
 pub use rusqlite;
-pub use service::{Idempotency, ResponseFuture};
+pub use service::{Idempotency, LayerTypes, ResponseFuture};
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
 pub use store::{DEFAULT_LEASE, DEFAULT_MAX_HOLD, DEFAULT_TTL};

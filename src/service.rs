@@ -20,7 +20,6 @@
 //!    that reads it bounds how long it is read.
 
 use std::future::Future;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -31,12 +30,13 @@ use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
+use crate::IdempotencyLayer;
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::{Config, Settings};
-use crate::fingerprint::{DefaultFingerprinter, Fingerprinter};
+use crate::fingerprint::Fingerprinter;
 use crate::key::parse_key;
-use crate::mode::{Mode, Separate};
-use crate::policy::{DefaultStorePolicy, StorePolicy};
+use crate::mode::Mode;
+use crate::policy::StorePolicy;
 use crate::problem::Rejection;
 use crate::scope::Scope;
 use crate::store::Store;
@@ -51,30 +51,63 @@ use intercept::intercept;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The service made by [`crate::IdempotencyLayer`].
+/// The service made by [`IdempotencyLayer`]: `inner` behind the layer `L`.
+///
+/// Named by the inner service and the layer that made it, as in
+/// `Idempotency<Router, IdempotencyLayer<SqliteStore, GlobalScope>>`: the
+/// layer's type carries the store, the scope, the fingerprinter, the store
+/// policy and the [mode](crate::mode).
 ///
 /// The inner service receives `Request<`[`RequestBody<B>`]`>` and its errors
 /// pass through unchanged (`Error = S::Error`); the layer's own rejections are
 /// responses, so it can sit in axum, whose services must be infallible.
-pub struct Idempotency<S, St, Sc, F = DefaultFingerprinter, P = DefaultStorePolicy, M = Separate> {
+pub struct Idempotency<S, L: LayerTypes> {
     inner: S,
-    store: St,
-    config: Arc<Config<Sc, F, P>>,
-    mode: PhantomData<fn() -> M>,
+    store: L::Store,
+    config: Arc<Config<L::Scope, L::Fingerprinter, L::Policy>>,
 }
 
-impl<S: Clone, St: Clone, Sc, F, P, M> Clone for Idempotency<S, St, Sc, F, P, M> {
+/// The types an [`IdempotencyLayer`] fixes, which its service
+/// [`Idempotency`] is made of. Implemented by `IdempotencyLayer` alone
+/// (sealed).
+pub trait LayerTypes: sealed::Sealed {
+    /// The [`Store`].
+    type Store;
+    /// The [`Scope`].
+    type Scope;
+    /// The [`Fingerprinter`].
+    type Fingerprinter;
+    /// The [`StorePolicy`].
+    type Policy;
+    /// The [mode](crate::mode): [`crate::mode::Separate`] or [`crate::mode::Transactional`].
+    type Mode;
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+impl<St, Sc, F, P, M> sealed::Sealed for IdempotencyLayer<St, Sc, F, P, M> {}
+
+impl<St, Sc, F, P, M> LayerTypes for IdempotencyLayer<St, Sc, F, P, M> {
+    type Store = St;
+    type Scope = Sc;
+    type Fingerprinter = F;
+    type Policy = P;
+    type Mode = M;
+}
+
+impl<S: Clone, L: LayerTypes<Store: Clone>> Clone for Idempotency<S, L> {
     fn clone(&self) -> Self {
         Idempotency {
             inner: self.inner.clone(),
             store: self.store.clone(),
             config: self.config.clone(),
-            mode: PhantomData,
         }
     }
 }
 
-impl<S: std::fmt::Debug, St, Sc, F, P, M> std::fmt::Debug for Idempotency<S, St, Sc, F, P, M> {
+impl<S: std::fmt::Debug, L: LayerTypes> std::fmt::Debug for Idempotency<S, L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
@@ -82,13 +115,16 @@ impl<S: std::fmt::Debug, St, Sc, F, P, M> std::fmt::Debug for Idempotency<S, St,
     }
 }
 
-impl<S, St, Sc, F, P, M> Idempotency<S, St, Sc, F, P, M> {
-    pub(crate) fn from_config(inner: S, store: St, config: Arc<Config<Sc, F, P>>) -> Self {
+impl<S, L: LayerTypes> Idempotency<S, L> {
+    pub(crate) fn from_config(
+        inner: S,
+        store: L::Store,
+        config: Arc<Config<L::Scope, L::Fingerprinter, L::Policy>>,
+    ) -> Self {
         Idempotency {
             inner,
             store,
             config,
-            mode: PhantomData,
         }
     }
 
@@ -109,7 +145,7 @@ impl<S, St, Sc, F, P, M> Idempotency<S, St, Sc, F, P, M> {
 }
 
 impl<S, St, Sc, F, P, M, ReqBody, ResBody> Service<Request<ReqBody>>
-    for Idempotency<S, St, Sc, F, P, M>
+    for Idempotency<S, IdempotencyLayer<St, Sc, F, P, M>>
 where
     M: Mode<St>,
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>

@@ -164,8 +164,11 @@ fn the_inner_service_is_reachable() {
     // And made as tower-http's services are: `new`, or `layer` to configure.
     let svc = tower_idempotency::Idempotency::new(Inner(3), MemoryStore::new(), GlobalScope);
     assert_eq!(svc.get_ref(), &Inner(3));
-    let layer =
-        tower_idempotency::Idempotency::<Inner, _, _>::layer(MemoryStore::new(), GlobalScope)
-            .require_key(true);
+    let layer = tower_idempotency::Idempotency::<Inner, _>::layer(MemoryStore::new(), GlobalScope)
+        .require_key(true);
     assert_eq!(layer.layer(Inner(4)).into_inner(), Inner(4));
+    // Named by the inner service and the layer that made it.
+    let svc: tower_idempotency::Idempotency<Inner, IdempotencyLayer<MemoryStore, GlobalScope>> =
+        IdempotencyLayer::new(MemoryStore::new(), GlobalScope).layer(Inner(5));
+    assert_eq!(svc.into_inner(), Inner(5));
 }
