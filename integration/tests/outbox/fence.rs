@@ -53,6 +53,69 @@ async fn until<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> 
     panic!("timed out waiting until {what}");
 }
 
+/// One message (`key`) in a new SQLite outbox, relays whose every attempt
+/// the test answers, and relay 1 stalled past its lease in attempt 1.
+struct Scene {
+    _dir: tempfile::TempDir,
+    db: std::path::PathBuf,
+    outbox: Outbox,
+    to_test: mpsc::UnboundedSender<Pending>,
+    deliveries: mpsc::UnboundedReceiver<Pending>,
+}
+
+impl Scene {
+    async fn new(key: &str) -> Scene {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("outbox.sqlite3");
+        let outbox = Outbox::sqlite(&db).await.unwrap();
+        let m = Message::with_key(key, "http://127.0.0.1:9/", "text/plain", b"x".to_vec()).unwrap();
+        assert!(outbox::sqlite::enqueue(&conn(&db), &m).unwrap());
+        let (to_test, deliveries) = mpsc::unbounded_channel();
+        Scene {
+            _dir: dir,
+            db,
+            outbox,
+            to_test,
+            deliveries,
+        }
+    }
+
+    fn relay(&self) -> outbox::RelayHandle {
+        self.outbox
+            .relay(scripted(self.to_test.clone()))
+            .max_in_flight(1)
+            .lease(Duration::from_secs(60))
+            .answer_timeout(Duration::from_secs(60))
+            .poll_interval(Duration::from_millis(10))
+            .backoff(Duration::from_millis(1), Duration::from_millis(2))
+            .max_attempts(Some(10))
+            .spawn()
+    }
+
+    /// Relay 1 delivers attempt 1, is asked to stop (so it claims nothing
+    /// more: its stop flag is set by the first poll of `shutdown`, which
+    /// then waits for the attempt in flight), and stalls past its lease
+    /// (the lease ends now). Returns attempt 1's answer and relay 1's end.
+    async fn stall_first(
+        &mut self,
+    ) -> (oneshot::Sender<Outcome>, impl Future<Output = ()> + use<>) {
+        let first = self.relay();
+        let (attempt, late) = next(&mut self.deliveries).await;
+        assert_eq!(attempt, 1);
+        let mut first_stopped = Box::pin(first.shutdown());
+        assert!(
+            first_stopped
+                .as_mut()
+                .poll(&mut Context::from_waker(Waker::noop()))
+                .is_pending()
+        );
+        conn(&self.db)
+            .execute("UPDATE tower_idempotency_outbox SET lease_until_ms = 0", [])
+            .unwrap();
+        (late, first_stopped)
+    }
+}
+
 /// Relay 1 delivers attempt 1 and stalls past its lease; relay 2 takes the
 /// message over (attempt 2), it is refused and dead-lettered; an operator
 /// requeues it and relay 2 claims it again (attempt 1 once more, as the
@@ -60,58 +123,21 @@ async fn until<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> 
 /// be refused by the fence: relay 2 still holds the message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_finish_before_a_requeue_does_not_touch_the_reclaimed_row() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("outbox.sqlite3");
-    let outbox = Outbox::sqlite(&db).await.unwrap();
-    let m = Message::with_key(
-        "fence-1",
-        "http://127.0.0.1:9/",
-        "text/plain",
-        b"x".to_vec(),
-    )
-    .unwrap();
-    assert!(outbox::sqlite::enqueue(&conn(&db), &m).unwrap());
-    let (to_test, mut deliveries) = mpsc::unbounded_channel();
-    let relay = |outbox: &Outbox| {
-        outbox
-            .relay(scripted(to_test.clone()))
-            .max_in_flight(1)
-            .lease(Duration::from_secs(60))
-            .answer_timeout(Duration::from_secs(60))
-            .poll_interval(Duration::from_millis(10))
-            .backoff(Duration::from_millis(1), Duration::from_millis(2))
-            .max_attempts(Some(10))
-    };
+    let mut scene = Scene::new("fence-1").await;
+    let (late, first_stopped) = scene.stall_first().await;
 
-    let first = relay(&outbox).spawn();
-    let (attempt, late) = next(&mut deliveries).await;
-    assert_eq!(attempt, 1);
-    // Relay 1 claims nothing more: its stop flag is set by the first poll
-    // of `shutdown`, which then waits for the attempt in flight.
-    let mut first_stopped = Box::pin(first.shutdown());
-    assert!(
-        first_stopped
-            .as_mut()
-            .poll(&mut Context::from_waker(Waker::noop()))
-            .is_pending()
-    );
-    // Relay 1 stalls past its lease (its lease ends now).
-    conn(&db)
-        .execute("UPDATE tower_idempotency_outbox SET lease_until_ms = 0", [])
-        .unwrap();
-
-    let second = relay(&outbox).spawn();
-    let (attempt, refuse) = next(&mut deliveries).await;
+    let second = scene.relay();
+    let (attempt, refuse) = next(&mut scene.deliveries).await;
     assert_eq!(attempt, 2, "relay 2 took the message over");
     refuse.send(Outcome::Reject("refused".into())).unwrap();
     until("the message is a dead letter", || async {
-        outbox.counts().await.unwrap().dead == 1
+        scene.outbox.counts().await.unwrap().dead == 1
     })
     .await;
-    let dead = outbox.list(View::Dead, 10).await.unwrap();
+    let dead = scene.outbox.list(View::Dead, 10).await.unwrap();
     assert_eq!(dead.len(), 1);
-    assert!(outbox.requeue(dead[0].id).await.unwrap());
-    let (attempt, held) = next(&mut deliveries).await;
+    assert!(scene.outbox.requeue(dead[0].id).await.unwrap());
+    let (attempt, held) = next(&mut scene.deliveries).await;
     assert_eq!(attempt, 1, "a requeued message starts its attempts again");
 
     // Relay 1's attempt 1 ends now, long after its lease: its finish must
@@ -119,13 +145,13 @@ async fn a_late_finish_before_a_requeue_does_not_touch_the_reclaimed_row() {
     late.send(Outcome::Retry("late answer of the first attempt".into()))
         .unwrap();
     first_stopped.await;
-    let counts = outbox.counts().await.unwrap();
+    let counts = scene.outbox.counts().await.unwrap();
     assert_eq!(
         (counts.pending, counts.in_flight, counts.dead, counts.done),
         (0, 1, 0, 0),
         "relay 2 still holds the message: the stale attempt changed nothing"
     );
-    let in_flight = outbox.list(View::InFlight, 10).await.unwrap();
+    let in_flight = scene.outbox.list(View::InFlight, 10).await.unwrap();
     assert_eq!(in_flight.len(), 1);
     assert_eq!(
         in_flight[0].last_error.as_deref(),
@@ -135,13 +161,13 @@ async fn a_late_finish_before_a_requeue_does_not_touch_the_reclaimed_row() {
 
     held.send(Outcome::Delivered).unwrap();
     second.shutdown().await;
-    let counts = outbox.counts().await.unwrap();
+    let counts = scene.outbox.counts().await.unwrap();
     assert_eq!(
         (counts.pending, counts.in_flight, counts.dead, counts.done),
         (0, 0, 0, 1)
     );
     assert!(
-        deliveries.try_recv().is_err(),
+        scene.deliveries.try_recv().is_err(),
         "three deliveries in all, none while relay 2 held the message"
     );
 }
@@ -150,48 +176,15 @@ async fn a_late_finish_before_a_requeue_does_not_touch_the_reclaimed_row() {
 /// was claimed is refused (attempts only grow).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_finish_of_an_old_attempt_does_not_touch_the_reclaimed_row() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("outbox.sqlite3");
-    let outbox = Outbox::sqlite(&db).await.unwrap();
-    let m = Message::with_key(
-        "fence-2",
-        "http://127.0.0.1:9/",
-        "text/plain",
-        b"x".to_vec(),
-    )
-    .unwrap();
-    assert!(outbox::sqlite::enqueue(&conn(&db), &m).unwrap());
-    let (to_test, mut deliveries) = mpsc::unbounded_channel();
-    let relay = |outbox: &Outbox| {
-        outbox
-            .relay(scripted(to_test.clone()))
-            .max_in_flight(1)
-            .lease(Duration::from_secs(60))
-            .answer_timeout(Duration::from_secs(60))
-            .poll_interval(Duration::from_millis(10))
-            .backoff(Duration::from_millis(1), Duration::from_millis(2))
-            .max_attempts(Some(10))
-    };
-    let first = relay(&outbox).spawn();
-    let (attempt, late) = next(&mut deliveries).await;
-    assert_eq!(attempt, 1);
-    let mut first_stopped = Box::pin(first.shutdown());
-    assert!(
-        first_stopped
-            .as_mut()
-            .poll(&mut Context::from_waker(Waker::noop()))
-            .is_pending()
-    );
-    conn(&db)
-        .execute("UPDATE tower_idempotency_outbox SET lease_until_ms = 0", [])
-        .unwrap();
-    let second = relay(&outbox).spawn();
-    let (attempt, held) = next(&mut deliveries).await;
+    let mut scene = Scene::new("fence-2").await;
+    let (late, first_stopped) = scene.stall_first().await;
+    let second = scene.relay();
+    let (attempt, held) = next(&mut scene.deliveries).await;
     assert_eq!(attempt, 2);
     late.send(Outcome::Reject("late refusal of attempt 1".into()))
         .unwrap();
     first_stopped.await;
-    let counts = outbox.counts().await.unwrap();
+    let counts = scene.outbox.counts().await.unwrap();
     assert_eq!(
         (counts.pending, counts.in_flight, counts.dead, counts.done),
         (0, 1, 0, 0),
@@ -199,10 +192,10 @@ async fn a_late_finish_of_an_old_attempt_does_not_touch_the_reclaimed_row() {
     );
     held.send(Outcome::Delivered).unwrap();
     second.shutdown().await;
-    let counts = outbox.counts().await.unwrap();
+    let counts = scene.outbox.counts().await.unwrap();
     assert_eq!(
         (counts.pending, counts.in_flight, counts.dead, counts.done),
         (0, 0, 0, 1)
     );
-    assert!(deliveries.try_recv().is_err());
+    assert!(scene.deliveries.try_recv().is_err());
 }
