@@ -190,6 +190,17 @@ CREATE UNIQUE INDEX IF NOT EXISTS credits_request ON credits (request) WHERE req
     #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     pub const POSTGRES_LOCK: &str = "SELECT pg_advisory_xact_lock(7261)";
 
+    #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+    /// Whether the tables are as `POSTGRES` leaves them, so a ledger that
+    /// starts beside running ones skips its DDL: `ALTER TABLE` (even one
+    /// that adds nothing) and `CREATE INDEX` take locks that wait for every
+    /// open transaction on `credits`, and every statement on it then waits
+    /// behind them (a 20 s credit would stall the fleet's credits).
+    pub const POSTGRES_CURRENT: &str = "SELECT (SELECT count(*) FROM information_schema.columns
+        WHERE table_schema = current_schema() AND table_name = 'credits'
+          AND column_name IN ('request', 'balance_after')) = 2
+        AND to_regclass('credits_request') IS NOT NULL";
+
     #[cfg(feature = "mysql")]
     /// InnoDB: transactions and row locks. Each `CREATE TABLE IF NOT EXISTS`
     /// is atomic, so ledgers starting together do not race.
@@ -210,6 +221,14 @@ CREATE UNIQUE INDEX IF NOT EXISTS credits_request ON credits (request) WHERE req
         "ALTER TABLE credits ADD COLUMN request VARCHAR(64) NULL UNIQUE,
             ADD COLUMN balance_after BIGINT NULL",
     ];
+
+    #[cfg(feature = "mysql")]
+    /// As `POSTGRES_CURRENT`: the `ALTER TABLE` above waits for a metadata
+    /// lock behind every open transaction on `credits` (and `accounts`,
+    /// its parent), and every statement on them then waits behind it.
+    pub const MYSQL_CURRENT: &str = "SELECT COUNT(*) = 2 FROM information_schema.columns
+        WHERE table_schema = DATABASE() AND table_name = 'credits'
+          AND column_name IN ('request', 'balance_after')";
 }
 
 /// Completed records every store of the ledger keeps in memory for

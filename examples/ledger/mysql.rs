@@ -20,8 +20,12 @@ pub async fn open(
         .open()
         .await?;
     let pool = store.pool().clone();
-    for statement in schema::MYSQL {
-        match pool.execute(statement).await {
+    let current = sqlx::query_scalar::<_, i64>(schema::MYSQL_CURRENT)
+        .fetch_one(&pool)
+        .await?
+        == 1;
+    for statement in schema::MYSQL.iter().filter(|_| !current) {
+        match pool.execute(*statement).await {
             // The columns are there already (1060: duplicate column name).
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42S21") => {}
             done => {

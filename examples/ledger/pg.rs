@@ -29,10 +29,16 @@ pub async fn open(url: &str, records: bool) -> Result<(Postgres, Option<Postgres
         .await?;
     let pool = store.pool().clone();
     let mut client = pool.get().await?;
-    let tx = client.transaction().await?;
-    tx.execute(schema::POSTGRES_LOCK, &[]).await?;
-    tx.batch_execute(schema::POSTGRES).await?;
-    tx.commit().await?;
+    let current: bool = client
+        .query_one(schema::POSTGRES_CURRENT, &[])
+        .await?
+        .get(0);
+    if !current {
+        let tx = client.transaction().await?;
+        tx.execute(schema::POSTGRES_LOCK, &[]).await?;
+        tx.batch_execute(schema::POSTGRES).await?;
+        tx.commit().await?;
+    }
     let db = Postgres { pool };
     Ok((db, records.then_some(store)))
 }

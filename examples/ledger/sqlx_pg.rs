@@ -29,10 +29,15 @@ pub async fn open(
         .replay_cache(REPLAY_CACHE)
         .open()
         .await?;
-    let mut tx = pool.begin().await?;
-    sqlx::query(schema::POSTGRES_LOCK).execute(&mut *tx).await?;
-    sqlx::raw_sql(schema::POSTGRES).execute(&mut *tx).await?;
-    tx.commit().await?;
+    let current: bool = sqlx::query_scalar(schema::POSTGRES_CURRENT)
+        .fetch_one(&pool)
+        .await?;
+    if !current {
+        let mut tx = pool.begin().await?;
+        sqlx::query(schema::POSTGRES_LOCK).execute(&mut *tx).await?;
+        sqlx::raw_sql(schema::POSTGRES).execute(&mut *tx).await?;
+        tx.commit().await?;
+    }
     Ok((SqlxDb { pool }, records.then_some(store)))
 }
 

@@ -671,7 +671,7 @@ fn slow_credit(
 }
 
 /// Creates an account named `name` (its key too) for `caller`; its id.
-fn create_account(ledger: &Ledger, caller: (&str, &str), name: &str) -> i64 {
+pub fn create_account(ledger: &Ledger, caller: (&str, &str), name: &str) -> i64 {
     let created = request(
         ledger.addr,
         "POST",

@@ -28,7 +28,7 @@ use tower_idempotency::store::kit::feed::{DEFAULT_MAX_WATCHED_KEYS, Feed, change
 use tower_idempotency::store::kit::held::HeldKeys;
 use tower_idempotency::store::kit::pg_sql::{
     LOCK_NOT_AVAILABLE, PgSql, advisory_key, busy_is_in_flight, lock_wait_ms, renew_arrays,
-    renewed_in_order, schema,
+    renewed_in_order, schema, schema_current,
 };
 use tower_idempotency::store::kit::purge::{PurgeTask, in_batches};
 use tower_idempotency::store::{
@@ -281,16 +281,23 @@ impl PostgresStoreBuilder {
             .get()
             .await
             .map_err(|e| connect::startup_error(&target, e))?;
-        let tx = client.transaction().await.map_err(unavailable)?;
-        // Two servers starting at once would race on CREATE TABLE.
-        let lock = advisory_key(&self.settings.table, "migrate", "");
-        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
+        let current: bool = client
+            .query_one(&schema_current(&self.settings.table), &[])
             .await
-            .map_err(unavailable)?;
-        tx.batch_execute(&schema(&self.settings.table))
-            .await
-            .map_err(unavailable)?;
-        tx.commit().await.map_err(unavailable)?;
+            .map_err(unavailable)?
+            .get(0);
+        if !current {
+            let tx = client.transaction().await.map_err(unavailable)?;
+            // Two servers starting at once would race on CREATE TABLE.
+            let lock = advisory_key(&self.settings.table, "migrate", "");
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
+                .await
+                .map_err(unavailable)?;
+            tx.batch_execute(&schema(&self.settings.table))
+                .await
+                .map_err(unavailable)?;
+            tx.commit().await.map_err(unavailable)?;
+        }
         let mut store = PostgresStore {
             pool,
             renewals,

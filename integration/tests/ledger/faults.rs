@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 
 use driver::{Ledger, request};
 
+use crate::{block_on, fresh_postgres_database};
+
 const CALLER: (&str, &str) = ("authorization", "Bearer faults");
 
 fn post(
@@ -116,33 +118,6 @@ fn a_paused_holder_makes_no_second_credit() {
 fn postgres_url() -> String {
     std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
         .expect("TOWER_IDEMPOTENCY_POSTGRES_URL names the test database (docs/testing.md)")
-}
-
-/// A database of the test's own on the server `url` names: its URL.
-fn fresh_postgres_database(name: &str) -> String {
-    let url = postgres_url();
-    block_on(async {
-        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-            .await
-            .expect("connect to PostgreSQL");
-        tokio::spawn(connection);
-        let drop_it = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
-        client.batch_execute(&drop_it).await.unwrap();
-        client
-            .batch_execute(&format!("CREATE DATABASE {name}"))
-            .await
-            .unwrap();
-    });
-    let (base, _) = url.rsplit_once('/').expect("a database in the URL");
-    format!("{base}/{name}")
-}
-
-fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(future)
 }
 
 #[test]
@@ -350,19 +325,8 @@ fn killed_connections_credit_each_key_once_postgres() {
 #[test]
 fn killed_connections_credit_each_key_once_mariadb() {
     use tower_idempotency_sqlx::sqlx::{self, Executor};
-    let base = std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-        .expect("TOWER_IDEMPOTENCY_MYSQL_URL names the test database (docs/testing.md)");
-    block_on(async {
-        let pool = sqlx::MySqlPool::connect(&base)
-            .await
-            .expect("connect to MariaDB");
-        pool.execute("DROP DATABASE IF EXISTS ledger_storm")
-            .await
-            .unwrap();
-        pool.execute("CREATE DATABASE ledger_storm").await.unwrap();
-    });
-    let (server, _) = base.rsplit_once('/').unwrap();
-    let url = format!("{server}/ledger_storm");
+    let url = crate::fresh_mysql_database("ledger_storm");
+    let base = crate::common::services::mysql_url();
     let ledger = Ledger::start_with(
         &driver::ledger_beside_tests(),
         Path::new(&url),

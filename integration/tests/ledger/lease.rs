@@ -129,16 +129,16 @@ fn a_killed_transactional_holder_frees_its_key_within_3_s(url: &str, extra: &[&s
 #[test]
 fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_postgres() {
     a_killed_transactional_holder_frees_its_key_within_3_s(
-        &crate::common::services::postgres_url(),
+        &crate::fresh_postgres_database("ledger_kill_pg"),
         &[],
     );
 }
 
-#[cfg(feature = "sqlx-postgres")]
+#[cfg(all(feature = "sqlx-postgres", feature = "postgres"))]
 #[test]
 fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_sqlx_postgres() {
     a_killed_transactional_holder_frees_its_key_within_3_s(
-        &crate::common::services::postgres_url(),
+        &crate::fresh_postgres_database("ledger_kill_sqlx"),
         &["--db-driver", "sqlx"],
     );
 }
@@ -147,7 +147,7 @@ fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_s
 #[test]
 fn with_the_defaults_a_killed_transactional_holder_frees_its_key_within_3_s_on_mysql() {
     a_killed_transactional_holder_frees_its_key_within_3_s(
-        &crate::common::services::mysql_url(),
+        &crate::fresh_mysql_database("ledger_kill_mysql"),
         &[],
     );
 }

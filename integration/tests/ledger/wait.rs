@@ -142,22 +142,16 @@ mod past_the_lease {
     }
 
     #[cfg(feature = "mysql")]
-    fn mysql_url() -> String {
-        std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-            .expect("TOWER_IDEMPOTENCY_MYSQL_URL names the test database (docs/testing.md)")
-    }
-
-    #[cfg(feature = "mysql")]
     #[test]
     fn mysql_transactional() {
-        let url = mysql_url();
+        let url = crate::fresh_mysql_database("ledger_past_lease_mysql_tx");
         a_repeat_past_the_lease_leaves_the_first_its_work(Path::new(&url), "sqlx", "transactional");
     }
 
     #[cfg(feature = "mysql")]
     #[test]
     fn mysql_separate() {
-        let url = mysql_url();
+        let url = crate::fresh_mysql_database("ledger_past_lease_mysql_sep");
         a_repeat_past_the_lease_leaves_the_first_its_work(Path::new(&url), "sqlx", "separate");
     }
 }
@@ -267,9 +261,7 @@ fn sqlx_postgres_transactional_two_ledgers_share_the_keys() {
 #[cfg(feature = "mysql")]
 #[test]
 fn mysql_transactional_two_ledgers_share_the_keys() {
-    let url = std::env::var("TOWER_IDEMPOTENCY_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
-    two_ledgers_share_the_keys(&url, &[]);
+    two_ledgers_share_the_keys(&crate::fresh_mysql_database("ledger_two_mysql"), &[]);
 }
 
 /// Ledgers on the database at `url`, with `driver` (`--db-driver`) flags.

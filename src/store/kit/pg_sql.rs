@@ -254,6 +254,16 @@ pub fn schema(table: &str) -> String {
     )
 }
 
+/// Whether [`schema`] has run on `table` (its index, made last, is there):
+/// a server that starts beside running ones then runs no DDL at all.
+/// `CREATE INDEX IF NOT EXISTS` takes the table's SHARE lock before it
+/// finds the index there, so it would wait for every open transaction that
+/// wrote the table (a transactional request, up to its max hold), and every
+/// claim of every server would queue behind it meanwhile.
+pub fn schema_current(table: &str) -> String {
+    format!("SELECT to_regclass('{table}_expires_at') IS NOT NULL")
+}
+
 /// Phase two's `BEGIN`, with its server-side backstop: the session is ended
 /// by PostgreSQL once the transaction has sat idle a second past `hold`
 /// (`idle_in_transaction_session_timeout`, in milliseconds). PostgreSQL

@@ -46,7 +46,7 @@ mod listen;
 mod sql;
 mod transaction;
 
-use sql::{Sql, advisory_key, checked, query, schema};
+use sql::{Sql, advisory_key, checked, query, schema, schema_current};
 use tower_idempotency::store::kit::claim::{ClaimSteps, Met, answer_cached, claim_in};
 use tower_idempotency::store::kit::pg_sql::{
     LOCK_NOT_AVAILABLE, busy_is_in_flight, lock_wait_ms, renew_arrays, renewed_in_order,
@@ -262,18 +262,24 @@ impl SqlxPostgresStoreBuilder {
     pub async fn open(self) -> Result<SqlxPostgresStore, StoreError> {
         tower_idempotency::store::kit::table::check_table_name(&self.settings.table)?;
         let sql = Sql::new(&self.settings.table, checked);
-        let mut tx = self.pool.begin().await.map_err(unavailable)?;
-        // Two servers starting at once would race on CREATE TABLE.
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(advisory_key(&self.settings.table, "migrate", ""))
-            .execute(&mut *tx)
+        let current: bool = sqlx::query_scalar(checked(schema_current(&self.settings.table)))
+            .fetch_one(&self.pool)
             .await
             .map_err(unavailable)?;
-        sqlx::raw_sql(checked(schema(&self.settings.table)))
-            .execute(&mut *tx)
-            .await
-            .map_err(unavailable)?;
-        tx.commit().await.map_err(unavailable)?;
+        if !current {
+            let mut tx = self.pool.begin().await.map_err(unavailable)?;
+            // Two servers starting at once would race on CREATE TABLE.
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(advisory_key(&self.settings.table, "migrate", ""))
+                .execute(&mut *tx)
+                .await
+                .map_err(unavailable)?;
+            sqlx::raw_sql(checked(schema(&self.settings.table)))
+                .execute(&mut *tx)
+                .await
+                .map_err(unavailable)?;
+            tx.commit().await.map_err(unavailable)?;
+        }
         let mut store = SqlxPostgresStore {
             renewals: crate::renewals::options_beside(&self.pool)
                 .connect_lazy_with((*self.pool.connect_options()).clone()),

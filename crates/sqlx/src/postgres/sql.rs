@@ -7,7 +7,9 @@ use std::sync::Arc;
 use sqlx::postgres::{PgArguments, Postgres};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
-pub(super) use tower_idempotency::store::kit::pg_sql::{PgSql, advisory_key, schema};
+pub(super) use tower_idempotency::store::kit::pg_sql::{
+    PgSql, advisory_key, schema, schema_current,
+};
 
 /// The statements, with the table name in them: PostgreSQL's one set.
 pub(super) type Sql = PgSql<SqlStr>;
