@@ -35,7 +35,7 @@ impl SealingKey {
         let bytes = Zeroizing::new(bytes);
         SealingKey {
             id,
-            cipher: XChaCha20Poly1305::new(bytes.as_ref().into()),
+            cipher: XChaCha20Poly1305::new((&*bytes).into()),
         }
     }
 

@@ -223,7 +223,7 @@ impl Keyring {
         // Fails only for a message longer than the cipher allows (256 GiB).
         let ciphertext = key
             .cipher
-            .encrypt(XNonce::from_slice(&nonce), payload)
+            .encrypt(&XNonce::from(nonce), payload)
             .map_err(|_| SealError(()))?;
         sealed.put_slice(&ciphertext);
         Ok(sealed.freeze())
@@ -304,8 +304,10 @@ fn decrypt(
         msg: &sealed[HEADER_LEN..],
         aad: &aad,
     };
+    let nonce =
+        XNonce::try_from(&sealed[5..HEADER_LEN]).map_err(|_| OpenError::Rejected(key_id))?;
     key.cipher
-        .decrypt(XNonce::from_slice(&sealed[5..HEADER_LEN]), payload)
+        .decrypt(&nonce, payload)
         .map_err(|_| OpenError::Rejected(key_id))
 }
 
