@@ -673,13 +673,14 @@ mod mysql {
     use sqlx::{AssertSqlSafe, MySql};
     use tower_idempotency_sqlx::MySqlStore;
 
-    /// MySQL/MariaDB; its claims commit first when `FIRST` (two phases).
-    pub(crate) struct My<const FIRST: bool> {
+    /// MySQL/MariaDB; its claims commit first when `FIRST` (two phases);
+    /// MySQL's statements on a MariaDB server when `MYSQL_SQL`.
+    pub(crate) struct My<const FIRST: bool, const MYSQL_SQL: bool = false> {
         store: MySqlStore,
         table: String,
     }
 
-    impl<const FIRST: bool> Backend for My<FIRST> {
+    impl<const FIRST: bool, const MYSQL_SQL: bool> Backend for My<FIRST, MYSQL_SQL> {
         type DB = MySql;
         type Store = MySqlStore;
         const REPEATS_WAIT: bool = !FIRST;
@@ -687,9 +688,13 @@ mod mysql {
         async fn open() -> Self {
             let url = common::services::mysql_url();
             let table = unique("idem_sqlxtx");
-            let store = MySqlStore::builder(&url)
+            let mut builder = MySqlStore::builder(&url)
                 .table(table.clone())
-                .commit_claims_first(FIRST)
+                .commit_claims_first(FIRST);
+            if MYSQL_SQL {
+                builder = builder.without_mariadb_sql();
+            }
+            let store = builder
                 .open()
                 .await
                 .unwrap_or_else(|e| panic!("MySQL/MariaDB at {url} is required: {e}"));
@@ -755,6 +760,12 @@ mod mysql {
 
     // One phase (the default): this process's repeats wait in memory.
     suite!(My<false>, waits);
+
+    /// What a MySQL server gets (`wait_timeout` as the backstop, the wait
+    /// bound lifted in its own round trip): MariaDB takes it too.
+    mod mysql_sql {
+        suite!(super::My<false, true>, waits);
+    }
 
     mod two_phase {
         suite!(@tests super::My<true>; a_renewed_lease_keeps_a_slow_transaction,);

@@ -60,23 +60,35 @@ async fn try_claim(
     id: &[u8],
     wait: Duration,
 ) -> Result<Result<Inside<MySqlStore>, StoreError>, sqlx::Error> {
-    // 2. The transaction, with the max hold's backstop and the wait's
-    //    bound on its session, in one round trip.
-    let begin = format!(
-        "SET SESSION wait_timeout = {}, innodb_lock_wait_timeout = {}; BEGIN",
-        whole_seconds(hold) + 1,
-        whole_seconds(wait).max(1)
+    let wait_s = whole_seconds(wait).max(1);
+    // 2. The transaction, with the max hold's backstop (and, unless the
+    //    insert bounds its own wait, the wait's bound) on its session, in
+    //    one round trip.
+    let mut begin = format!(
+        "SET SESSION {} = {}",
+        store.sql.backstop.variable(),
+        whole_seconds(hold) + 1
     );
-    let mut tx = store.pool.begin_with(AssertSqlSafe(begin)).await?;
-    let found = match insert(store, &mut tx, req, id).await {
-        Ok(true) => Found::Acquired { taken_over: false },
+    if !store.sql.returning {
+        begin += &format!(", innodb_lock_wait_timeout = {wait_s}");
+    }
+    let mut tx = store
+        .pool
+        .begin_with(AssertSqlSafe(begin + "; BEGIN"))
+        .await?;
+    let inserted = match insert(store, &mut tx, req, id, wait_s).await {
+        Ok(inserted) => inserted,
+        Err(e) => return roll_back(tx, e).await,
+    };
+    let found = if inserted.new {
+        Found::Acquired { taken_over: false }
+    } else {
         // 3. It met a committed record and holds its row lock: judged as
         //    the claim that commits first judges it.
-        Ok(false) => match judge(store, &mut tx, req, id).await {
+        match judge(store, &mut tx, req, id).await {
             Ok(found) => found,
             Err(e) => return roll_back(tx, e).await,
-        },
-        Err(e) => return roll_back(tx, e).await,
+        }
     };
     let Found::Acquired { taken_over } = found else {
         MySqlStore::roll_back_tx(tx).await;
@@ -87,15 +99,11 @@ async fn try_claim(
                 .ok_or_else(|| unavailable("a refused claim decoded as acquired"))
         }));
     };
-    // 4. The bound lifted, with the session's id (to stop a statement past
-    //    the max hold).
-    let lifted = sqlx::raw_sql(AssertSqlSafe(
-        "SET SESSION innodb_lock_wait_timeout = DEFAULT; SELECT CONNECTION_ID()",
-    ))
-    .fetch_one(&mut *tx)
-    .await
-    .and_then(|row| row.try_get::<u64, _>(0));
-    match lifted {
+    let cancel = match inserted.connection_id {
+        Some(id) => Ok(id),
+        None => lift(&mut tx).await,
+    };
+    match cancel {
         Ok(cancel) => Ok(Ok(Inside::Claimed {
             tx,
             cancel,
@@ -105,25 +113,60 @@ async fn try_claim(
     }
 }
 
+/// 4. (Without `Sql::returning`.) The session's lock-wait bound lifted, so
+///    the handler runs with the server's own, and the session's id read (to
+///    stop a statement past the max hold).
+async fn lift(tx: &mut Tx) -> Result<u64, sqlx::Error> {
+    sqlx::raw_sql(AssertSqlSafe(
+        "SET SESSION innodb_lock_wait_timeout = DEFAULT; SELECT CONNECTION_ID()",
+    ))
+    .fetch_one(&mut **tx)
+    .await
+    .and_then(|row| row.try_get::<u64, _>(0))
+}
+
 /// `e`, after the transaction's rollback.
 async fn roll_back<T>(tx: Tx, e: sqlx::Error) -> Result<T, sqlx::Error> {
     MySqlStore::roll_back_tx(tx).await;
     Err(e)
 }
 
-/// The claim's insert: `true` when it inserted a new record, `false` when
-/// it met a committed one (and now holds its row lock).
+/// What the claim's insert did.
+struct Inserted {
+    /// It inserted a new record; else it met a committed one and now holds
+    /// its row lock.
+    new: bool,
+    /// The session's id, when the insert returned it (`Sql::returning`).
+    connection_id: Option<u64>,
+}
+
+/// The claim's insert. With `Sql::returning` (MariaDB 10.5 and later) it
+/// bounds its own lock wait (`SET STATEMENT ... FOR`) and returns the
+/// record's `claims` (1 only when it inserted) and the session's id, so no
+/// round trip follows it.
 async fn insert(
     store: &MySqlStore,
     tx: &mut Tx,
     req: &ClaimRequest,
     id: &[u8],
-) -> Result<bool, sqlx::Error> {
+    wait_s: u64,
+) -> Result<Inserted, sqlx::Error> {
+    if store.sql.returning {
+        let sql = store.sql.insert_inside_returning(wait_s);
+        let row = store.new_record(&sql, req, id).fetch_one(&mut **tx).await?;
+        return Ok(Inserted {
+            new: row.try_get::<i64, _>(0)? == 1,
+            connection_id: Some(row.try_get::<u64, _>(1)?),
+        });
+    }
     let inserted = store
         .new_record(&store.sql.insert_inside, req, id)
         .execute(&mut **tx)
         .await?;
-    Ok(inserted.rows_affected() == 1)
+    Ok(Inserted {
+        new: inserted.rows_affected() == 1,
+        connection_id: None,
+    })
 }
 
 /// The record the insert met, judged by the kit's claim on the server's

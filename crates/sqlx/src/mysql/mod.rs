@@ -31,7 +31,7 @@ mod inspect;
 mod sql;
 mod transaction;
 
-use sql::{Sql, q};
+use sql::{Backstop, Sql, q};
 use tower_idempotency::store::kit::claim::{
     ClaimSteps, Found, Met, answer_cached, busy_is_in_flight, claim_in,
 };
@@ -131,6 +131,8 @@ pub struct MySqlStoreBuilder {
     pool_size: u32,
     wait_timeout: Duration,
     commit_claims_first: bool,
+    /// `false` only in tests: MySQL's SQL on a MariaDB server.
+    mariadb_sql: bool,
     settings: Settings,
 }
 
@@ -143,6 +145,21 @@ pub(super) fn unavailable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>
 fn is_deadlock(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001")
         || db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|e| e.number() == 1213))
+}
+
+/// `(major, minor)` of a MariaDB server's `VERSION()`
+/// (`10.11.19-MariaDB-0+deb12u1`); `None` for MySQL. MariaDB has
+/// `idle_transaction_timeout` from 10.3 and `INSERT ... RETURNING` from
+/// 10.5.
+fn mariadb_version(version: &str) -> Option<(u32, u32)> {
+    if !version.contains("MariaDB") {
+        return None;
+    }
+    let mut parts = version.split(['.', '-']).map(str::parse::<u32>);
+    match (parts.next(), parts.next()) {
+        (Some(Ok(major)), Some(Ok(minor))) => Some((major, minor)),
+        _ => None,
+    }
 }
 
 /// Every connection's isolation level (see [`MySqlStore`], "Isolation").
@@ -200,6 +217,14 @@ impl MySqlStoreBuilder {
         self
     }
 
+    /// Tests only: the statements a MySQL server gets, on a MariaDB one
+    /// (no `idle_transaction_timeout`, no `RETURNING`).
+    #[doc(hidden)]
+    pub fn without_mariadb_sql(mut self) -> Self {
+        self.mariadb_sql = false;
+        self
+    }
+
     /// How long a call waits for a pooled connection (or a new one) before
     /// it fails with [`StoreError::Unavailable`] (default 5 s).
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
@@ -235,6 +260,16 @@ impl MySqlStoreBuilder {
                 .fetch_one(&pool)
                 .await
                 .is_ok();
+        let version: String = sqlx::query_scalar("SELECT CAST(VERSION() AS CHAR)")
+            .fetch_one(&pool)
+            .await
+            .map_err(unavailable)?;
+        if let Some(v) = mariadb_version(&version).filter(|_| self.mariadb_sql) {
+            if v >= (10, 3) {
+                sql.backstop = Backstop::IdleTransaction;
+            }
+            sql.returning = v >= (10, 5);
+        }
         pool.execute(AssertSqlSafe(sql.schema()))
             .await
             .map_err(unavailable)?;
@@ -288,6 +323,7 @@ impl MySqlStore {
             pool_size: 16,
             wait_timeout: Duration::from_secs(5),
             commit_claims_first: false,
+            mariadb_sql: true,
             settings: Settings::default(),
         }
     }

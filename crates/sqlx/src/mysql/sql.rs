@@ -34,6 +34,14 @@ pub(super) struct Sql {
     /// `@@in_transaction`), used when the server has the variable.
     pub(super) complete_in_transaction: Arc<str>,
     pub(super) in_transaction_check: bool,
+    /// The session variable that ends a transaction left idle past its max
+    /// hold: MariaDB's `idle_transaction_timeout` where the server has it
+    /// (it acts only inside a transaction, so it can stay set), else
+    /// `wait_timeout` (set back before the transaction ends).
+    pub(super) backstop: Backstop,
+    /// MariaDB 10.5 and later: the one-phase claim's insert bounds its own
+    /// lock wait and returns what it did (`insert_inside_returning`).
+    pub(super) returning: bool,
     pub(super) release: Arc<str>,
     /// `(lease ms + offset, id, token, offset)`. The new deadline is later
     /// than the last (renewals are a third of a lease apart), so a renewed
@@ -43,6 +51,25 @@ pub(super) struct Sql {
     pub(super) purge: Arc<str>,
     pub(super) stuck: Arc<str>,
     pub(super) counts: Arc<str>,
+}
+
+/// See [`Sql::backstop`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Backstop {
+    /// MariaDB's `idle_transaction_timeout`.
+    IdleTransaction,
+    /// `wait_timeout`, set back before the transaction ends.
+    WaitTimeout,
+}
+
+impl Backstop {
+    /// The variable's name.
+    pub(super) fn variable(self) -> &'static str {
+        match self {
+            Backstop::IdleTransaction => "idle_transaction_timeout",
+            Backstop::WaitTimeout => "wait_timeout",
+        }
+    }
 }
 
 /// The server's clock in Unix milliseconds (the session's time zone is UTC,
@@ -101,6 +128,8 @@ impl Sql {
                  WHERE id = ? AND token = ? AND state = 'in_flight' AND @@in_transaction = 1"
             )),
             in_transaction_check: false,
+            backstop: Backstop::WaitTimeout,
+            returning: false,
             release: s(format!(
                 "DELETE FROM {table} WHERE id = ? AND token = ? AND state = 'in_flight'"
             )),
@@ -125,6 +154,17 @@ impl Sql {
             )),
             counts: s(counts(table)),
         }
+    }
+
+    /// `insert_inside` with its lock wait bounded to `wait_s` seconds
+    /// (MariaDB's `SET STATEMENT ... FOR`), returning the record's `claims`
+    /// (1 only for a record it inserted: a duplicate adds one to at least 1)
+    /// and `CONNECTION_ID()`.
+    pub(super) fn insert_inside_returning(&self, wait_s: u64) -> Arc<str> {
+        Arc::from(format!(
+            "SET STATEMENT innodb_lock_wait_timeout = {wait_s} FOR {} RETURNING claims, CONNECTION_ID()",
+            self.insert_inside
+        ))
     }
 
     pub(super) fn schema(&self) -> String {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::mysql::{MySql, MySqlConnection};
 use sqlx::{AssertSqlSafe, Executor};
 
-use super::{MySqlStore, q, record_key, unavailable};
+use super::{Backstop, MySqlStore, q, record_key, unavailable};
 use tower_idempotency::response::StoredResponse;
 use tower_idempotency::store::kit::two_phase::{TwoPhase, two_phase_store};
 
@@ -40,10 +40,14 @@ use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 /// [`SqlxTransaction::connection`] calls fail with
 /// [`StoreError::Unavailable`], and the layer answers 503. As a backstop
 /// (a handler keeps the connection borrowed without running anything, or
-/// this app server is cut off from the database) the session's
-/// `wait_timeout` is the hold time plus 1 s (whole seconds, rounded up):
-/// the server closes an idle session past it, which rolls the transaction
-/// back and frees its locks.
+/// this app server is cut off from the database) the server ends the
+/// session once it has sat idle for the hold time plus 1 s (whole seconds,
+/// rounded up), which rolls the transaction back and frees its locks. On
+/// MariaDB this is `idle_transaction_timeout`, which acts only inside a
+/// transaction and stays set on the pooled connection (so a transaction of
+/// the application's own on the store's pool that sits idle that long is
+/// ended too); on MySQL it is `wait_timeout`, set back before the
+/// transaction ends.
 ///
 /// # Example
 ///
@@ -67,9 +71,10 @@ crate::transaction::two_phase_dialect!(MySql, MySqlStore, "MySqlTransaction");
 
 /// The session's `wait_timeout` (and `innodb_lock_wait_timeout`, which a
 /// one-phase claim bounds) back to the server's defaults, before the
-/// transaction ends (a `SET` is not transactional). A failure is left to
-/// the statements that follow.
-async fn restore_wait_timeout(tx: &mut sqlx::Transaction<'static, MySql>) {
+/// transaction ends (a `SET` is not transactional). MariaDB's backstop
+/// (`Sql::backstop`) acts only inside a transaction and stays set. A
+/// failure is left to the statements that follow.
+async fn restore_timeouts(tx: &mut sqlx::Transaction<'static, MySql>) {
     let _ = tx
         .execute(
             "SET SESSION wait_timeout = @@GLOBAL.wait_timeout, innodb_lock_wait_timeout = DEFAULT",
@@ -92,13 +97,14 @@ impl TwoPhase for MySqlStore {
 
     tower_idempotency::store::kit::one_phase::claims_inside!(super::inside::claim);
 
-    /// `BEGIN`, with the session's `wait_timeout` at the hold time plus 1 s
-    /// (whole seconds, rounded up) as the backstop.
+    /// `BEGIN`, with the session's backstop (`Sql::backstop`) at the hold
+    /// time plus 1 s (whole seconds, rounded up).
     async fn begin(&self, hold: Duration) -> Result<(Self::Tx, u64), StoreError> {
         let backstop_s = hold.as_secs() + u64::from(hold.subsec_nanos() > 0) + 1;
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         tx.execute(AssertSqlSafe(format!(
-            "SET SESSION wait_timeout = {backstop_s}"
+            "SET SESSION {} = {backstop_s}",
+            self.sql.backstop.variable()
         )))
         .await
         .map_err(unavailable)?;
@@ -139,7 +145,11 @@ impl TwoPhase for MySqlStore {
         } else {
             &self.sql.complete
         };
-        restore_wait_timeout(tx).await;
+        // MariaDB's backstop acts only inside a transaction and may stay
+        // set; `innodb_lock_wait_timeout` was lifted before the handler.
+        if self.sql.backstop == Backstop::WaitTimeout {
+            restore_timeouts(tx).await;
+        }
         let done = q(complete)
             .bind(response.encode())
             .bind(record_key(id.scope(), id.key()))
@@ -157,7 +167,9 @@ impl TwoPhase for MySqlStore {
     /// A failed `ROLLBACK` leaves it to sqlx, which rolls back (or closes
     /// the connection) before the connection is reused.
     async fn roll_back_tx(mut tx: Self::Tx) {
-        restore_wait_timeout(&mut tx).await;
+        // The rollback of a claim that failed before its lock-wait bound
+        // was lifted, too.
+        restore_timeouts(&mut tx).await;
         let _ = tx.rollback().await;
     }
 }
