@@ -37,6 +37,7 @@ use tower_idempotency::store::{
 };
 
 mod connect;
+mod finish;
 mod inside;
 mod inspect;
 mod listen;
@@ -353,13 +354,21 @@ impl PostgresStore {
 
     /// The completion's statement and its parameters after the first
     /// four: with `notify_waiters`, the announcing one and its payload.
-    fn completion(&self, id: &RecordId) -> (&str, Option<String>) {
-        match &self.notify {
-            Some(_) => (
-                &self.sql.complete_notify,
-                Some(change_payload(&self.sql.table, id.scope(), id.key())),
+    /// `or_fail`: the statements that fail when they completed no record
+    /// (`PgSql::complete_or_fail`).
+    fn completion(&self, id: &RecordId, or_fail: bool) -> (&str, Option<String>) {
+        let sql = &self.sql;
+        match (&self.notify, or_fail) {
+            (Some(_), _) => (
+                if or_fail {
+                    &sql.complete_notify_or_fail
+                } else {
+                    &sql.complete_notify
+                },
+                Some(change_payload(&sql.table, id.scope(), id.key())),
             ),
-            None => (&self.sql.complete, None),
+            (None, true) => (&sql.complete_or_fail, None),
+            (None, false) => (&sql.complete, None),
         }
     }
 
@@ -554,18 +563,11 @@ impl Store for PostgresStore {
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Completion, StoreError> {
-        let (statement, payload) = self.completion(&id);
-        let (scope, key) = id.into_parts();
-        let blob = response.encode();
+        let completion = finish::CompletionArgs::new(self, &id, token, &response, false);
         let client = self.client().await?;
-        let statement = cached(&client, statement).await?;
-        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-            vec![&scope, &key, &token.0, &blob];
-        if let Some(payload) = &payload {
-            params.push(payload);
-        }
+        let statement = cached(&client, completion.statement).await?;
         let updated = client
-            .execute(&statement, &params)
+            .execute(&statement, &completion.params())
             .await
             .map_err(unavailable)?;
         Ok(if updated == 1 {

@@ -11,7 +11,7 @@ use tokio_postgres::{CancelToken, NoTls, Statement};
 use super::tx::PgTx;
 use super::{PostgresStore, cached, unavailable};
 use tower_idempotency::response::StoredResponse;
-use tower_idempotency::store::kit::two_phase::{Held, TwoPhase, two_phase_store};
+use tower_idempotency::store::kit::two_phase::{Finished, Held, TwoPhase, two_phase_store};
 use tower_idempotency::store::{FencingToken, RecordId, StoreError};
 
 /// An open PostgreSQL transaction in which the layer has claimed the
@@ -175,21 +175,24 @@ impl TwoPhase for PostgresStore {
         response: &StoredResponse,
     ) -> Result<bool, StoreError> {
         let client = tx.client();
-        // With `notify_waiters` the announcement is delivered at the commit.
-        let (statement, payload) = self.completion(id);
-        let statement = cached(client, statement).await?;
-        let blob = response.encode();
-        let (scope, key) = (id.scope(), id.key());
-        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-            vec![&scope, &key, &token.0, &blob];
-        if let Some(payload) = &payload {
-            params.push(payload);
-        }
+        let completion = super::finish::CompletionArgs::new(self, id, token, response, false);
+        let statement = cached(client, completion.statement).await?;
         let updated = client
-            .execute(&statement, &params)
+            .execute(&statement, &completion.params())
             .await
             .map_err(unavailable)?;
         Ok(updated == 1)
+    }
+
+    /// Sent together, in one round trip (`finish.rs`).
+    async fn complete_and_commit(
+        &self,
+        tx: PgTx,
+        id: &RecordId,
+        token: FencingToken,
+        response: &StoredResponse,
+    ) -> Finished<Self> {
+        super::finish::complete_and_commit(self, tx, id, token, response).await
     }
 
     async fn commit_tx(tx: PgTx) -> Result<(), StoreError> {
@@ -204,6 +207,9 @@ impl TwoPhase for PostgresStore {
     }
 
     async fn roll_back_tx(tx: PgTx) {
+        if !tx.is_open() {
+            return;
+        }
         // If `ROLLBACK` fails, dropping the connection closes it.
         if tx.client().batch_execute("ROLLBACK").await.is_ok() {
             tx.ended();

@@ -18,6 +18,17 @@ impl PgTx {
         PgTx(Some(client))
     }
 
+    /// A transaction the server has ended already, its connection back in
+    /// the pool: rolling it back does nothing.
+    pub(crate) fn over() -> Self {
+        PgTx(None)
+    }
+
+    /// Whether it still holds its connection (its transaction not ended).
+    pub(crate) fn is_open(&self) -> bool {
+        self.0.is_some()
+    }
+
     pub(crate) fn client(&self) -> &Object {
         self.0
             .as_ref()

@@ -131,6 +131,13 @@ pub struct PgSql<S> {
     /// [`PgSql::release`] that also announces the change, as
     /// [`PgSql::complete_notify`] does.
     pub release_notify: S,
+    /// [`PgSql::complete`] that fails ([`NOT_COMPLETED`], which aborts the
+    /// transaction) when it completed no record, so that a `COMMIT` sent
+    /// behind it without waiting commits nothing.
+    pub complete_or_fail: S,
+    /// [`PgSql::complete_notify`] that fails as
+    /// [`PgSql::complete_or_fail`] does.
+    pub complete_notify_or_fail: S,
     /// The lease renewal, fenced by the token: `($1 scope, $2 key,
     /// $3 token, $4 clock offset ms, $5 lease ms)`.
     pub renew: S,
@@ -175,21 +182,14 @@ impl<S> PgSql<S> {
                      lease_until = $5, expires_at = $6, response = NULL
                  WHERE scope = $1 AND key = $2"
             )),
-            complete: statement(format!(
-                "UPDATE {table} SET state = 'completed', response = $4
-                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
-            )),
+            complete: statement(complete(table, false, false)),
             release: statement(format!(
                 "DELETE FROM {table}
                  WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
             )),
-            complete_notify: statement(format!(
-                "WITH done AS (
-                    UPDATE {table} SET state = 'completed', response = $4
-                    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'
-                    RETURNING 1)
-                 SELECT pg_notify('{NOTIFY_CHANNEL}', $5::text) FROM done"
-            )),
+            complete_notify: statement(complete(table, true, false)),
+            complete_or_fail: statement(complete(table, false, true)),
+            complete_notify_or_fail: statement(complete(table, true, true)),
             release_notify: statement(format!(
                 "WITH gone AS (
                     DELETE FROM {table}
@@ -359,6 +359,30 @@ fn lock_now() -> String {
 /// The read-first replay: `fingerprint, response` of the record
 /// `($1 scope, $2 key)` if it is completed and its TTL has not ended on the
 /// server's clock plus `$3` (ms); no row otherwise. Takes no lock.
+/// The completion, fenced by the token: `($1 scope, $2 key, $3 token,
+/// $4 response)`. `notify`: it also announces the change (`pg_notify` on
+/// [`NOTIFY_CHANNEL`], payload `$5`, delivered at commit) when it completed
+/// the record. `or_fail`: it fails with [`NOT_COMPLETED`] when it completed
+/// none (`1 / count(*)`; the subquery keeps `pg_notify`, which is
+/// volatile, to the row completed).
+fn complete(table: &str, notify: bool, or_fail: bool) -> String {
+    let update = format!(
+        "UPDATE {table} SET state = 'completed', response = $4
+                 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'"
+    );
+    let notify_done = format!("SELECT pg_notify('{NOTIFY_CHANNEL}', $5::text) FROM done");
+    match (notify, or_fail) {
+        (false, false) => update,
+        (true, false) => format!("WITH done AS ({update} RETURNING 1) {notify_done}"),
+        (false, true) => {
+            format!("WITH done AS ({update} RETURNING 1) SELECT 1 / count(*)::int FROM done")
+        }
+        (true, true) => format!(
+            "WITH done AS ({update} RETURNING 1) SELECT 1 / count(*)::int FROM ({notify_done}) AS told"
+        ),
+    }
+}
+
 fn completed(table: &str) -> String {
     let now = now_ms(3);
     format!(
@@ -425,5 +449,9 @@ pub fn lock_wait_ms(wait: std::time::Duration) -> String {
 
 /// SQLSTATE `lock_not_available`: a lock wait past `lock_timeout`.
 pub const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// The SQLSTATE of [`PgSql::complete_or_fail`] when it completed no record
+/// (`division_by_zero`): the record no longer carries the request's token.
+pub const NOT_COMPLETED: &str = "22012";
 
 pub use super::claim::busy_is_in_flight;

@@ -98,6 +98,36 @@ pub trait TwoPhase: Store {
     /// `COMMIT`. An error's outcome is unknown: the key waits for its lease.
     fn commit_tx(tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// The completion inside `tx` ([`TwoPhase::complete_in`]), then
+    /// `COMMIT` ([`TwoPhase::commit_tx`]) only if it matched. By default
+    /// the two run one after the other. A driver that can send both at once
+    /// (tokio-postgres pipelines them: one round trip fewer while the
+    /// handler's row locks are held) overrides it, and must then make a
+    /// completion that does not match fail inside the transaction, so that
+    /// the `COMMIT` sent behind it commits nothing.
+    fn complete_and_commit(
+        &self,
+        mut tx: Self::Tx,
+        id: &RecordId,
+        token: FencingToken,
+        response: &StoredResponse,
+    ) -> impl Future<Output = Finished<Self>> + Send {
+        async move {
+            match self.complete_in(&mut tx, id, token, response).await {
+                Ok(true) => match Self::commit_tx(tx).await {
+                    Ok(()) => Finished::Committed,
+                    Err(e) => Finished::Unknown(e),
+                },
+                // The lease ended and another request took the key over (or
+                // the record expired): this request's writes must not count.
+                Ok(false) => Finished::NotCompleted(tx, unavailable(Self::FENCED)),
+                // E.g. the handler's own statement failed and the database
+                // aborted the transaction.
+                Err(e) => Finished::NotCompleted(tx, e),
+            }
+        }
+    }
+
     /// `ROLLBACK`; a failure leaves it to the `Tx`'s drop.
     fn roll_back_tx(tx: Self::Tx) -> impl Future<Output = ()> + Send;
 
@@ -110,6 +140,19 @@ pub trait TwoPhase: Store {
     fn discard_tx(tx: Self::Tx) -> impl Future<Output = ()> + Send {
         Self::roll_back_tx(tx)
     }
+}
+
+/// What [`TwoPhase::complete_and_commit`] did.
+pub enum Finished<D: TwoPhase> {
+    /// The record is completed and the transaction committed.
+    Committed,
+    /// Nothing was committed: the completion did not match (the error says
+    /// why). The transaction, which the database may have ended already, is
+    /// handed back to be rolled back.
+    NotCompleted(D::Tx, StoreError),
+    /// The completion matched but `COMMIT` failed: its outcome is unknown,
+    /// and the key waits for its lease.
+    Unknown(StoreError),
 }
 
 /// What [`TwoPhase::claim_inside`] answers (one phase, [`one_phase`](super::one_phase)).
@@ -388,27 +431,23 @@ pub async fn commit<D: TwoPhase>(
     }
     // Cancelled from here on, the `Tx` is dropped (see `TwoPhase::Tx`), and
     // the key waits for its lease.
-    let tx = open.tx.as_mut().ok_or_else(transaction_over)?;
-    let failure = match store.complete_in(tx, &open.id, open.token, &response).await {
-        Ok(true) => None,
-        // The lease ended and another request took the key over (or the
-        // record expired): this request's writes must not count.
-        Ok(false) => Some(unavailable(D::FENCED)),
-        // E.g. the handler's own statement failed and the database aborted
-        // the transaction.
-        Err(e) => Some(e),
-    };
-    if let Some(e) = failure {
-        // Nothing was committed: give the key back (token-checked, so a
-        // request that took it over keeps it).
-        roll_back_and_release(store, open, false).await;
-        drop(ended);
-        return Err(e);
-    }
     let tx = open.tx.take().ok_or_else(transaction_over)?;
-    D::commit_tx(tx).await?;
+    let finished = store
+        .complete_and_commit(tx, &open.id, open.token, &response)
+        .await;
+    let answer = match finished {
+        Finished::Committed => Ok(Completion::Stored),
+        Finished::Unknown(e) => Err(e),
+        Finished::NotCompleted(tx, e) => {
+            // Nothing was committed: give the key back (token-checked, so a
+            // request that took it over keeps it).
+            open.tx = Some(tx);
+            roll_back_and_release(store, open, false).await;
+            Err(e)
+        }
+    };
     drop(ended);
-    Ok(Completion::Stored)
+    answer
 }
 
 /// [`TransactionalStore::rollback`](crate::store::TransactionalStore::rollback).
