@@ -18,14 +18,7 @@ done
 
 ports=(15650 15651 15652)
 tls_port=15653
-dir=$(mktemp -d)
-pids=()
-stop() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-    rm -rf "$dir"
-}
-trap stop EXIT
+source .ci/servers.sh
 
 wait_for() { # what, command...
     local what=$1; shift

@@ -212,6 +212,14 @@ impl MySqlStoreBuilder {
     /// its `wait_in_flight` rounded up to whole seconds, at least 1 s).
     /// The PostgreSQL stores have the same switch; `docs/contract.md` §9
     /// says what each promises.
+    ///
+    /// On a MariaDB Galera cluster (`@@wsrep_on`) claims always commit
+    /// first: certification finds a write conflict between nodes only at
+    /// `COMMIT`, so a claim inside the handler's transaction would let a
+    /// duplicate sent to another node run its handler too (its writes then
+    /// rolled back, but not what the handler did outside the database).
+    /// A claim that loses certification to a duplicate is judged as on one
+    /// node: 409, or the replay.
     pub fn commit_claims_first(mut self, on: bool) -> Self {
         self.commit_claims_first = on;
         self
@@ -291,6 +299,13 @@ impl MySqlStoreBuilder {
                 engine.as_deref().unwrap_or("unknown")
             )));
         }
+        // On a Galera cluster a claim inside the handler's transaction
+        // would meet a duplicate on another node only at `COMMIT`
+        // (certification), after both handlers ran: claims commit first.
+        let galera = sqlx::query_scalar::<_, i64>("SELECT CAST(@@wsrep_on AS SIGNED)")
+            .fetch_one(&pool)
+            .await
+            .is_ok_and(|on| on == 1);
         let mut store = MySqlStore {
             renewals: crate::renewals::options_beside(&pool)
                 .after_connect(|conn, _| read_committed(conn))
@@ -298,7 +313,7 @@ impl MySqlStoreBuilder {
             pool,
             sql: Arc::new(sql),
             limits: self.settings.limits(),
-            one_phase: (!self.commit_claims_first).then(Arc::default),
+            one_phase: (!self.commit_claims_first && !galera).then(Arc::default),
         };
         store.limits.purge_task = PurgeTask::start(store.clone(), self.settings.purge);
         Ok(store)
@@ -409,8 +424,9 @@ impl MySqlStore {
     }
 
     /// The insert of a new key on its own (autocommit): `true` when it
-    /// inserted, `false` when a record is there (a duplicate key: the
-    /// locking claim then reads and judges it).
+    /// inserted, `false` when a record is there (a duplicate key, or on
+    /// Galera a certification failure: the locking claim then reads and
+    /// judges it).
     async fn insert_first(
         &self,
         conn: &mut MySqlConnection,
@@ -424,6 +440,10 @@ impl MySqlStore {
         match inserted {
             Ok(done) => Ok(done.rows_affected() == 1),
             Err(e) if is_duplicate(&e) => Ok(false),
+            // On a Galera cluster a record inserted at once on another node
+            // fails this one's certification at its commit (1213): judged
+            // as the duplicate it is.
+            Err(e) if is_deadlock(&e) => Ok(false),
             Err(e) => Err(unavailable(e)),
         }
     }
