@@ -5,7 +5,10 @@
 # user. Then check_ledger.py on each node in both modes, and the race of
 # `.ci/galera/race.py`: ledgers on two nodes of one database, each credit
 # sent to both at once, in both modes; every credit applied once, no 5xx,
-# the loser answered 409 or the replay. Installs galera-4 and rsync when
+# the loser answered 409 or the replay; then `.ci/galera/storm.py`: every
+# credit sent to ledgers on all three nodes at once, one node killed
+# (`kill -9`) a third of the way in and started again, then every key once
+# more (STORM_RUNS runs per mode, default 1). Installs galera-4 and rsync when
 # missing; fails loudly when anything else is; every server started here is
 # stopped on exit.
 set -euo pipefail
@@ -25,6 +28,18 @@ id mysql >/dev/null 2>&1 || fail "no mysql user (apt-get install mariadb-server)
 
 source .ci/servers.sh
 chmod 755 "$dir"
+# A node the storm restarted is not in `pids`: every node is stopped by its
+# pid file, and waited for, before the directory goes.
+stop_nodes() {
+    local f pid
+    for f in "$dir"/n*/pid; do
+        [ -f "$f" ] || continue
+        pid=$(cat "$f")
+        kill "$pid" 2>/dev/null || continue
+        for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    done
+}
+trap 'stop_nodes; stop' EXIT
 
 members="127.0.0.1:14567,127.0.0.1:14577,127.0.0.1:14587"
 sql_port() { echo $((14305 + $1)); }
@@ -93,4 +108,10 @@ for mode in separate transactional; do
     python3 .ci/galera/race.py --bin "$ledger" --mode "$mode" --keys 30 \
         --nodes mysql://root@127.0.0.1:14306 mysql://root@127.0.0.1:14307 ||
         fail "the race on two Galera nodes, --mode=$mode"
+done
+for mode in separate transactional; do
+    python3 .ci/galera/storm.py --bin "$ledger" --mode "$mode" --keys 60 --runs "${STORM_RUNS:-1}" \
+        --nodes mysql://root@127.0.0.1:14306 mysql://root@127.0.0.1:14307 mysql://root@127.0.0.1:14308 \
+        --victim-pidfile "$dir/n3/pid" --victim-start "mariadbd --defaults-file=$dir/n3/my.cnf" ||
+        fail "the storm on three Galera nodes, one killed, --mode=$mode"
 done
