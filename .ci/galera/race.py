@@ -5,16 +5,23 @@ credit is applied exactly once (the balance), each key answered 201 exactly
 once, and the other answer is 409 or the replay: no 5xx, not even once.
 Prints what each node answered.
 
+In transactional mode both ledgers also notify every credit (`--notify-url`),
+so two outbox relays on two nodes claim the same notifications: passes only
+when each credit is delivered exactly once (the relay whose claim loses
+certification sends nothing).
+
     race.py --bin LEDGER --mode separate --keys 30 --nodes URL1 URL2
 """
 import argparse
 import collections
+import http.server
 import json
 import os
 import re
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -30,11 +37,33 @@ subprocess.run(["mariadb", "-uroot", "-h127.0.0.1", "-P" + args.nodes[0].rsplit(
                 "-e", f"CREATE DATABASE {db}"], check=True)
 HEADERS = {"Authorization": "Bearer galera", "Content-Type": "application/json"}
 procs, urls = [], []
+deliveries, delivered = [], threading.Lock()
+
+
+class Downstream(http.server.BaseHTTPRequestHandler):
+    """Records each notification (its key and body) and answers 200."""
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        with delivered:
+            deliveries.append((self.headers["Idempotency-Key"], json.loads(body)))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_):
+        pass
+
+
+downstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Downstream)
+threading.Thread(target=downstream.serve_forever, daemon=True).start()
+notify = ["--notify-url", f"http://127.0.0.1:{downstream.server_port}/notify"]
 
 
 def start(node):
     proc = subprocess.Popen([args.bin, "--db", f"{node}/{db}", "--mode", args.mode,
-                             "--listen", "127.0.0.1:0"],
+                             "--listen", "127.0.0.1:0",
+                             *(notify if args.mode == "transactional" else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     procs.append(proc)
     for line in proc.stdout:
@@ -52,6 +81,26 @@ def post(url, path, key, body):
             return r.status, r.headers.get("Idempotent-Replayed") == "true", r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, False, e.read().decode()
+
+
+def audit_notifications(account):
+    """Every credit delivered exactly once (the warm-up, an amount of 0,
+    credits nothing): once all are in, 3 s more bring nothing."""
+    expected = args.keys
+    deadline = time.time() + 60
+    while time.time() < deadline and len(deliveries) < expected:
+        time.sleep(0.1)
+    time.sleep(3)
+    with delivered:
+        seen = list(deliveries)
+    keys = collections.Counter(key for key, _ in seen)
+    amounts = collections.Counter(body["amount"] for _, body in seen if body["account_id"] == account)
+    print(f"notifications: {len(seen)} delivered, {len(keys)} keys (expected {expected} of each)",
+          flush=True)
+    failures = [f"notification {key} delivered {n} times" for key, n in keys.items() if n > 1]
+    if len(keys) != expected or amounts != {5: args.keys}:
+        failures.append(f"{len(keys)} notifications, amounts {dict(amounts)}; expected {expected}")
+    return failures
 
 
 try:
@@ -87,11 +136,15 @@ try:
     with urllib.request.urlopen(urllib.request.Request(f"{urls[1]}/accounts/{account}",
                                                        headers=HEADERS)) as r:
         balance = json.loads(r.read())["balance"]
-    print(f"{args.mode}: {dict(sorted(tally.items()))}; balance {balance} (expected {5 * args.keys})")
+    print(f"{args.mode}: {dict(sorted(tally.items()))}; balance {balance} (expected {5 * args.keys})",
+          flush=True)
     if balance != 5 * args.keys:
         failures.append(f"balance {balance}, expected {5 * args.keys}")
+    if args.mode == "transactional":
+        failures += audit_notifications(account)
     if failures:
         sys.exit("FAILED:\n" + "\n".join(failures))
 finally:
     for proc in procs:
         proc.terminate()
+    downstream.shutdown()

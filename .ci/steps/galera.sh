@@ -2,10 +2,12 @@
 # The ledger on a MariaDB Galera cluster (multi-master): three private
 # nodes on 127.0.0.1 (SQL ports 14306-14308, Galera 14567/14577/14587, state
 # transfers by rsync), each with its own data directory, run as the `mysql`
-# user. Then check_ledger.py on each node in both modes, and the race of
+# user. Then check_ledger.py on each node in both modes; check_outbox.py with
+# the credits on node 1 and the relay on node 2 (`--relay-db`); the race of
 # `.ci/galera/race.py`: ledgers on two nodes of one database, each credit
 # sent to both at once, in both modes; every credit applied once, no 5xx,
-# the loser answered 409 or the replay; then `.ci/galera/storm.py`: every
+# the loser answered 409 or the replay, and (transactional) every credit
+# notified exactly once by the two nodes' relays; then `.ci/galera/storm.py`: every
 # credit sent to ledgers on all three nodes at once, one node killed
 # (`kill -9`) a third of the way in and started again, then every key once
 # more (STORM_RUNS runs per mode, default 1). Installs galera-4 and rsync when
@@ -104,6 +106,9 @@ for n in 1 2 3; do
             --server-arg=--mode=$mode || fail "check_ledger.py on Galera node $n, --mode=$mode"
     done
 done
+python3 "$(dirname "$check")/check_outbox.py" --bin "$ledger" --db mysql://root@127.0.0.1:14306/test \
+    --server-arg=--relay-db=mysql://root@127.0.0.1:14307/test ||
+    fail "check_outbox.py with the credits on Galera node 1 and the relay on node 2"
 for mode in separate transactional; do
     python3 .ci/galera/race.py --bin "$ledger" --mode "$mode" --keys 30 \
         --nodes mysql://root@127.0.0.1:14306 mysql://root@127.0.0.1:14307 ||

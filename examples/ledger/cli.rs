@@ -64,6 +64,12 @@ pub struct Args {
     #[arg(long, value_name = "URL", value_parser = notify::parse_url)]
     pub notify_url: Option<String>,
 
+    /// The outbox relay reads and marks notifications through this URL: the
+    /// --db database reached through another server (a node of the same
+    /// multi-master cluster) [default: --db]
+    #[arg(long, value_name = "URL")]
+    pub relay_db: Option<String>,
+
     /// Seal stored responses at rest with the 32-byte key in PATH; repeat
     /// it to rotate: the first key seals, every key opens
     #[arg(long = "encryption-key-file", value_name = "PATH")]
@@ -218,7 +224,27 @@ impl Args {
                     .into(),
             );
         }
+        if let Some(url) = &self.relay_db {
+            if self.notify_url.is_none() {
+                return Err("--relay-db needs --notify-url: it is where the relay works".into());
+            }
+            let db = self.db_url();
+            if server_kind(url).is_none() || server_kind(url) != server_kind(&db) {
+                return Err(format!(
+                    "--relay-db {url}: want a URL of the same kind as --db {db} (postgres:// or mysql://)"
+                ));
+            }
+        }
         Ok(())
+    }
+}
+
+/// The kind of database server a URL names, if any (`--relay-db`).
+fn server_kind(url: &str) -> Option<&'static str> {
+    match url.split_once("://")?.0 {
+        "mysql" => Some("mysql"),
+        "postgres" | "postgresql" => Some("postgres"),
+        _ => None,
     }
 }
 

@@ -433,25 +433,62 @@ async fn run(args: Args) -> Result<(), BoxError> {
     };
     let on = (listener, admin_listener);
     let (url, records) = (args.db_url(), args.key_store.is_none());
+    // `--relay-db` is a server URL, so never SQLite (`Args::parse_checked`).
     match args.backend() {
-        Backend::Sqlite => serve(sqlite::open(&args.db, records).await?, args, on).await,
+        Backend::Sqlite => serve(sqlite::open(&args.db, records).await?, None, args, on).await,
         #[cfg(feature = "postgres")]
-        Backend::Postgres => serve(pg::open(&url, records).await?, args, on).await,
+        Backend::Postgres => {
+            let relay = relay_store(args.relay_db.clone(), |url| async move {
+                pg::open(&url, true).await
+            });
+            serve(pg::open(&url, records).await?, relay.await?, args, on).await
+        }
         #[cfg(feature = "sqlx-postgres")]
-        Backend::SqlxPostgres => serve(sqlx_pg::open(&url, records).await?, args, on).await,
+        Backend::SqlxPostgres => {
+            let relay = relay_store(args.relay_db.clone(), |url| async move {
+                sqlx_pg::open(&url, true).await
+            });
+            serve(sqlx_pg::open(&url, records).await?, relay.await?, args, on).await
+        }
         #[cfg(feature = "sqlx-sqlite")]
-        Backend::SqlxSqlite => serve(sqlx_sqlite::open(&args.db, records).await?, args, on).await,
+        Backend::SqlxSqlite => {
+            serve(sqlx_sqlite::open(&args.db, records).await?, None, args, on).await
+        }
         #[cfg(feature = "mysql")]
-        Backend::MySql => serve(mysql::open(&url, records).await?, args, on).await,
+        Backend::MySql => {
+            let relay = relay_store(args.relay_db.clone(), |url| async move {
+                mysql::open(&url, true).await
+            });
+            serve(mysql::open(&url, records).await?, relay.await?, args, on).await
+        }
         // `Args::parse_checked` refused a driver this build does not have.
         #[allow(unreachable_patterns)]
         other => Err(format!("this build has no {other:?} driver ({url})").into()),
     }
 }
 
-/// Serves the ledger on `db`, its records in `store` (or in Redis).
+/// `--relay-db URL`: the store of the same database through another server,
+/// opened as `--db` is; the outbox relay works through it.
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres", feature = "mysql"))]
+async fn relay_store<D, S, F>(
+    url: Option<String>,
+    open: impl FnOnce(String) -> F,
+) -> Result<Option<S>, BoxError>
+where
+    F: Future<Output = Result<(D, Option<S>), BoxError>>,
+{
+    match url {
+        Some(url) => Ok(open(url).await?.1),
+        None => Ok(None),
+    }
+}
+
+/// Serves the ledger on `db`, its records in `store` (or in Redis); the
+/// outbox relay works through `relay` when given (`--relay-db`), else
+/// through `store`.
 async fn serve<D: Ledger>(
     (db, store): (D, Option<D::Store>),
+    relay: Option<D::Store>,
     args: Args,
     (listener, admin_listener): (TcpListener, Option<TcpListener>),
 ) -> Result<(), BoxError> {
@@ -462,13 +499,13 @@ async fn serve<D: Ledger>(
     #[cfg(feature = "outbox")]
     let notify = match (args.notify_url.clone(), &store) {
         (Some(url), Some(store)) => {
-            let outbox = D::outbox(store).await?;
+            let outbox = D::outbox(relay.as_ref().unwrap_or(store)).await?;
             Some(notify::start(url, outbox, options.keys.clone()))
         }
         _ => None,
     };
     #[cfg(not(feature = "outbox"))]
-    let notify = None;
+    let (notify, _) = (None, relay);
     let (protect, admin): (Protect<D>, _) = match store {
         #[cfg(feature = "redis")]
         _ if args.key_store.is_some() => {

@@ -116,3 +116,55 @@ fn refusals_transactional() {
 fn refusals_separate() {
     refusals_in("separate");
 }
+
+/// `--relay-db` names the same kind of server as `--db`, and only with
+/// `--notify-url`: otherwise the ledger exits with status 2 and says why,
+/// before it opens anything.
+#[test]
+fn relay_db_is_refused_where_it_cannot_work() {
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &[
+                "--db",
+                "mysql://root@127.0.0.1:1/test",
+                "--relay-db",
+                "mysql://root@127.0.0.1:2/test",
+            ],
+            "error: --relay-db needs --notify-url: it is where the relay works",
+        ),
+        (
+            &[
+                "--db",
+                "ledger.sqlite3",
+                "--notify-url",
+                "http://127.0.0.1:1/n",
+                "--relay-db",
+                "mysql://root@127.0.0.1:2/test",
+            ],
+            "error: --relay-db mysql://root@127.0.0.1:2/test: want a URL of the same kind as --db ledger.sqlite3 (postgres:// or mysql://)",
+        ),
+        (
+            &[
+                "--db",
+                "postgresql://postgres@127.0.0.1:1/test",
+                "--notify-url",
+                "http://127.0.0.1:1/n",
+                "--relay-db",
+                "mysql://root@127.0.0.1:2/test",
+            ],
+            "error: --relay-db mysql://root@127.0.0.1:2/test: want a URL of the same kind as --db postgresql://postgres@127.0.0.1:1/test (postgres:// or mysql://)",
+        ),
+    ];
+    for (args, said) in cases {
+        let out = std::process::Command::new(driver::ledger_beside_tests())
+            .args(args)
+            .output()
+            .expect("the ledger runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            (out.status.code(), stderr.lines().next()),
+            (Some(2), Some(said)),
+            "{args:?}"
+        );
+    }
+}
