@@ -4,8 +4,10 @@ every credit sent to all three at once (a barrier, three sockets), several
 keys at a time; a third of the way in, one node is killed (`kill -9`), and
 two thirds in it is started again. Then every key is sent once more, to a
 ledger on a live node, until it is answered 201 or the replay. Passes when
-the balance is exactly one credit per key (0 doubled, 0 lost) and no key
-was answered 201 afresh twice. Each run has a database of its own.
+the balance, read on every node once all are synced, is exactly one credit
+per key (0 doubled, 0 lost) and no key was answered 201 afresh twice. Each
+run has a database of its own; with STORM_LOGS=DIR each ledger's stderr is
+kept there.
 
     storm.py --bin LEDGER --mode separate --keys 60 --runs 10 \
         --nodes URL1 URL2 URL3 --victim-pidfile FILE --victim-start 'mariadbd ...'
@@ -61,8 +63,10 @@ def request(url, method="GET", key=None, body=None):
 
 
 def start_ledger(node, db):
+    log = open(f"{os.environ['STORM_LOGS']}/{db}-{port(node)}.log", "w") if os.environ.get("STORM_LOGS") \
+        else subprocess.DEVNULL
     proc = subprocess.Popen([args.bin, "--db", f"{node}/{db}", "--mode", args.mode, "--listen", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=log, text=True)
     for line in proc.stdout:
         m = re.search(r"listening on (http://[0-9.:]+)", line)
         if m:
@@ -122,8 +126,10 @@ def one_run(run):
                 futures[pool.submit(storm, k)] = k
             for f in concurrent.futures.as_completed(futures):
                 answers[futures[f]] = f.result()
-        until("the restarted node synced",
-              lambda: sql(args.nodes[2], "SHOW STATUS LIKE 'wsrep_local_state_comment'").endswith("Synced"))
+        # Every node, not only the restarted one: its state-transfer donor
+        # serves stale reads while it catches up.
+        until("every node synced", lambda: all(
+            sql(node, "SHOW STATUS LIKE 'wsrep_local_state_comment'").endswith("Synced") for node in args.nodes))
         # Every key once more, until answered 201 or the replay.
         for k in range(args.keys):
             def settled():
@@ -132,12 +138,20 @@ def one_run(run):
                     fresh[k] += 1
                 return s == 201
             until(f"credit-{k} settled", settled, 60)
-        balance = json.loads(request(urls[0] + path)[2])["balance"]
+        # Read on every node, each read causal (`wsrep_sync_wait`): it sees
+        # every write set committed anywhere before it.
+        balances = [sql(node, f"SET SESSION wsrep_sync_wait = 1; "
+                              f"SELECT balance FROM {db}.accounts WHERE id = {account}") for node in args.nodes]
         doubled = sum(1 for n in fresh.values() if n > 1)
         statuses = sorted({s for a in answers.values() for s in a})
-        print(f"{args.mode} run {run}: balance {balance} (expected {5 * args.keys}), "
+        print(f"{args.mode} run {run}: balance on each node {balances} (expected {5 * args.keys}), "
               f"keys answered 201 twice: {doubled}, statuses in the storm: {statuses}")
-        return balance == 5 * args.keys and doubled == 0
+        if balances != [str(5 * args.keys)] * 3:
+            for node in args.nodes:
+                print(f"  {db} on {node}: balance, credits, their sum: " + sql(node, (
+                    f"SELECT a.balance, COUNT(c.id), SUM(c.amount) FROM {db}.accounts a "
+                    f"LEFT JOIN {db}.credits c ON c.account_id = a.id WHERE a.id = {account}")))
+        return balances == [str(5 * args.keys)] * 3 and doubled == 0
     finally:
         for proc, _ in ledgers:
             proc.terminate()
