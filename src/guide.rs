@@ -24,3 +24,6 @@ pub mod clients {}
 
 #[doc = include_str!("../docs/guide/limits.md")]
 pub mod limits {}
+
+#[doc = include_str!("../docs/guide/capacity.md")]
+pub mod capacity {}

@@ -114,25 +114,28 @@ pg_schema() {
   local sep='?'; case $PG_URL in *\?*) sep='&';; esac
   echo "${PG_URL}${sep}options=-c%20search_path%3D$1"
 }
-# mysql_db NAME: a fresh database NAME on $MYSQL_URL's server (dropped and
-# created with the mariadb or mysql client, as the URL's user); prints the
-# URL of that database.
-mysql_db() {
+# mysql_cli ARGS...: the mariadb (or mysql) client on $MYSQL_URL's server,
+# as the URL's user.
+mysql_cli() {
   local cli parts
   cli=$(command -v mariadb || command -v mysql) || fail "MYSQL_URL needs the mariadb or mysql client"
-  # user, password, host, port, and the URL with NAME for its database.
-  mapfile -t parts < <(python3 - "$MYSQL_URL" "$1" <<'PY'
+  # user, password, host, port.
+  mapfile -t parts < <(python3 - "$MYSQL_URL" <<'PY'
 import sys
 from urllib.parse import unquote, urlsplit
 u = urlsplit(sys.argv[1])
 print(unquote(u.username or "root"), unquote(u.password or ""), u.hostname or "127.0.0.1", u.port or 3306, sep="\n")
-print(u._replace(path="/" + sys.argv[2]).geturl())
 PY
   )
-  [ "${#parts[@]}" = 5 ] || fail "MYSQL_URL=$MYSQL_URL: not a mysql://USER[:PASSWORD]@HOST[:PORT]/DB URL"
-  MYSQL_PWD=${parts[1]} "$cli" --protocol=tcp -h "${parts[2]}" -P "${parts[3]}" -u "${parts[0]}" \
-    -e "DROP DATABASE IF EXISTS $1; CREATE DATABASE $1" > /dev/null || fail "MYSQL_URL: could not create database $1"
-  echo "${parts[4]}"
+  [ "${#parts[@]}" = 4 ] || fail "MYSQL_URL=$MYSQL_URL: not a mysql://USER[:PASSWORD]@HOST[:PORT]/DB URL"
+  MYSQL_PWD=${parts[1]} "$cli" --protocol=tcp -h "${parts[2]}" -P "${parts[3]}" -u "${parts[0]}" "$@"
+}
+# mysql_db NAME: a fresh database NAME on $MYSQL_URL's server (dropped and
+# created); prints the URL of that database.
+mysql_db() {
+  mysql_cli -e "DROP DATABASE IF EXISTS $1; CREATE DATABASE $1" > /dev/null ||
+    fail "MYSQL_URL: could not create database $1"
+  python3 -c 'import sys; from urllib.parse import urlsplit; print(urlsplit(sys.argv[1])._replace(path="/" + sys.argv[2]).geturl())' "$MYSQL_URL" "$1"
 }
 # start_all: the naive ledger and the ledger in both modes on fresh SQLite
 # files; with PG_URL the same three on PostgreSQL through tokio-postgres
