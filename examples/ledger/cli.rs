@@ -45,6 +45,11 @@ pub struct Args {
     #[arg(long = "lease-secs", value_name = "N", value_parser = lease_secs)]
     pub lease: Option<Duration>,
 
+    /// How long a record is replayed, from its claim; past it the key is
+    /// new again [default: the crate's TTL, 24 h]
+    #[arg(long = "ttl-secs", value_name = "N", value_parser = lease_secs)]
+    pub ttl: Option<Duration>,
+
     /// A repeat that arrives while its first request is in flight waits up
     /// to N ms for its answer (0: 409 at once)
     #[arg(long, value_name = "N", default_value_t = 0)]
@@ -80,6 +85,8 @@ pub struct Args {
 pub struct LayerOptions {
     /// `--lease-secs`, or the crate's lease.
     pub lease: Option<Duration>,
+    /// `--ttl-secs`, or the crate's TTL.
+    pub ttl: Option<Duration>,
     /// `--encryption-key-file`s, if any.
     pub keys: Option<Keyring>,
     /// `--wait-in-flight-ms`: zero answers 409 at once.
@@ -186,6 +193,7 @@ impl Args {
         };
         Ok(LayerOptions {
             lease: self.lease,
+            ttl: self.ttl,
             keys,
             wait_in_flight: Duration::from_millis(self.wait_in_flight_ms),
         })
@@ -266,7 +274,7 @@ fn key_store(urls: &str) -> Result<String, String> {
     Ok(urls.to_owned())
 }
 
-/// `--lease-secs`: whole seconds, at least 1.
+/// `--lease-secs`, `--ttl-secs`: whole seconds, at least 1.
 fn lease_secs(secs: &str) -> Result<Duration, String> {
     match secs.parse::<u64>() {
         Ok(0) => Err("must be at least 1".into()),

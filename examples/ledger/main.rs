@@ -70,7 +70,8 @@ struct NewCredit {
 /// `--lease-secs`) renewed while a credit runs, up to the default max hold
 /// (60 s), so a crashed process's keys are free soon and a slow credit is
 /// never taken over. A repeat of a credit
-/// in flight waits up to `--wait-in-flight-ms` for its replay. With
+/// in flight waits up to `--wait-in-flight-ms` for its replay; a record is
+/// replayed for the crate's TTL (24 h) or `--ttl-secs`. With
 /// `--encryption-key-file`, stored responses are sealed at rest.
 fn idempotency<St: Store>(
     store: St,
@@ -81,6 +82,10 @@ fn idempotency<St: Store>(
         .wait_in_flight(options.wait_in_flight);
     let layer = match options.keys {
         Some(keys) => layer.encrypt_at_rest(keys),
+        None => layer,
+    };
+    let layer = match options.ttl {
+        Some(ttl) => layer.ttl(ttl),
         None => layer,
     };
     match options.lease {

@@ -2,7 +2,7 @@
 //! real HTTP, one module per subject in one binary (`cargo build
 //! --all-features --examples`, then `cargo test -p integration --test
 //! ledger`): its client, hot keys, leases and kills, faults, waits,
-//! refusals, encryption at rest, crashes on SQLite, the admin router and
+//! refusals, the TTL, encryption at rest, crashes on SQLite, the admin router and
 //! fleets of two processes. Each test starts its own ledgers on loopback
 //! ports the system picks, on a SQLite file of its own or on the server's
 //! database with keys and accounts of its own, or a database of its own
@@ -31,6 +31,7 @@ mod lease;
 mod refusals;
 #[cfg(feature = "postgres")]
 mod startup;
+mod ttl;
 #[cfg(feature = "postgres")]
 mod wait;
 
