@@ -1,13 +1,16 @@
 //! [`WatchClaims`]: a store that shows each claim's answer to the test.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::response::StoredResponse;
 use crate::store::{Claim, ClaimRequest, Completion, FencingToken, RecordId, Store, StoreError};
 
 /// A store that passes every call to `inner` and shows each answered claim
-/// to `watch`: for tests that count what a layer asked of its store (how
-/// many claims met a key in flight, say) without a store of their own.
+/// to `watch` (and, with [`WatchClaims::on_renew_all`], how many claims
+/// each `renew_all` carries): for tests that count what a layer asked of
+/// its store (how many claims met a key in flight, say) without a store of
+/// their own.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -28,12 +31,24 @@ use crate::store::{Claim, ClaimRequest, Completion, FencingToken, RecordId, Stor
 pub struct WatchClaims<St, W> {
     inner: St,
     watch: W,
+    renewals: Option<Arc<dyn Fn(usize) + Send + Sync>>,
 }
 
 impl<St, W> WatchClaims<St, W> {
     /// `inner`, with `watch` called on each claim it answers.
     pub fn new(inner: St, watch: W) -> Self {
-        WatchClaims { inner, watch }
+        WatchClaims {
+            inner,
+            watch,
+            renewals: None,
+        }
+    }
+
+    /// Also calls `renewals` with the number of claims of each
+    /// `renew_all`, before it is passed on.
+    pub fn on_renew_all(mut self, renewals: impl Fn(usize) + Send + Sync + 'static) -> Self {
+        self.renewals = Some(Arc::new(renewals));
+        self
     }
 }
 
@@ -79,6 +94,9 @@ where
         claims: Vec<(RecordId, FencingToken)>,
         lease: Duration,
     ) -> Result<Vec<bool>, StoreError> {
+        if let Some(renewals) = &self.renewals {
+            renewals(claims.len());
+        }
         self.inner.renew_all(claims, lease).await
     }
 

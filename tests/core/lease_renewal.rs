@@ -21,8 +21,8 @@ use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::hooks::{Event, EventKind};
 use tower_idempotency::key::ClaimedKey;
 use tower_idempotency::scope::GlobalScope;
-use tower_idempotency::store::MemoryStore;
-use tower_idempotency::test_util::ManualClock;
+use tower_idempotency::store::{Claim, MemoryStore};
+use tower_idempotency::test_util::{ManualClock, WatchClaims};
 
 /// Runs, and the gate the first run waits at.
 #[derive(Clone)]
@@ -369,7 +369,10 @@ mod confirm_and_unknown {
 /// they run 2.5 s; each keeps its key (a repeat gets 409).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_due_together_are_renewed_in_one_call() {
-    let store = batches::Counting::default();
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = calls.clone();
+    let store = WatchClaims::new(MemoryStore::new(), |_: &Claim| {})
+        .on_renew_all(move |n| seen.lock().unwrap().push(n));
     let layer = IdempotencyLayer::new(store.clone(), GlobalScope).lease(Duration::from_secs(3));
     let app = Router::new()
         .route(
@@ -400,71 +403,7 @@ async fn claims_due_together_are_renewed_in_one_call() {
     for request in running {
         assert_eq!(request.await.unwrap(), 201);
     }
-    let calls = store.calls();
+    let calls = calls.lock().unwrap().clone();
     assert!(!calls.is_empty(), "no renewal in 2.5 s of a 3 s lease");
     assert!(calls.iter().all(|&n| n == 3), "claims per call: {calls:?}");
-}
-
-mod batches {
-    use std::sync::{Arc, Mutex};
-    use std::time::Duration;
-
-    use tower_idempotency::response::StoredResponse;
-    use tower_idempotency::store::{
-        Claim, ClaimRequest, Completion, FencingToken, MemoryStore, RecordId, Store, StoreError,
-    };
-
-    /// A `MemoryStore` that logs how many claims each `renew_all` carries.
-    #[derive(Clone, Default)]
-    pub struct Counting {
-        inner: MemoryStore,
-        calls: Arc<Mutex<Vec<usize>>>,
-    }
-
-    impl Counting {
-        pub fn calls(&self) -> Vec<usize> {
-            self.calls.lock().unwrap().clone()
-        }
-    }
-
-    impl Store for Counting {
-        async fn claim(&self, request: ClaimRequest) -> Result<Claim, StoreError> {
-            self.inner.claim(request).await
-        }
-
-        async fn complete(
-            &self,
-            id: RecordId,
-            token: FencingToken,
-            response: StoredResponse,
-        ) -> Result<Completion, StoreError> {
-            self.inner.complete(id, token, response).await
-        }
-
-        async fn release(&self, id: RecordId, token: FencingToken) -> Result<bool, StoreError> {
-            self.inner.release(id, token).await
-        }
-
-        async fn purge_expired(&self) -> Result<u64, StoreError> {
-            self.inner.purge_expired().await
-        }
-
-        async fn renew(
-            &self,
-            id: RecordId,
-            token: FencingToken,
-            lease: Duration,
-        ) -> Result<bool, StoreError> {
-            self.inner.renew(id, token, lease).await
-        }
-
-        async fn renew_all(
-            &self,
-            claims: Vec<(RecordId, FencingToken)>,
-            lease: Duration,
-        ) -> Result<Vec<bool>, StoreError> {
-            self.calls.lock().unwrap().push(claims.len());
-            self.inner.renew_all(claims, lease).await
-        }
-    }
 }
