@@ -86,7 +86,7 @@ pub mod guide {}
 ///   rollback frees the key at once; no lease is renewed. Another server's
 ///   repeat waits on the uncommitted claim at most its
 ///   [`wait_in_flight`](tower_idempotency::IdempotencyLayer::wait_in_flight)
-///   (1 ms without it), then replays, runs, or gets 409; this server's own
+///   (100 ms without it), then replays, runs, or gets 409; this server's own
 ///   repeats are answered before they take a connection (422 at once for
 ///   another body). With [`PostgresStoreBuilder::commit_claims_first`] it
 ///   runs in two phases instead, as brandur's "atomic phases": the claim
@@ -226,7 +226,7 @@ impl PostgresStoreBuilder {
     ///   with the handler's writes; no lease is renewed. Another server's
     ///   repeat waits on the uncommitted claim, at most its
     ///   [`wait_in_flight`](tower_idempotency::IdempotencyLayer::wait_in_flight)
-    ///   (1 ms without it), then gets the replay, runs (the first rolled
+    ///   (100 ms without it), then gets the replay, runs (the first rolled
     ///   back) or gets 409. It sees the fingerprint only once the first
     ///   commits: 422 for another body comes after that wait, or is a 409
     ///   until then (this server's own repeats get 422 at once). While it

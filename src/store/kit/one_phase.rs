@@ -9,8 +9,10 @@
 //! * Another server's claim of the key meets the uncommitted row and waits
 //!   on it in the database, at most its own bound
 //!   ([`ClaimRequest::wait_in_flight`]; the layer's first claim never
-//!   waits, so without `wait_in_flight` that is the least a lock wait can
-//!   be bounded by: 1 ms on PostgreSQL, 1 s on MySQL): then it finds the completed record (a replay,
+//!   waits, so without `wait_in_flight` that is the least a lock wait is
+//!   bounded by: 100 ms on PostgreSQL, enough for the table's own brief
+//!   locks ([`IN_TRANSACTION_CLAIM_MIN_WAIT`](super::pg_sql::IN_TRANSACTION_CLAIM_MIN_WAIT)),
+//!   1 s on MySQL): then it finds the completed record (a replay,
 //!   or 422 for another fingerprint), or a free key (the first rolled back),
 //!   or it is refused as in flight (409).
 //! * This process's own claims of a held key are answered before they take

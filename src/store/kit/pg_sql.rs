@@ -414,16 +414,37 @@ fn insert_new(table: &str, async_commit: bool) -> String {
 }
 
 /// The statements that bound a lock wait inside a transaction: before, the
-/// wait (`lock_timeout`, at least 1 ms, since 0 would mean no bound); after,
+/// wait (`lock_timeout`, at least [`IN_TRANSACTION_CLAIM_MIN_WAIT`]); after,
 /// the session's own setting again, so the bound never reaches the
 /// handler's statements. PostgreSQL answers a wait past it with SQLSTATE
 /// `55P03` ([`LOCK_NOT_AVAILABLE`]), which aborts the transaction.
 pub fn lock_wait(wait: std::time::Duration) -> (String, &'static str) {
     (
-        format!("SET LOCAL lock_timeout = {}", bound_ms(wait)),
+        format!(
+            "SET LOCAL lock_timeout = {}",
+            bound_ms(wait.max(IN_TRANSACTION_CLAIM_MIN_WAIT))
+        ),
         "SET LOCAL lock_timeout TO DEFAULT",
     )
 }
+
+/// The least a claim inside the handler's transaction (one phase) waits on
+/// a lock before it is refused as in flight: 100 ms.
+///
+/// `lock_timeout` bounds every lock wait of the statement, not only the
+/// wait on another request's uncommitted claim of the key: also the
+/// table's own brief locks, such as autovacuum truncating the table's end
+/// (`ACCESS EXCLUSIVE`, given up within about 20 ms of a waiter), the
+/// lock that extends the table or an index by a page, or a
+/// `CREATE INDEX`'s `SHARE` lock. At 1 ms, new keys met such locks and
+/// were answered 409 while nothing held them: 10 of 198,706 credits with
+/// 10,000,000 records expiring around them (`bench/ledger/retention.sh`,
+/// BENCHMARKS.md; the server logged each as a lock timeout of the claim's
+/// `INSERT`, none while waiting on another transaction's row). A repeat from another
+/// server of a key truly in flight waits this long before its 409; this
+/// server's own repeats are answered in memory ([`HeldKeys`](super::held::HeldKeys)).
+pub const IN_TRANSACTION_CLAIM_MIN_WAIT: std::time::Duration =
+    std::time::Duration::from_millis(100);
 
 /// A lock wait's bound in milliseconds, as `lock_timeout` takes it: at
 /// least 1 (0 would mean no bound), at most `i32::MAX`.

@@ -78,7 +78,7 @@ pub use transaction::{SqlxPostgresError, SqlxPostgresTransaction};
 ///   handler's writes and the completion, or vanishes with them, so a crash,
 ///   a dropped connection or a rollback frees the key at once and no lease
 ///   is renewed. Another server's repeat waits on the uncommitted claim at
-///   most its `wait_in_flight` (1 ms without it); this server's are answered
+///   most its `wait_in_flight` (100 ms without it); this server's are answered
 ///   before they take a connection. With
 ///   [`SqlxPostgresStoreBuilder::commit_claims_first`] it runs in two phases
 ///   instead: the claim commits at once (every server sees the key in
@@ -192,7 +192,7 @@ impl SqlxPostgresStoreBuilder {
     /// the handler runs, in two phases (default `false`: it is written
     /// inside the handler's transaction, so a crash frees the key at once
     /// and no lease is renewed; another server's repeat waits on it at most
-    /// its `wait_in_flight`, 1 ms without it). `PostgresStoreBuilder::commit_claims_first`
+    /// its `wait_in_flight`, 100 ms without it). `PostgresStoreBuilder::commit_claims_first`
     /// (tokio-postgres) is the same switch, and `docs/contract.md` §9 says
     /// what each promises.
     pub fn commit_claims_first(mut self, on: bool) -> Self {
