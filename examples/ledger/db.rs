@@ -68,9 +68,10 @@ pub struct Write {
     pub op: Op,
     /// In separate mode, the request's idempotency key (namespace, scope
     /// and key, hashed), kept with its credit: unique, so a credit is never
-    /// made twice for one key, and a retry can find it (a key claimed anew
-    /// once its record has expired takes it from the earlier credit).
-    /// Transactional mode keeps none: the record commits with the credit, so a retry finds the
+    /// made twice for one key, and a retry can find it. The index is also
+    /// the fence against a cut-off holder's late write (the partition
+    /// tests), so a key used again past its record's TTL is refused here
+    /// (503) in separate mode. Transactional mode keeps none: the record commits with the credit, so a retry finds the
     /// record (and the unique index costs a third of SQLite's credit rate).
     pub request: Option<String>,
     /// Look for a credit made under `request` first and answer with it: the
@@ -264,15 +265,7 @@ pub async fn apply<C: Conn>(c: &mut C, write: Write) -> Result<Json, LedgerError
             let credit = (account_id, amount, write.request.as_deref());
             let found = match (write.resolve, credit.2) {
                 (true, Some(request)) => made_before(c, (account_id, amount, request)).await?,
-                (false, Some(request)) => {
-                    // A key claimed afresh: a credit still under it is from
-                    // an earlier record, whose TTL has passed (or which an
-                    // operator deleted); the key is new, so is this credit.
-                    let detach = "UPDATE credits SET request = NULL WHERE request = $1";
-                    c.fetch(detach, &[Param::Text(request)]).await?;
-                    None
-                }
-                (_, None) => None,
+                _ => None,
             };
             if let Some(made) = found {
                 // Its effects (the balance, a notification) came with it.
