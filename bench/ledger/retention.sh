@@ -25,6 +25,12 @@
 #   InnoDB's redo) per credit and per record written (credits and loaded),
 #   and the ledger's RSS.
 #
+# KEEP=1 gives the bulk and loaded records an expiry a year away: nothing
+# expires, so nothing is deleted or vacuumed, and the table grows by RECORDS
+# in every cycle. Its first cycle is the floor of any retention design that
+# still writes RECORDS/TTL records a second (two generations emptied by
+# TRUNCATE among them): what the inserts alone cost beside the mix.
+#
 # With both URLs, PostgreSQL runs first. Any non-2xx answer, or a balance
 # that does not match the credits sent, ends the run with status 1. Builds
 # the release ledger first unless NO_BUILD=1 (LEDGER_BIN as in compare.sh).
@@ -41,6 +47,8 @@ trap 'stop_loaders; cleanup' EXIT
 echo "load average at the start: $(cut -d' ' -f1-3 /proc/loadavg)"
 cols="scope, fingerprint, response"
 rate="$records / $ttl"
+# expiry NOW_MS SPREAD_MS: a record's expiry (ms), or a year away with KEEP=1.
+expiry() { if [ "${KEEP:-0}" = 1 ]; then echo "$1 + 31536000000"; else echo "$1 + $2"; fi; }
 
 # --- PostgreSQL: pg_SQL runs statements; $1 of the others is the schema.
 pg_sql() { PGOPTIONS="-c client_min_messages=warning" psql -qtAX -F ' ' -v ON_ERROR_STOP=1 "$PG_URL" "$@"; }
@@ -55,7 +63,7 @@ pg_rows() { # the columns after scope, key, fingerprint: g is the key's number
 pg_insert="scope, key, fingerprint, token, state, lease_until, expires_at, response"
 pg_bulk() {
   pg_sql -c "INSERT INTO $1.idempotency_records ($pg_insert)
-    SELECT $(pg_rows g "$pg_now + g::bigint * ($ttl * 1000) / $records" "$1"),
+    SELECT $(pg_rows g "$(expiry "$pg_now" "g::bigint * ($ttl * 1000) / $records")" "$1"),
       generate_series(1, $records) g" -c "ANALYZE $1.idempotency_records"
 }
 pg_loader() {
@@ -69,7 +77,7 @@ pg_loader() {
         due := floor((extract(epoch from clock_timestamp()) - t0) * $rate::double precision);
         IF due > done THEN
           INSERT INTO $1.idempotency_records ($pg_insert)
-            SELECT $(pg_rows "($records + g)" "$pg_now + $ttl * 1000" "$1"),
+            SELECT $(pg_rows "($records + g)" "$(expiry "$pg_now" "$ttl * 1000")" "$1"),
               generate_series(done + 1, due) g;
           done := due;
           UPDATE $1.ret_loaded SET n = done;
@@ -114,7 +122,7 @@ my_rows() {
 }
 my_bulk() {
   my_sql -e "INSERT INTO $1.idempotency_records ($my_insert)
-    SELECT $(my_rows seq "$my_now + seq * ($ttl * 1000) DIV $records" "$1"),
+    SELECT $(my_rows seq "$(expiry "$my_now" "seq * ($ttl * 1000) DIV $records")" "$1"),
       $1.seq_1_to_$records s; ANALYZE TABLE $1.idempotency_records" > /dev/null
 }
 my_loader() {
@@ -122,13 +130,17 @@ my_loader() {
       DECLARE t0 DOUBLE DEFAULT UNIX_TIMESTAMP(NOW(6));
       DECLARE done BIGINT DEFAULT 0;
       DECLARE due BIGINT;
+      DECLARE n BIGINT;
       LOOP
         SET due = FLOOR((UNIX_TIMESTAMP(NOW(6)) - t0) * $rate);
         IF due > done THEN
+          -- The sequence engine reads its first N rows for a LIMIT; a WHERE
+          -- on seq would read all of them.
+          SET n = LEAST(due - done, 1000000);
           INSERT INTO $1.idempotency_records ($my_insert)
-            SELECT $(my_rows "($records + seq)" "$my_now + $ttl * 1000" "$1"), $1.seq_1_to_1000000000 s
-            WHERE seq BETWEEN done + 1 AND due;
-          SET done = due;
+            SELECT $(my_rows "($records + done + seq)" "$(expiry "$my_now" "$ttl * 1000")" "$1"), $1.seq_1_to_1000000 s
+            ORDER BY seq LIMIT n;
+          SET done = done + n;
           UPDATE $1.ret_loaded SET n = done;
         END IF;
         DO SLEEP(0.02);
