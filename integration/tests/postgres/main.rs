@@ -10,7 +10,7 @@
 //! network partition through a proxy (`partition`, 15530-15533), the
 //! two-phase claim's cancel and takeover and a stray cancel of a pooled
 //! connection (`two_phase_cancel`, `two_phase_takeover`,
-//! `two_phase_stray_cancel`, `sqlx_stray_cancel`), the notifications that
+//! `two_phase_stray_cancel`, `sqlx_stray_cancel`, through `stall_proxy`), the notifications that
 //! wake another server's waiters, and what is logged (`notices`,
 //! `sqlx_misconfigured`). Private clusters have ports and directories of
 //! their own; on the shared `test` database each test has tables of its own,
@@ -44,6 +44,7 @@ mod sqlx_store;
 mod sqlx_stray_cancel;
 #[cfg(all(feature = "sqlx-postgres", feature = "axum"))]
 mod sqlx_transactional;
+mod stall_proxy;
 mod storage_locks;
 mod store;
 #[cfg(all(feature = "sqlite", feature = "postgres-tls"))]

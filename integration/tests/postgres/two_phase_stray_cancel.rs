@@ -10,17 +10,16 @@
 //! `TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local `test` database.
 
 use crate::common;
+use crate::stall_proxy::Proxy;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::Router;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc};
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::scope::GlobalScope;
@@ -32,85 +31,10 @@ fn url() -> String {
     crate::common::services::postgres_url()
 }
 
-/// A TCP proxy to PostgreSQL that can hold the next new connection.
-struct Proxy {
-    addr: SocketAddr,
-    /// The next connection accepted is held until `resume`.
-    stall_next: Arc<AtomicBool>,
-    /// A held connection arrived.
-    stalled: Arc<Notify>,
-    resume: Arc<Notify>,
-    /// The held connection, let through, has ended.
-    done: Arc<Notify>,
-}
-
-async fn proxy(upstream: SocketAddr) -> Proxy {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let p = Proxy {
-        addr: listener.local_addr().unwrap(),
-        stall_next: Arc::default(),
-        stalled: Arc::default(),
-        resume: Arc::default(),
-        done: Arc::default(),
-    };
-    let (stall_next, stalled, resume, done) = (
-        p.stall_next.clone(),
-        p.stalled.clone(),
-        p.resume.clone(),
-        p.done.clone(),
-    );
-    tokio::spawn(async move {
-        loop {
-            let (mut client, _) = listener.accept().await.unwrap();
-            let stall = stall_next.swap(false, Ordering::SeqCst);
-            let (stalled, resume, done) = (stalled.clone(), resume.clone(), done.clone());
-            tokio::spawn(async move {
-                if stall {
-                    stalled.notify_one();
-                    resume.notified().await;
-                }
-                if let Ok(mut server) = TcpStream::connect(upstream).await {
-                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                }
-                if stall {
-                    done.notify_one();
-                }
-            });
-        }
-    });
-    p
-}
-
-/// The PostgreSQL server's address in `url()` (host 127.0.0.1 or
-/// localhost, port given or 5432).
-fn upstream() -> (SocketAddr, String) {
-    let url = url();
-    let rest = url.split("://").nth(1).unwrap();
-    let (auth, rest) = rest.split_once('@').unwrap_or(("", rest));
-    let (hostport, db) = rest.split_once('/').unwrap_or((rest, "postgres"));
-    let port: u16 = hostport
-        .split_once(':')
-        .map(|(_, p)| p.parse().unwrap())
-        .unwrap_or(5432);
-    let auth = if auth.is_empty() {
-        String::new()
-    } else {
-        format!("{auth}@")
-    };
-    (
-        SocketAddr::from(([127, 0, 0, 1], port)),
-        format!("{auth}{{proxy}}/{db}"),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_max_hold_cancel_never_stops_the_next_request_on_the_same_connection() {
-    let (upstream, template) = upstream();
-    let p = proxy(upstream).await;
-    let via_proxy = format!(
-        "postgres://{}",
-        template.replace("{proxy}", &p.addr.to_string())
-    );
+    let p = Proxy::start().await;
+    let via_proxy = p.url.clone();
     let table = format!("idem_brk_{:016x}", FencingToken::random().0);
     // One pooled connection: B's transaction runs on the backend A's ran on.
     let store = PostgresStore::builder(&via_proxy)
