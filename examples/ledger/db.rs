@@ -71,8 +71,9 @@ pub struct Write {
     /// made twice for one key, and a retry can find it. The index is also
     /// the fence against a cut-off holder's late write (the partition
     /// tests), so a key used again past its record's TTL is refused here
-    /// (503) in separate mode. Transactional mode keeps none: the record commits with the credit, so a retry finds the
-    /// record (and the unique index costs a third of SQLite's credit rate).
+    /// (503) in separate mode. Transactional mode keeps none: the record
+    /// commits with the credit, so a retry finds the record (and the unique
+    /// index costs a third of SQLite's credit rate).
     pub request: Option<String>,
     /// Look for a credit made under `request` first and answer with it: the
     /// key was taken over from a request whose credit may have committed
